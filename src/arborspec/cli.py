@@ -1,0 +1,221 @@
+"""The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from .drafting import POLICIES
+from .verify import VERIFIERS
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+# ---- argument parsing ---------------------------------------------------------------------------------------
+def _method_option_fields() -> dict[str, dataclasses.Field]:
+    """Every option any policy takes, by name (one CLI flag each)."""
+    fields: dict[str, dataclasses.Field] = {}
+    for policy in POLICIES.values():
+        for f in dataclasses.fields(policy.Options):
+            fields.setdefault(f.name, f)
+    return fields
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
+    p.add_argument("--method", default="static", help=f"tree policy: {', '.join(POLICIES)}")
+    p.add_argument("--verifier", default=None, help=f"verification rule (default: the method's): {', '.join(VERIFIERS)}")
+    p.add_argument("--allow-lossy", action="store_true", help="permit a verifier that changes the output distribution")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--draft-temperature", type=float, default=None, help="the draft's own temperature (default: same)")
+    p.add_argument("--seed", type=int, default=None)
+    group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
+    for name, f in _method_option_fields().items():
+        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}.get(f.type, str)
+        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=kind, default=None,
+                           help=f"{f.metadata.get('help', '')} (default {f.default!r})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arborspec", description="Tree-based speculative decoding of causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding")
+    _add_generation_args(gen)
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
+    src.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    gen.add_argument("--per-step", action="store_true", help="with --json: include every step's statistics")
+    gen.add_argument("--compare-ar", action="store_true",
+                     help="also run plain decoding of the target and report the speed-up measured in this run")
+
+    models = sub.add_parser("models", help="built-in model aliases")
+    models.add_argument("action", choices=["list", "fetch", "path"])
+    models.add_argument("alias", nargs="?")
+
+    sub.add_parser("methods", help="list tree policies, their options, and verifiers")
+    return parser
+
+
+# ---- commands -----------------------------------------------------------------------------------------------
+def _read_prompt(args) -> str:
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as err:
+            raise CliError(f"cannot read prompt file {args.prompt_file!r}: {err.strerror}") from None
+    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+
+
+def _load(spec: str, dtype: str, role: str):
+    from .models.loading import load_model
+
+    print(f"[arborspec] loading {role} {spec} ...", file=sys.stderr)
+    return load_model(spec, dtype=dtype)
+
+
+def _method_options(args) -> dict:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def make_decoder(args, method: str | None = None, options: dict | None = None):
+    """Load the models named on the command line and build a decoder (models are loaded once and reused)."""
+    from .engine import SpeculativeDecoder
+
+    method = method or args.method
+    if method not in POLICIES:
+        raise CliError(f"unknown method {method!r}; choose one of: {', '.join(POLICIES)}")
+    if not hasattr(args, "_models"):
+        target = _load(args.target, args.dtype, "target")
+        draft = _load(args.draft, args.dtype, "draft") if POLICIES[method].needs_draft or args.compare_ar else None
+        if draft is not None:
+            from .models.loading import check_tokenizers_compatible
+
+            check_tokenizers_compatible(target, draft)
+        args._models = (target, draft)
+    target, draft = args._models
+    return SpeculativeDecoder(
+        target, draft if POLICIES[method].needs_draft else None, method=method, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, draft_temperature=args.draft_temperature, verifier=args.verifier,
+        allow_lossy=args.allow_lossy, **(_method_options(args) if options is None else options),
+    )
+
+
+def _summary(stats) -> str:
+    d = stats.to_dict()
+    return (f"{stats.method}/{stats.verifier}: {d['new_tokens']} tokens in {d['steps']} steps, "
+            f"{d['tokens_per_step']:.2f} tokens/step (accepted {d['mean_accepted']:.2f}/step), "
+            f"{d['tokens_per_s']:.2f} tokens/s, TTFT {d['t_first_token']:.2f}s; time draft {d['t_draft']:.1f}s, "
+            f"verify {d['t_verify']:.1f}s, other {d['t_other']:.1f}s" + (" [LOSSY]" if stats.lossy else ""))
+
+
+def cmd_generate(args) -> int:
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be at least 1")
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise CliError("the prompt is empty")
+    if args.method not in POLICIES:
+        raise CliError(f"unknown method {args.method!r}; choose one of: {', '.join(POLICIES)}")
+    for name in _method_options(args):
+        if name not in {f.name for f in dataclasses.fields(POLICIES[args.method].Options)}:
+            raise CliError(f"method {args.method!r} takes no option --{name.replace('_', '-')}")
+    dec = make_decoder(args)
+    if args.chat:
+        prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.json:
+        result = dec.generate(prompt, **kw)
+    else:
+        for chunk in dec.stream(prompt, **kw):
+            print(chunk, end="", flush=True)
+        print()
+        result = dec.last_result
+    out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict(per_step=args.per_step)}
+    if args.compare_ar:
+        base = make_decoder(args, method="ar", options={}).generate(prompt, **kw)
+        speedup = result.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
+        out["baseline_ar"] = {"tokens_per_s": base.stats.tokens_per_s, "token_ids": base.token_ids,
+                              "speedup": speedup, "identical": base.token_ids == result.token_ids}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print("-" * 80)
+    print(_summary(result.stats))
+    if args.compare_ar:
+        b = out["baseline_ar"]
+        same = "identical output" if b["identical"] else "outputs differ"
+        print(f"plain decoding (ar): {b['tokens_per_s']:.2f} tokens/s -> speed-up {b['speedup']:.2f}x ({same})")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import loading
+
+    if args.action == "list":
+        for name, spec in loading.ALIASES.items():
+            state = "fetched" if loading.is_fetched(name) else "not fetched"
+            print(f"{name:24s} {state:12s} {getattr(spec, 'description', '')}")
+        return 0
+    if not args.alias:
+        raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(loading.ALIASES)}")
+    if args.alias not in loading.ALIASES:
+        raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(loading.ALIASES)}")
+    if args.action == "fetch":
+        print(loading.fetch_alias(args.alias))
+    else:
+        print(loading.alias_path(args.alias))
+    return 0
+
+
+def cmd_methods(args) -> int:
+    for name, policy in POLICIES.items():
+        print(f"{name}: {policy.summary}")
+        for f in dataclasses.fields(policy.Options):
+            print(f"    --{f.name.replace('_', '-')} (default {f.default!r}): {f.metadata.get('help', '')}")
+    print("verifiers:")
+    for name, ver in VERIFIERS.items():
+        print(f"  {name}{'' if ver.exact else ' [LOSSY]'}: {ver.summary}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .models.loading import ModelLoadError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError) as err:
+        if os.environ.get("ARBORSPEC_DEBUG"):
+            raise
+        print(f"arborspec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("arborspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""What every tree policy shares: its options, the context it drafts in, and its contract with verifiers.
+
+A policy turns the draft model's view of the committed text into a `TokenTree`. It must record, for every node it
+expands, the draft distribution the children came from and how they were drawn (`TokenTree.set_children_dist`), so
+the engine can pick a verifier that is exact for that drawing rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..models.hf import TreeSession
+from ..sampling import SamplingConfig
+from ..tree import DrawRule, TokenTree
+
+
+@dataclass
+class DraftContext:
+    """Everything a policy may look at while drafting one step."""
+
+    session: TreeSession | None  # the draft model's cache (None for policies that need no draft model)
+    context: list[int]  # committed token ids; the tree's root is context[-1]
+    sampling: SamplingConfig  # the draft's own warp (its temperature may differ from the target's)
+    generator: torch.Generator | None
+    max_depth: int  # the tree may not go deeper than this (context window, tokens left to generate)
+
+
+@dataclass
+class NoOptions:
+    pass
+
+
+class Policy:
+    """Base class of tree policies. Subclasses set `name`, `Options`, and implement `draft`."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    needs_draft: ClassVar[bool] = True
+
+    def __init__(self, **options):
+        names = {f.name for f in dataclasses.fields(self.Options)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            known = ", ".join(sorted(names)) or "none"
+            raise ValueError(f"method {self.name!r} takes no option {unknown[0]!r} (its options: {known})")
+        self.options = self.Options(**options)
+
+    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
+        """The drawing rules this policy's trees may contain under `sampling` (used to pick/check verifiers)."""
+        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITH_REPLACEMENT}
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        return "greedy" if sampling.greedy else "naive"
+
+    @property
+    def max_tree_depth(self) -> int:
+        """The deepest tree this policy can build (for context-window checks)."""
+        return 0
+
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        raise NotImplementedError
+
+    def update(self, step) -> None:
+        """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
+
+
+def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(policy_cls.Options))
+
+
+def opt(default, help: str):
+    """A policy option: a dataclass field whose help text the CLI shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def parse_int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must list positive integers, got {text!r}")
+    return values

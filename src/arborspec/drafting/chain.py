@@ -1,0 +1,42 @@
+"""Classic speculative decoding: the draft proposes a chain of k tokens (Leviathan et al.; Chen et al.)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sampling import SamplingConfig
+from ..tree import DrawRule, TokenTree
+from .base import DraftContext, Policy, opt
+from .layers import draw_children, layer_probs
+
+
+@dataclass
+class ChainOptions:
+    k: int = opt(5, "number of tokens the draft proposes per step")
+
+    def __post_init__(self):
+        if int(self.k) != self.k or self.k < 1:
+            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+
+
+class ChainPolicy(Policy):
+    name = "chain"
+    summary = "draft k tokens one after another (classic speculative decoding)"
+    Options = ChainOptions
+
+    @property
+    def max_tree_depth(self) -> int:
+        return self.options.k
+
+    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
+        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITHOUT_REPLACEMENT}
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        return "greedy" if sampling.greedy else "sps"
+
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.root(ctx.context[-1])
+        node = 0
+        for _ in range(min(self.options.k, ctx.max_depth)):
+            warped, plain = layer_probs(ctx, tree, [node])
+            (node,) = draw_children(ctx, tree, node, warped[0], plain[0], 1)
+        return tree

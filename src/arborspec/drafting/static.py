@@ -1,0 +1,86 @@
+"""Static trees: the same shape every step, either k-ary (`depth` x `branch`) or explicit layer widths.
+
+k-ary: every node of the first `depth` layers gets `branch` children — the top-`branch` draft tokens at temperature 0,
+`branch` samples without replacement otherwise (SpecInfer/Sequoia-style, verified exactly by multi-branch rejection).
+
+Widths (e.g. `--widths 4,3,3,3`, STree's "layers x tokens" shapes): layer d keeps the `widths[d]` candidates with the
+highest path probability among the top children of the previous layer. That choice is deterministic, so under
+sampling it is verified by target sampling (`naive`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingConfig
+from ..tree import DrawRule, TokenTree
+from .base import DraftContext, Policy, opt, parse_int_list
+from .layers import draw_children, layer_probs
+
+
+@dataclass
+class StaticOptions:
+    depth: int = opt(4, "k-ary tree: number of drafted layers")
+    branch: int = opt(2, "k-ary tree: children per node")
+    widths: str = opt("", "explicit layer widths, e.g. '4,3,3,3' (overrides depth/branch)")
+
+    def __post_init__(self):
+        for name in ("depth", "branch"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.width_list = parse_int_list(self.widths, "widths") if self.widths else ()
+
+
+class StaticPolicy(Policy):
+    name = "static"
+    summary = "a fixed tree shape: k-ary (--depth, --branch) or explicit layer widths (--widths)"
+    Options = StaticOptions
+
+    @property
+    def max_tree_depth(self) -> int:
+        return len(self.options.width_list) or self.options.depth
+
+    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
+        if sampling.greedy or self.options.width_list:
+            return {DrawRule.DETERMINISTIC}
+        return {DrawRule.WITHOUT_REPLACEMENT}
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        if sampling.greedy:
+            return "greedy"
+        return "naive" if self.options.width_list else "mbr"
+
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        if self.options.width_list:
+            return self._draft_widths(ctx)
+        tree = TokenTree.root(ctx.context[-1])
+        frontier = [0]
+        for _ in range(min(self.options.depth, ctx.max_depth)):
+            warped, plain = layer_probs(ctx, tree, frontier)
+            frontier = [
+                child
+                for i, node in enumerate(frontier)
+                for child in draw_children(ctx, tree, node, warped[i], plain[i], self.options.branch)
+            ]
+        return tree
+
+    def _draft_widths(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.root(ctx.context[-1])
+        frontier = [0]
+        for width in self.options.width_list[: ctx.max_depth]:
+            warped, plain = layer_probs(ctx, tree, frontier)
+            # (len(frontier), width) candidates per parent, ranked by path probability across the layer
+            top = torch.topk(plain, min(width, plain.shape[-1]), dim=-1)
+            parent_p = torch.tensor([tree.path_prob(n) for n in frontier])[:, None]
+            score = (parent_p * top.values).flatten()
+            best = torch.topk(score, min(width, score.numel())).indices.tolist()
+            for i, node in enumerate(frontier):
+                tree.set_children_dist(node, warped[i], DrawRule.DETERMINISTIC)
+            new = []
+            for flat in sorted(best):
+                row, col = divmod(flat, top.indices.shape[1])
+                new.append(tree.add(frontier[row], int(top.indices[row, col]), float(top.values[row, col])))
+            frontier = new
+        return tree

@@ -1,0 +1,304 @@
+"""The draft -> verify -> commit loop. It knows the seams (policy, verifier, sessions), not any paper.
+
+One step: the policy drafts a tree on the draft model's cache; the target runs the whole tree in one forward; the
+verifier picks the accepted path and a bonus token; both caches keep only what was committed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafting import POLICIES, DraftContext
+from .models.hf import TreeSession, check_cache_support
+from .sampling import SamplingConfig, make_generator
+from .verify import VERIFIERS
+
+
+@dataclass
+class StepStats:
+    tree_size: int  # drafted nodes (root excluded)
+    depth: int
+    widths: list[int]  # nodes per depth, root layer included
+    accepted: int  # drafted tokens the target accepted
+    committed: int  # tokens committed this step (accepted + bonus, after stopping rules)
+    draft_calls: int
+    t_draft: float
+    t_verify: float
+    t_other: float
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    verifier: str
+    lossy: bool
+    prompt_tokens: int
+    new_tokens: int = 0
+    finish_reason: str = ""
+    t_prefill: float = 0.0
+    t_first_token: float = 0.0  # TTFT: from the call to the first committed token
+    t_total: float = 0.0
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per target forward (the papers' tau / M / MAT), bonus token included."""
+        return self.new_tokens / max(self.n_steps, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean drafted tokens accepted per step (bonus excluded)."""
+        return sum(s.accepted for s in self.steps) / max(self.n_steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        drafted = sum(s.tree_size for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    @property
+    def decode_time(self) -> float:
+        return self.t_total - self.t_prefill
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoding throughput: new tokens over the time after the prompt was prefilled."""
+        return self.new_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first one."""
+        return (self.t_total - self.t_first_token) / max(self.new_tokens - 1, 1)
+
+    def to_dict(self, per_step: bool = False) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "steps"}
+        out.update(
+            steps=self.n_steps,
+            tokens_per_step=self.tokens_per_step,
+            mean_accepted=self.mean_accepted,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_s=self.tokens_per_s,
+            tpot=self.tpot,
+            t_draft=sum(s.t_draft for s in self.steps),
+            t_verify=sum(s.t_verify for s in self.steps),
+            t_other=sum(s.t_other for s in self.steps),
+            mean_tree_size=sum(s.tree_size for s in self.steps) / max(self.n_steps, 1),
+            draft_calls=sum(s.draft_calls for s in self.steps),
+        )
+        if per_step:
+            out["per_step"] = [asdict(s) for s in self.steps]
+        return out
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens only
+    stats: GenerationStats
+
+
+def _unwrap(model_or_loaded, tokenizer=None):
+    """Accept a LoadedModel, a (model, tokenizer) pair, or a bare model; return (model, tokenizer)."""
+    if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
+        return model_or_loaded.model, model_or_loaded.tokenizer
+    return model_or_loaded, tokenizer
+
+
+def _context_window(model) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2**31)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class SpeculativeDecoder:
+    """Tree speculative decoding of `target`, drafted by `draft`, with one policy and one verifier.
+
+    >>> dec = SpeculativeDecoder(target, draft, method="static", temperature=0.0, depth=4, branch=2)
+    >>> dec.generate("def fib(n):", max_new_tokens=64).text
+    """
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        method: str = "static",
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        draft_temperature: float | None = None,
+        verifier: str | None = None,
+        allow_lossy: bool = False,
+        tokenizer=None,
+        **method_options,
+    ):
+        self.target, self.tokenizer = _unwrap(target, tokenizer)
+        self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
+        if self.tokenizer is None:
+            self.tokenizer = draft_tok
+        if method not in POLICIES:
+            raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(POLICIES))}")
+        self.policy = POLICIES[method](**method_options)
+        self.sampling = SamplingConfig(temperature, top_k, top_p)
+        dt = temperature if draft_temperature is None else draft_temperature
+        self.draft_sampling = SamplingConfig(dt, top_k, top_p) if not self.sampling.greedy else SamplingConfig(0.0)
+        if self.policy.needs_draft and self.draft is None:
+            raise ValueError(f"method {method!r} needs a draft model")
+        self.verifier = self._pick_verifier(verifier, allow_lossy)
+        check_cache_support(self.target)
+        if self.draft is not None and self.policy.needs_draft:
+            check_cache_support(self.draft)
+            self._check_vocab()
+
+    # ---- construction checks ---------------------------------------------------------------------------------
+    def _pick_verifier(self, name: str | None, allow_lossy: bool):
+        name = name or self.policy.default_verifier(self.sampling)
+        if name not in VERIFIERS:
+            raise ValueError(f"unknown verifier {name!r}; choose one of: {', '.join(sorted(VERIFIERS))}")
+        cls = VERIFIERS[name]
+        if not self.sampling.greedy and name == "greedy":
+            raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
+        rules = self.policy.draw_rules(self.sampling)
+        missing = set() if self.sampling.greedy else rules - set(cls.accepts)  # at T=0 every rule is greedy
+        if missing:
+            fits = sorted(n for n, v in VERIFIERS.items() if n != "greedy" and v.exact and rules <= set(v.accepts))
+            raise ValueError(
+                f"verifier {name!r} is not exact for trees whose children are drawn "
+                f"{'/'.join(sorted(r.value for r in missing))} (method {self.policy.name!r} at these sampling settings); "
+                f"exact alternatives: {', '.join(fits) or 'none'}"
+            )
+        if not cls.exact and not allow_lossy:
+            raise ValueError(
+                f"verifier {name!r} does not preserve the target distribution; pass allow_lossy=True (--allow-lossy) "
+                "to use it anyway"
+            )
+        return cls()
+
+    def _check_vocab(self) -> None:
+        """The draft's logits index the same token ids as the target's; padding rows may differ in number."""
+        tv, dv = self.target.config.vocab_size, self.draft.config.vocab_size
+        n_tok = len(self.tokenizer) if self.tokenizer is not None else min(tv, dv)
+        if min(tv, dv) < n_tok:
+            raise ValueError(f"draft vocabulary ({dv}) and target vocabulary ({tv}) do not cover the tokenizer ({n_tok})")
+
+    # ---- public API ------------------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        window = _context_window(self.target)
+        if len(ids) >= window:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
+        return ids
+
+    def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
+                 ignore_eos: bool = False) -> GenerationResult:
+        result = None
+        for result in self._run(prompt, max_new_tokens, stop, seed, ignore_eos):
+            pass
+        return result
+
+    def stream(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
+               ignore_eos: bool = False) -> Iterator[str]:
+        """Yield the generated text incrementally, one chunk per step."""
+        shown = ""
+        for result in self._run(prompt, max_new_tokens, stop, seed, ignore_eos):
+            if result.text.endswith("\ufffd") and result.stats.finish_reason == "":
+                continue  # a multi-byte character is split across steps; wait for the rest
+            if len(result.text) > len(shown):
+                yield result.text[len(shown):]
+                shown = result.text
+        self.last_result = result
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def _run(self, prompt, max_new_tokens, stop, seed, ignore_eos) -> Iterator[GenerationResult]:
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        t_start = time.perf_counter()
+        ids = self.encode(prompt)
+        gen = make_generator(seed)
+        eos = set() if ignore_eos else _eos_ids(self.target, self.tokenizer)
+        window = _context_window(self.target)
+        stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
+        target = TreeSession(self.target, "target")
+        draft = TreeSession(self.draft, "draft") if self.policy.needs_draft else None
+        target.prefill(ids[:-1]) if len(ids) > 1 else None
+        if draft is not None and len(ids) > 1:
+            draft.prefill(ids[:-1])
+        stats.t_prefill = time.perf_counter() - t_start
+        context, new = list(ids), []
+        while not stats.finish_reason:
+            room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
+            t0 = time.perf_counter()
+            calls0 = draft.forwards if draft else 0
+            tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
+            t1 = time.perf_counter()
+            logits = target.forward(context, tree, list(range(len(tree))))  # (len(tree), vocab)
+            verdict = self.verifier.verify(tree, logits, self.sampling, gen)
+            t2 = time.perf_counter()
+            proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
+            kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
+            target.commit([0] + verdict.path)
+            if draft is not None:
+                draft.commit([n for n in [0] + verdict.path if n in draft.slot])
+            context += kept
+            new += kept
+            step = StepStats(
+                tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(verdict.path),
+                committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
+                t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2,
+            )
+            stats.steps.append(step)
+            self.policy.update(step)
+            stats.new_tokens = len(new)
+            now = time.perf_counter()
+            if len(stats.steps) == 1:
+                stats.t_first_token = now - t_start
+            stats.t_total = now - t_start
+            yield GenerationResult(self._decode(new), list(new), stats)
+
+    def _apply_stops(self, new, proposed, eos, max_new, stop, n_context, window) -> tuple[list[int], str]:
+        """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""
+        kept = []
+        for tok in proposed:
+            kept.append(tok)
+            if tok in eos:
+                return kept, "eos"
+            if len(new) + len(kept) >= max_new:
+                return kept, "length"
+            if n_context + len(kept) >= window:
+                return kept, "context"
+            if stop and self._hits_stop(new + kept, stop):
+                return kept, "stop"
+        return kept, ""
+
+    def _hits_stop(self, tokens: list[int], stop: list[str]) -> bool:
+        tail = self._decode(tokens[-32:])  # a stop string ends within the last few tokens
+        return any(s in tail for s in stop)
+
+    def _decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,0 +1,140 @@
+"""Tree attention on HuggingFace causal LMs: one forward over many tree nodes on top of a committed KV cache.
+
+The KV cache of a `TreeSession` is laid out as
+
+    [ committed prefix (len(self.cached)) | speculative region: tree nodes forwarded this step ]
+
+A forward appends nodes to the region; each node attends to the whole committed prefix and to its own ancestors in
+the tree, at position (root position + depth). `commit(path)` keeps the prefix plus the KV entries of an accepted
+root-to-node path, gathered along the sequence axis, and drops the rest: the accepted tokens are never re-run.
+
+Committed tokens that are not in the cache yet (the prompt at the first step, tokens the draft never forwarded) are
+"pending": they ride along as a causal chain in front of the first forward of a step, so catching up costs no
+separate pass. transformers passes a 4D additive mask through unchanged (shared/notes); a float mask is used
+because eager attention silently mis-reads a boolean one.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..sampling import check_finite
+from ..tree import TokenTree
+
+
+class TreeSession:
+    """One sequence's KV cache on one model, with a speculative tree region."""
+
+    def __init__(self, model, role: str = "target"):
+        self.model = model
+        self.role = role
+        self.cache = DynamicCache(config=model.config)
+        self.cached: list[int] = []  # committed token ids whose KV is in the cache
+        self.tree: TokenTree | None = None  # the tree the region belongs to
+        self.slot: dict[int, int] = {}  # tree node -> offset in the region
+        self.forwards = 0  # model calls, for statistics
+
+    @property
+    def region_len(self) -> int:
+        return len(self.slot)
+
+    def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1].
+
+        Every ancestor of a node must be in the region already or among `nodes` (listed parents first).
+        """
+        if not nodes:
+            raise ValueError("forward needs at least one node")
+        if self.tree is not tree:
+            if self.slot:
+                raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")
+            self.tree = tree
+        pending = self._pending(context, tree)
+        q = len(pending) + len(nodes)
+        past = len(self.cached) + self.region_len
+        kv_len = past + q
+        allowed = torch.zeros(q, kv_len, dtype=torch.bool)  # (q, kv_len), True = may attend
+        for i in range(len(pending)):  # a causal chain over the prefix
+            allowed[i, : len(self.cached) + i + 1] = True
+        prefix_len = len(self.cached) + len(pending)
+        new_slot = {node: self.region_len + j for j, node in enumerate(nodes)}
+        for j, node in enumerate(nodes):
+            row = len(pending) + j
+            allowed[row, :prefix_len] = True
+            for anc in tree.path(node):
+                slot = self.slot.get(anc, new_slot.get(anc))
+                if slot is None:
+                    raise RuntimeError(f"node {node}'s ancestor {anc} has not been forwarded")
+                allowed[row, prefix_len + slot] = True
+        root_pos = len(context) - 1
+        positions = [len(self.cached) + i for i in range(len(pending))]
+        positions += [root_pos + tree.depths[n] for n in nodes]
+        ids = pending + [tree.tokens[n] for n in nodes]
+        logits = self._run(ids, positions, allowed, keep=len(nodes))  # (len(nodes), vocab)
+        self.cached.extend(pending)
+        self.slot.update(new_slot)
+        return logits
+
+    def prefill(self, ids: list[int]) -> None:
+        """Put committed tokens into the cache without computing logits over the vocabulary."""
+        if self.slot:
+            raise RuntimeError("prefill with a non-empty region")
+        n, past = len(ids), len(self.cached)
+        allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+        self._run(list(ids), list(range(past, past + n)), allowed, keep=1)
+        self.cached.extend(ids)
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the committed prefix plus the region slots of `path` (root first, a chain); drop the rest."""
+        base = len(self.cached)
+        keep_slots = [self.slot[n] for n in path]
+        if keep_slots != list(range(len(keep_slots))) or len(keep_slots) != self.region_len:
+            index = torch.tensor(list(range(base)) + [base + s for s in keep_slots])
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self.cached.extend(self.tree.tokens[n] for n in path)
+        self.slot = {}
+        self.tree = None
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _pending(self, context: list[int], tree: TokenTree) -> list[int]:
+        """Committed tokens before the root that the cache does not hold yet."""
+        if tree.tokens[0] != context[-1]:
+            raise ValueError("the tree's root must be the last committed token")
+        n = len(self.cached)
+        if self.slot:
+            return []
+        if n >= len(context) or context[:n] != self.cached:
+            raise RuntimeError(f"{self.role} cache is out of sync with the committed tokens")
+        return context[n:-1]
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int], positions: list[int], allowed: torch.Tensor, keep: int) -> torch.Tensor:
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = self.model(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.tensor([positions]),
+            attention_mask=mask[None, None],  # (1, 1, q, kv_len)
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        self.forwards += 1
+        logits = out.logits[0].float()  # (keep, vocab)
+        check_finite(logits, self.role)
+        return logits
+
+
+def check_cache_support(model) -> None:
+    """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states)."""
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+    if bad:
+        raise ValueError(
+            f"{type(model).__name__} uses cache layers {sorted(set(bad))}; arborspec's attention backend needs plain "
+            "full-attention KV caches (sliding-window and state-space layers are not supported by this backend)"
+        )

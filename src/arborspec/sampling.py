@@ -1,0 +1,80 @@
+"""The sampling warp and seeded sampling helpers: the one place that says what distribution is being preserved.
+
+The warp follows transformers' order: temperature, then top-k, then top-p. Temperature 0 means greedy: the "distribution"
+is a one-hot at the argmax (ties go to the lowest token id, as `torch.argmax` does), so every verifier degenerates to
+greedy verification.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped probabilities, float32, same shape as `logits` (..., vocab)."""
+        return warp(logits, self)
+
+
+def check_finite(logits: torch.Tensor, who: str) -> None:
+    """Refuse NaN/inf logits loudly: a NaN would otherwise turn into a silent argmax of 0 or a sampling crash."""
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError(
+            f"the {who} model produced non-finite logits (NaN or inf); check the weights and the dtype"
+        )
+
+
+def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    logits = logits.float()
+    if cfg.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if cfg.top_p < 1:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= 1 - cfg.top_p  # the low tail whose mass stays below 1 - top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits.softmax(dim=-1)
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """None -> torch's global generator; an int -> a private generator, so one call is reproducible."""
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None, num: int = 1, replacement: bool = True) -> list[int]:
+    """Draw `num` token ids from a (vocab,) distribution."""
+    return torch.multinomial(probs, num, replacement=replacement, generator=generator).tolist()
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator))

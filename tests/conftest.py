@@ -1,0 +1,67 @@
+"""Tiny randomly initialised models and a character tokenizer: fast, fp32, exact to ~1e-7."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz ():=+-*/0123456789\n_.,'\"#[]")
+VOCAB = 64  # 56 tokenizer entries + padding rows, like real models whose embedding is larger than the tokenizer
+ARCHS = ["llama", "qwen2", "gpt_neox", "gpt2"]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def tiny_config(arch: str, vocab: int = VOCAB, layers: int = 2, context: int = 512):
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=context,
+                  eos_token_id=1, bos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common)
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(hidden_size=32, intermediate_size=64, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=context, vocab_size=vocab,
+                          eos_token_id=1, bos_token_id=1)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, attn: str = "eager", scale: float = 4.0, **kw):
+    """A random fp32 model; `scale` sharpens the output distribution so greedy paths are not near-ties."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw), attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    return model.eval().requires_grad_(False)
+
+
+def noisy_copy(model, noise: float, seed: int = 1):
+    """A draft that agrees with `model` most of the time: the same weights plus Gaussian noise."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn_like(p) if p.numel() > 1 else 0)
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

@@ -1,0 +1,139 @@
+"""Greedy speculative decoding is token-identical to plain greedy decoding of the target."""
+import random
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from tests.conftest import noisy_copy, tiny_model
+
+SHAPES = [
+    ("chain", {"k": 1}),
+    ("chain", {"k": 4}),
+    ("static", {"depth": 3, "branch": 2}),
+    ("static", {"depth": 5, "branch": 1}),
+    ("static", {"widths": "4,3,3,2"}),
+]
+
+
+def hf_greedy(model, ids, n):
+    """Reference: plain greedy decoding without any cache (a full forward per token)."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(tok)
+            out.append(tok)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt_neox", "gpt2", "qwen2"])
+def pair(request):
+    target = tiny_model(request.param, seed=0)
+    return target, noisy_copy(target, noise=0.3)
+
+
+def test_ar_matches_plain_greedy(pair):
+    target, _ = pair
+    rng = random.Random(0)
+    for _ in range(3):
+        prompt = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 10))]
+        res = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=20, ignore_eos=True)
+        assert res.token_ids == hf_greedy(target, prompt, 20)
+        assert res.stats.n_steps == 20
+
+
+@pytest.mark.parametrize("method,options", SHAPES)
+def test_speculative_matches_ar(pair, method, options):
+    target, draft = pair
+    rng = random.Random(1)
+    accepted = 0
+    for _ in range(4):
+        prompt = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 10))]
+        n = rng.randrange(5, 30)
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=n, ignore_eos=True)
+        res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=n, ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+        assert len(res.token_ids) == n  # max_new_tokens is met exactly, even when reached mid-path
+        accepted += sum(s.accepted for s in res.stats.steps)
+    assert accepted > 0  # the noisy draft agrees sometimes, so accepted paths were exercised
+
+
+def test_eos_inside_an_accepted_path_stops_there():
+    target = tiny_model("llama", seed=0)
+    prompt = [5, 9, 14, 3]
+    free = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+    eos = free[6]  # pretend the 7th generated token is EOS
+    target.generation_config.eos_token_id = eos
+    draft = noisy_copy(target, noise=0.0)  # a perfect draft: EOS arrives in the middle of an accepted chain
+    res = SpeculativeDecoder(target, draft, method="chain", k=8).generate(prompt, max_new_tokens=30)
+    assert res.token_ids == free[: free.index(eos) + 1]
+    assert res.stats.finish_reason == "eos"
+    assert res.stats.steps[0].accepted > free.index(eos)  # the path ran past EOS and was cut
+
+
+def test_perfect_draft_accepts_everything():
+    target = tiny_model("qwen2", seed=2)
+    res = SpeculativeDecoder(target, noisy_copy(target, 0.0), method="chain", k=4).generate(
+        [7, 8, 9], max_new_tokens=25, ignore_eos=True)
+    assert [s.accepted for s in res.stats.steps[:-1]] == [4] * (len(res.stats.steps) - 1)
+    assert res.stats.tokens_per_step > 4
+
+
+def test_stop_strings_and_text(tokenizer):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.2)
+    dec = SpeculativeDecoder(target, draft, method="static", tokenizer=tokenizer, depth=3, branch=2)
+    full = dec.generate("def f(x):", max_new_tokens=40, ignore_eos=True)
+    stop = full.text[10:12]
+    cut = dec.generate("def f(x):", max_new_tokens=40, ignore_eos=True, stop=[stop])
+    assert cut.stats.finish_reason == "stop"
+    assert stop in cut.text and full.text.startswith(cut.text)
+    assert cut.text.index(stop) + len(stop) == len(cut.text)  # stopped right after the stop string
+    assert "".join(dec.stream("def f(x):", max_new_tokens=40, ignore_eos=True)) == full.text
+
+
+def test_context_window_is_respected():
+    target = tiny_model("llama", seed=0, context=32)
+    draft = noisy_copy(target, 0.2)
+    dec = SpeculativeDecoder(target, draft, method="chain", k=6)
+    res = dec.generate(list(range(2, 27)), max_new_tokens=50, ignore_eos=True)
+    assert res.stats.finish_reason == "context" and 25 + len(res.token_ids) == 32
+    with pytest.raises(ValueError, match="context window"):
+        dec.generate(list(range(2, 34)) + [2] * 5, max_new_tokens=5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(method="nope"), "unknown method"),
+        (dict(method="chain", k=0), "positive integer"),
+        (dict(method="chain", depth=3), "takes no option 'depth'"),
+        (dict(method="static", widths="3,x"), "comma-separated"),
+        (dict(method="static", verifier="nope"), "unknown verifier"),
+        (dict(method="static", temperature=-1), "temperature"),
+        (dict(method="static", temperature=0.7, verifier="greedy"), "temperature 0"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs, match):
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, noisy_copy(target, 0.1), **kwargs)
+
+
+def test_bad_prompts_are_refused():
+    target = tiny_model("llama")
+    dec = SpeculativeDecoder(target, method="ar")
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate([3], max_new_tokens=0)
+
+
+def test_nan_logits_are_refused():
+    target = tiny_model("llama")
+    with torch.no_grad():
+        target.get_output_embeddings().weight[5, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        SpeculativeDecoder(target, method="ar").generate([3, 4], max_new_tokens=3)

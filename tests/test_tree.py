@@ -1,0 +1,82 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec.tree import DrawRule, TokenTree, bfs_order, block_count, dfs_order, heavy_path_order, packed
+
+
+@st.composite
+def trees(draw, max_nodes=40):
+    n = draw(st.integers(1, max_nodes))
+    tree = TokenTree.root(draw(st.integers(0, 9)))
+    for i in range(1, n):
+        tree.add(draw(st.integers(0, i - 1)), draw(st.integers(0, 9)))
+    return tree
+
+
+def brute_ancestors(tree, i):
+    out = {i}
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        out.add(i)
+    return out
+
+
+@given(trees())
+@settings(max_examples=60, deadline=None)
+def test_mask_is_the_ancestor_relation(tree):
+    mask = tree.ancestor_mask()
+    for i in range(len(tree)):
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == brute_ancestors(tree, i)
+        assert tree.path(i)[0] == 0 and tree.path(i)[-1] == i and len(tree.path(i)) == tree.depths[i] + 1
+
+
+@given(trees(), st.sampled_from(["bfs", "dfs", "heavy"]))
+@settings(max_examples=60, deadline=None)
+def test_packing_orders_keep_parents_first_and_the_same_paths(tree, order):
+    out = packed(tree, order)
+    out.validate()
+    paths = sorted(tuple(tree.tokens[j] for j in tree.path(i)) for i in range(len(tree)))
+    assert sorted(tuple(out.tokens[j] for j in out.path(i)) for i in range(len(out))) == paths
+
+
+def test_orders_on_a_small_tree():
+    #        0
+    #      1   2
+    #     3 4   5
+    #           6
+    tree = TokenTree.from_parents([0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 1, 2, 5])
+    assert bfs_order(tree) == [0, 1, 2, 3, 4, 5, 6]
+    assert dfs_order(tree) == [0, 1, 3, 4, 2, 5, 6]
+    assert heavy_path_order(tree) == [0, 1, 3, 4, 2, 5, 6]  # equal subtrees: storage order
+    deep = TokenTree.from_parents([0, 1, 2, 3, 4], [-1, 0, 0, 2, 3])
+    assert heavy_path_order(deep) == [0, 2, 3, 4, 1]  # the heavier child first
+    assert tree.widths() == [1, 2, 3, 1]
+    assert tree.position_ids(10).tolist() == [10, 11, 11, 12, 12, 12, 13]
+
+
+def test_subtree_keeps_distributions_and_refuses_orphans():
+    tree = TokenTree.from_parents([0, 1, 2, 3], [-1, 0, 0, 1])
+    tree.set_children_dist(1, torch.tensor([0.5, 0.5]), DrawRule.WITH_REPLACEMENT)
+    sub = tree.subtree([1, 3])
+    assert sub.tokens == [0, 1, 3] and sub.parents == [-1, 0, 1]
+    assert sub.child_rule == {1: DrawRule.WITH_REPLACEMENT}
+    with pytest.raises(ValueError):
+        tree.subtree([3])
+
+
+def test_permute_refuses_child_before_parent():
+    tree = TokenTree.from_parents([0, 1, 2], [-1, 0, 1])
+    with pytest.raises(ValueError):
+        tree.permute([0, 2, 1])
+
+
+def test_block_count_counts_nonzero_tiles():
+    chain = TokenTree.from_parents(list(range(64)), [-1] + list(range(63)))
+    # a 64-token chain with no prefix is lower-triangular: 3 of 4 32x32 tiles are non-zero
+    assert block_count(chain, prefix_len=0, block=32) == 3
+    # a prefix of 32 adds one full column of tiles (2 rows)
+    assert block_count(chain, prefix_len=32, block=32) == 5
+    star = TokenTree.from_parents(list(range(64)), [-1] + [0] * 63)
+    assert block_count(star, prefix_len=0, block=32) == 3  # column 0 in every row tile + the diagonal tiles
