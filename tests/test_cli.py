@@ -1,0 +1,104 @@
+"""The command line on tiny local models: --json is consistent, and bad input exits non-zero with one clear line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from arborspec.cli import main
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.2)
+    tok = char_tokenizer()
+    paths = {}
+    for name, model in [("target", target), ("draft", draft)]:
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    other = tiny_model("gpt2", seed=1)
+    other.save_pretrained(root / "other")
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    t = Tokenizer(models.WordLevel({"<unk>": 0, "x": 1, "y": 2}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>").save_pretrained(root / "other")
+    paths["other"] = str(root / "other")
+    return paths
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_output_is_consistent(model_dirs, capsys):
+    code, out, _ = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--dtype", "fp32", "--method", "static", "--depth", "3", "--branch", "2",
+                           "--prompt", "def f(x):", "--max-new-tokens", "24", "--ignore-eos", "--json", "--compare-ar")
+    assert code == 0
+    data = json.loads(out)
+    stats = data["stats"]
+    assert len(data["token_ids"]) == stats["new_tokens"] == 24
+    assert stats["steps"] >= 1 and stats["tokens_per_step"] == pytest.approx(24 / stats["steps"])
+    assert stats["method"] == "static" and stats["verifier"] == "greedy" and stats["lossy"] is False
+    assert stats["t_total"] >= stats["t_draft"] + stats["t_verify"]
+    assert data["baseline_ar"]["identical"] is True and data["baseline_ar"]["token_ids"] == data["token_ids"]
+
+
+def test_plain_output_prints_text_and_summary(model_dirs, capsys):
+    code, out, _ = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--method", "chain", "--k", "3", "--prompt", "x = ", "--max-new-tokens", "10",
+                           "--ignore-eos")
+    assert code == 0
+    assert "tokens/step" in out and "chain/greedy" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--method", "nope"], "unknown method"),
+        (["--method", "chain", "--depth", "3"], "takes no option --depth"),
+        (["--method", "chain", "--k", "0"], "positive integer"),
+        (["--prompt", ""], "empty"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--prompt", "a" * 600], "context window"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_a_message(model_dirs, capsys, args, message):
+    code, _, err = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--dtype", "fp32", *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) > 0
+
+
+def test_missing_model_and_mismatched_tokenizers(model_dirs, capsys):
+    code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--draft", model_dirs["draft"])
+    assert code == 2 and "not found" in err
+    code, _, err = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["other"])
+    assert code == 2 and "tokenizer" in err
+
+
+def test_subprocess_error_has_no_traceback(model_dirs):
+    proc = subprocess.run([sys.executable, "-m", "arborspec.cli", "generate", "--target", model_dirs["target"],
+                           "--draft", model_dirs["draft"], "--method", "bogus"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "unknown method 'bogus'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_methods_lists_every_policy(capsys):
+    from arborspec.drafting import POLICIES
+
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0
+    for name in POLICIES:
+        assert f"{name}:" in out

@@ -1,0 +1,67 @@
+"""The default real pair (Qwen2.5-Coder 0.5B drafting for 1.5B, bf16): speculative output equals plain greedy decoding.
+
+bf16 multi-token forwards use other matmul kernels than one-token forwards, so where the target's top-2 logits are
+nearly tied an argmax may flip (a known effect in vLLM and transformers). A divergence is allowed only at a position
+whose top-2 logit gap is below NEAR_TIE, and the test prints how often that happened.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+NEAR_TIE = 0.5  # logits; bf16 tree-vs-sequential differences measured here are ~0.3 (shared/notes)
+N_TOKENS = 64
+PROMPTS = [
+    'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',
+    "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack backed by a Python list.\"\"\"\n\n    def __init__(self):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from arborspec.models.loading import check_tokenizers_compatible, load_model
+
+    target = load_model("qwen2.5-coder-1.5b", progress=False)
+    draft = load_model("qwen2.5-coder-0.5b", progress=False)
+    check_tokenizers_compatible(target, draft)
+    return target, draft
+
+
+def top2_gap(model, ids: list[int]) -> float:
+    with torch.inference_mode():
+        top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def test_default_method_matches_greedy_decoding(pair):
+    target, draft = pair
+    near_ties = 0
+    for prompt in PROMPTS:
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+        res = SpeculativeDecoder(target, draft, method="static").generate(prompt, max_new_tokens=N_TOKENS,
+                                                                          ignore_eos=True)
+        assert len(res.token_ids) == N_TOKENS
+        assert res.stats.tokens_per_step > 1.5  # the real draft is accepted most of the time on code
+        if res.token_ids != ref.token_ids:
+            i = next(i for i, (a, b) in enumerate(zip(res.token_ids, ref.token_ids)) if a != b)
+            ids = target.tokenizer(prompt)["input_ids"] + ref.token_ids[:i]
+            gap = top2_gap(target.model, ids)
+            assert gap < NEAR_TIE, f"divergence at token {i} where the target's top-2 gap is {gap:.3f}"
+            near_ties += 1
+    print(f"\n[real pair] {near_ties}/{len(PROMPTS)} prompts diverged at a bf16 near-tie (gap < {NEAR_TIE})")
+
+
+def test_default_cli_job_runs_end_to_end():
+    proc = subprocess.run([sys.executable, "-m", "arborspec.cli", "generate", "--max-new-tokens", "16", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["stats"]["new_tokens"] == len(data["token_ids"]) > 0
+    assert data["stats"]["method"] == "static" and data["text"].strip()
