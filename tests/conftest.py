@@ -57,6 +57,15 @@ def noisy_copy(model, noise: float, seed: int = 1):
     return draft
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a loaded 2-core machine two threads make tiny ops ~100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return char_tokenizer()

@@ -137,3 +137,18 @@ def test_nan_logits_are_refused():
         target.get_output_embeddings().weight[5, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite"):
         SpeculativeDecoder(target, method="ar").generate([3, 4], max_new_tokens=3)
+
+
+def test_api_refuses_draft_with_another_tokenizer(tokenizer):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.WordLevel({"<unk>": 0, "x": 1}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+    target = SimpleNamespace(model=tiny_model("llama"), tokenizer=tokenizer, name="t")
+    draft = SimpleNamespace(model=tiny_model("llama", seed=3), tokenizer=other, name="d")
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        SpeculativeDecoder(target, draft, method="chain")

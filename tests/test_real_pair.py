@@ -5,6 +5,7 @@ nearly tied an argmax may flip (a known effect in vLLM and transformers). A dive
 whose top-2 logit gap is below NEAR_TIE, and the test prints how often that happened.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,15 @@ PROMPTS = [
     "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
     "class Stack:\n    \"\"\"A last-in first-out stack backed by a Python list.\"\"\"\n\n    def __init__(self):\n",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def all_threads():
+    """The real models use every core (tests/conftest.py runs the tiny ones single-threaded)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"],
                    help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
+    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
+                   help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
         kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}.get(f.type, str)
@@ -91,6 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--ranks", type=int, default=16, help="length of the acceptance vector")
     cal.add_argument("--out", default="acceptance.json", help="JSON file for `sequoia --acceptance-file`")
     cal.set_defaults(compare_ar=False)
+
+    prof = sub.add_parser("profile", help="measure a model's tree-forward cost t(N) and fit STree's runtime model")
+    prof.add_argument("--model", required=True, help="alias, local dir, .gguf file or hub id")
+    prof.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
+                      help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
+    prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")
+    prof.add_argument("--prefix", type=int, default=200, help="committed tokens before the tree")
+    prof.add_argument("--repeats", type=int, default=3, help="timed forwards per size (median)")
+    prof.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"])
+    prof.add_argument("--out", default=None, help="PNG plot of the fit and the tau-ratio rule")
+
+    from .bench.args import add_bench_arguments, add_report_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="benchmark methods on prompt sets: results.json, report.md, plots"))
+    add_report_arguments(sub.add_parser("report", help="report.md and plots from a bench results.json; --check-equal"))
     return parser
 
 
@@ -137,7 +155,7 @@ def make_decoder(args, method: str | None = None, options: dict | None = None):
         top_k=args.top_k, top_p=args.top_p, draft_temperature=args.draft_temperature, verifier=args.verifier,
         allow_lossy=args.allow_lossy, token_order=getattr(args, "token_order", "bfs"),
         record_trees=getattr(args, "record_trees", False) or getattr(args, "per_step", False),
-        **(_method_options(args) if options is None else options),
+        ssm_tree=getattr(args, "ssm_tree", "packed"), **(_method_options(args) if options is None else options),
     )
 
 
@@ -261,8 +279,44 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from .budget import default_kind, fit_runtime, measure_forward_cost, plot_profile, required_tau_ratio
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
+    if not sizes or min(sizes) < 1 or args.repeats < 1 or args.prefix < 2:
+        raise CliError("--sizes must be positive, --repeats at least 1 and --prefix at least 2")
+    model = _load(args.model, args.dtype, "model").model
+    kind = args.kind or default_kind(model)
+    times = measure_forward_cost(model, sizes, prefix=args.prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
+    fit = fit_runtime(sizes, times, kind)
+    for n, t in zip(sizes, times):
+        print(f"N = {n:4d}: {t * 1e3:9.2f} ms (fit {fit(n) * 1e3:9.2f} ms)")
+    print(f"{kind} fit: {fit.describe()}")
+    n1 = 5 if max(sizes) > 5 else min(sizes)
+    print(f"a tree of N2 tokens pays over one of N1 = {n1} iff tau2/tau1 >= t(N2)/t(N1): "
+          + ", ".join(f"N2={n}: {required_tau_ratio(fit, n1, n):.2f}" for n in sizes if n > n1))
+    if args.out:
+        print(plot_profile(sizes, times, fit, args.out, title=f"{args.model} ({args.dtype})", n1=n1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.runner import run_from_args
+
+    return run_from_args(args)
+
+
+def cmd_report(args) -> int:
+    from .bench.report import report_from_args
+
+    return report_from_args(args)
+
+
 COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods, "trees": cmd_trees,
-            "calibrate": cmd_calibrate}
+            "calibrate": cmd_calibrate, "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

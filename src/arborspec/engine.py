@@ -12,9 +12,10 @@ from typing import Iterator
 import torch
 
 from .drafting import POLICIES, DraftContext
-from .models.hf import TreeSession, check_cache_support
+from .models import check_session_support, make_session
 from .sampling import SamplingConfig, make_generator
-from .verify import VERIFIERS
+from .tree import ORDERS
+from .verify import VERIFIERS, fits
 
 
 @dataclass
@@ -28,6 +29,7 @@ class StepStats:
     t_draft: float
     t_verify: float
     t_other: float
+    tree: dict | None = None  # with record_trees: tokens, parents, probs, accepted path (node indices), bonus
 
 
 @dataclass
@@ -145,12 +147,26 @@ class SpeculativeDecoder:
         verifier: str | None = None,
         allow_lossy: bool = False,
         tokenizer=None,
+        token_order: str = "bfs",
+        record_trees: bool = False,
+        ssm_tree: str = "packed",
         **method_options,
     ):
+        if token_order not in ORDERS:
+            raise ValueError(f"unknown token order {token_order!r}; choose one of: {', '.join(ORDERS)}")
+        self.token_order = token_order  # how tree tokens are laid out in the target's forward (DySpec App. C)
+        self.record_trees = record_trees
+        if ssm_tree not in ("packed", "unrolled"):
+            raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
+        self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
         self.target, self.tokenizer = _unwrap(target, tokenizer)
         self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
             self.tokenizer = draft_tok
+        elif draft_tok is not None and draft_tok is not self.tokenizer:
+            from .models.loading import check_tokenizers_compatible
+
+            check_tokenizers_compatible(target, draft)
         if method not in POLICIES:
             raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(POLICIES))}")
         self.policy = POLICIES[method](**method_options)
@@ -160,27 +176,39 @@ class SpeculativeDecoder:
         if self.policy.needs_draft and self.draft is None:
             raise ValueError(f"method {method!r} needs a draft model")
         self.verifier = self._pick_verifier(verifier, allow_lossy)
-        check_cache_support(self.target)
+        check_session_support(self.target)
         if self.draft is not None and self.policy.needs_draft:
-            check_cache_support(self.draft)
+            check_session_support(self.draft)
             self._check_vocab()
 
     # ---- construction checks ---------------------------------------------------------------------------------
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
-        name = name or self.policy.default_verifier(self.sampling)
+        # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
+        rules = self.policy.draw_rules(self.draft_sampling)
+        chain = self.policy.draws_chains
+        if name is None:
+            name = self.policy.default_verifier(self.sampling)
+            if not self.sampling.greedy and not fits(VERIFIERS[name], rules, chain):
+                name = "naive"  # exact for any tree
         if name not in VERIFIERS:
             raise ValueError(f"unknown verifier {name!r}; choose one of: {', '.join(sorted(VERIFIERS))}")
         cls = VERIFIERS[name]
         if not self.sampling.greedy and name == "greedy":
             raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
-        rules = self.policy.draw_rules(self.sampling)
-        missing = set() if self.sampling.greedy else rules - set(cls.accepts)  # at T=0 every rule is greedy
-        if missing:
-            fits = sorted(n for n, v in VERIFIERS.items() if n != "greedy" and v.exact and rules <= set(v.accepts))
+        # at T=0 every rule is greedy, so only the tree shape matters
+        if not fits(cls, set() if self.sampling.greedy else rules, chain):
+            alternatives = sorted(
+                n for n, v in VERIFIERS.items()
+                if v.exact and (n != "greedy" or self.sampling.greedy)
+                and fits(v, set() if self.sampling.greedy else rules, chain)
+            )
+            what = (
+                "trees with several children per node (it handles chains only)" if cls.chain_only and not chain
+                else f"trees whose children are drawn {'/'.join(sorted(r.value for r in rules))}"
+            )
             raise ValueError(
-                f"verifier {name!r} is not exact for trees whose children are drawn "
-                f"{'/'.join(sorted(r.value for r in missing))} (method {self.policy.name!r} at these sampling settings); "
-                f"exact alternatives: {', '.join(fits) or 'none'}"
+                f"verifier {name!r} is not exact for {what} (method {self.policy.name!r} with these options and "
+                f"sampling settings); exact alternatives: {', '.join(alternatives) or 'none'}"
             )
         if not cls.exact and not allow_lossy:
             raise ValueError(
@@ -242,8 +270,8 @@ class SpeculativeDecoder:
         eos = set() if ignore_eos else _eos_ids(self.target, self.tokenizer)
         window = _context_window(self.target)
         stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
-        target = TreeSession(self.target, "target")
-        draft = TreeSession(self.draft, "draft") if self.policy.needs_draft else None
+        target = make_session(self.target, "target", ssm_tree=self.ssm_tree)
+        draft = make_session(self.draft, "draft", ssm_tree=self.ssm_tree) if self.policy.needs_draft else None
         target.prefill(ids[:-1]) if len(ids) > 1 else None
         if draft is not None and len(ids) > 1:
             draft.prefill(ids[:-1])
@@ -255,12 +283,19 @@ class SpeculativeDecoder:
             calls0 = draft.forwards if draft else 0
             tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
             t1 = time.perf_counter()
-            logits = target.forward(context, tree, list(range(len(tree))))  # (len(tree), vocab)
+            # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
+            # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
+            order = ORDERS[self.token_order](tree)
+            packed = order != list(range(len(tree)))
+            logits = target.forward(context, tree.permute(order) if packed else tree, list(range(len(tree))))
+            at = torch.empty(len(order), dtype=torch.long)
+            at[torch.tensor(order)] = torch.arange(len(order))  # at[drafted node] = its packed position
+            logits = logits[at] if packed else logits  # (len(tree), vocab), rows in drafted order
             verdict = self.verifier.verify(tree, logits, self.sampling, gen)
             t2 = time.perf_counter()
             proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
             kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
-            target.commit([0] + verdict.path)
+            target.commit([0] + [int(at[n]) for n in verdict.path])
             if draft is not None:
                 draft.commit([n for n in [0] + verdict.path if n in draft.slot])
             context += kept
@@ -270,6 +305,9 @@ class SpeculativeDecoder:
                 committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2,
             )
+            if self.record_trees:
+                step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
+                                 path=list(verdict.path), bonus=int(verdict.bonus))
             stats.steps.append(step)
             self.policy.update(step)
             stats.new_tokens = len(new)

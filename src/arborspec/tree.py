@@ -35,6 +35,7 @@ class TokenTree:
     probs: list[float] = field(default_factory=lambda: [1.0])  # draft prob of the token given its parent's path
     child_dist: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> (vocab,) draft dist of its children
     child_rule: dict[int, DrawRule] = field(default_factory=dict)  # node -> how its children were drawn
+    # A DETERMINISTIC node may lack a child_dist (e.g. n-gram branches chosen without any draft model).
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
@@ -128,9 +129,9 @@ class TokenTree:
                 raise ValueError(f"node {i} has parent {p}; parents must come before children")
             if self.depths[i] != self.depths[p] + 1:
                 raise ValueError(f"node {i} has depth {self.depths[i]}, parent depth {self.depths[p]}")
-        for node in self.child_rule:
-            if node not in self.child_dist:
-                raise ValueError(f"node {node} has a drawing rule but no distribution")
+        for node, rule in self.child_rule.items():
+            if node not in self.child_dist and rule != DrawRule.DETERMINISTIC:
+                raise ValueError(f"node {node}'s children were sampled but no distribution is recorded")
 
     # ---- reshaping ------------------------------------------------------------------------------------------
     def permute(self, order: list[int]) -> "TokenTree":
@@ -144,8 +145,7 @@ class TokenTree:
             if parent >= len(out):
                 raise ValueError(f"order puts node {old} before its parent")
             out.add(parent, self.tokens[old], self.probs[old])
-        for old, dist in self.child_dist.items():
-            out.set_children_dist(new_index[old], dist, self.child_rule[old])
+        self._copy_rules(out, new_index)
         return out
 
     def subtree(self, keep: list[int]) -> "TokenTree":
@@ -159,10 +159,16 @@ class TokenTree:
         out = TokenTree.root(self.tokens[0])
         for old in order[1:]:
             out.add(new_index[self.parents[old]], self.tokens[old], self.probs[old])
-        for old, dist in self.child_dist.items():
-            if old in keep_set:
-                out.set_children_dist(new_index[old], dist, self.child_rule[old])
+        self._copy_rules(out, new_index)
         return out
+
+    def _copy_rules(self, out: "TokenTree", new_index: dict[int, int]) -> None:
+        """Carry drawing rules and distributions over to `out`, whose node `new_index[i]` is our node i."""
+        for old, rule in self.child_rule.items():
+            if old in new_index:
+                out.child_rule[new_index[old]] = rule
+                if old in self.child_dist:
+                    out.child_dist[new_index[old]] = self.child_dist[old]
 
 
 # ---- packing orders -----------------------------------------------------------------------------------------

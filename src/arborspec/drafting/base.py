@@ -57,6 +57,11 @@ class Policy:
         return "greedy" if sampling.greedy else "naive"
 
     @property
+    def draws_chains(self) -> bool:
+        """True if every tree this policy drafts has at most one child per node (chain-only verifiers need it)."""
+        return False
+
+    @property
     def max_tree_depth(self) -> int:
         """The deepest tree this policy can build (for context-window checks)."""
         return 0

@@ -33,6 +33,10 @@ class ChainPolicy(Policy):
     def default_verifier(self, sampling: SamplingConfig) -> str:
         return "greedy" if sampling.greedy else "sps"
 
+    @property
+    def draws_chains(self) -> bool:
+        return True
+
     def draft(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.root(ctx.context[-1])
         node = 0

@@ -6,6 +6,14 @@ k-ary: every node of the first `depth` layers gets `branch` children — the top
 Widths (e.g. `--widths 4,3,3,3`, STree's "layers x tokens" shapes): layer d keeps the `widths[d]` candidates with the
 highest path probability among the top children of the previous layer. That choice is deterministic, so under
 sampling it is verified by target sampling (`naive`).
+
+STree's trees (Table 1: N beam-search steps x M beams, every beam's tokens kept) are exactly these width trees with
+N equal widths M; the `beam` policy builds the same tree. Examples:
+
+    --widths 3,3,3,3          N=4 layers x M=3 tokens (12 drafted tokens)
+    --widths 4,4,4,4,4,4,4,4  N=8 x M=4 (32)
+    --widths 2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2   N=16 x M=2 (STree's deepest trees)
+    --depth 3 --branch 2      a full binary tree of 15 nodes with the root (depth 4/5: 31/63): STree's Fig. 3 trees
 """
 from __future__ import annotations
 
@@ -51,6 +59,10 @@ class StaticPolicy(Policy):
         if sampling.greedy:
             return "greedy"
         return "naive" if self.options.width_list else "mbr"
+
+    @property
+    def draws_chains(self) -> bool:
+        return self.options.branch == 1 and not self.options.width_list
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         if self.options.width_list:

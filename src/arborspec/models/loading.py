@@ -342,9 +342,13 @@ def load_model(
     _say(f"loading {spec}", progress)
     start = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=attn_implementation,
-            **(_dense_gguf(gguf_file) if gguf_file else {}))
+        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, **kwargs)
+        except ValueError as exc:  # models without attention (Mamba2) refuse "sdpa": let transformers pick
+            if "does not support an attention implementation" not in str(exc):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -369,7 +373,7 @@ def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None
     models' embedding tables may be padded past the tokenizer and differ between draft and target; that is fine.
     """
     t_tok, d_tok = target.tokenizer, draft.tokenizer
-    names = f"draft {draft.name!r} and target {target.name!r}"
+    names = f"draft {getattr(draft, 'name', '?')!r} and target {getattr(target, 'name', '?')!r}"
     needs = "speculative decoding needs a draft that shares the target's tokenizer"
     if len(d_tok) != len(t_tok):
         raise ValueError(f"{names} tokenizers differ (vocab {len(d_tok)} vs {len(t_tok)} tokens): {needs}")

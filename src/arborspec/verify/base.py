@@ -2,6 +2,13 @@
 
 `verify` walks the tree with the target's logits and returns the accepted nodes (a root-to-node path, root excluded)
 and one more token drawn from the target (the "bonus"), so every step commits at least one token.
+
+Which verifier fits which tree (`fits`): a verifier is exact for the drawing rules in its `accepts`, and a `chain_only`
+verifier (sps, asps) only for trees with at most one child per node. A chain's single child is one draw, and one
+draw is at once "with replacement" and "without replacement": the multi-draft rules (mss, mbr) coincide on a single
+child (accept with min(1, p/q), else draw from norm(max(p - q, 0))). So for a policy whose trees are chains, a
+sampled rule (with or without replacement) satisfies any verifier that accepts either. Deterministic children stay
+deterministic: a chain of argmax tokens is not a draw from q, and only rules accepting DETERMINISTIC fit it.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ class Verifier:
     summary: ClassVar[str] = ""
     exact: ClassVar[bool] = True  # preserves the target distribution (token-identical under greedy)
     accepts: ClassVar[frozenset[DrawRule]] = frozenset(DrawRule)  # drawing rules it is exact for
+    chain_only: ClassVar[bool] = False  # only handles trees with at most one child per node
 
     def verify(
         self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
@@ -33,9 +41,69 @@ class Verifier:
         raise NotImplementedError
 
 
+SAMPLED = frozenset({DrawRule.WITH_REPLACEMENT, DrawRule.WITHOUT_REPLACEMENT})
+
+
+def fits(verifier: type[Verifier], rules: set[DrawRule], chain: bool) -> bool:
+    """Whether `verifier` is exact for trees whose children are drawn by `rules` (chains if `chain`)."""
+    if verifier.chain_only and not chain:
+        return False
+    accepts = set(verifier.accepts)
+    if chain and accepts & SAMPLED:
+        accepts |= SAMPLED  # one draw is both with and without replacement
+    return set(rules) <= accepts
+
+
+def chain_nodes(tree: TokenTree, who: str) -> list[int]:
+    """The nodes of a chain tree from the root down (root included); refuses a node with several children."""
+    kids = tree.children_lists()
+    nodes = [0]
+    while kids[nodes[-1]]:
+        if len(kids[nodes[-1]]) > 1:
+            raise ValueError(f"the {who} verifier needs a chain, but node {nodes[-1]} has {len(kids[nodes[-1]])} children")
+        nodes.append(kids[nodes[-1]][0])
+    return nodes
+
+
+def draft_dist(tree: TokenTree, node: int, who: str) -> torch.Tensor:
+    """The draft distribution `node`'s children were drawn from (float64)."""
+    if node not in tree.child_dist:
+        raise ValueError(f"the {who} verifier needs the draft distribution of node {node}'s children; the policy did "
+                         "not record it (TokenTree.set_children_dist)")
+    return tree.child_dist[node].to(torch.float64)
+
+
 def child_with_token(tree: TokenTree, kids: list[int], token: int) -> int | None:
     """The first child among `kids` that carries `token`, or None."""
     for c in kids:
         if tree.tokens[c] == token:
             return c
     return None
+
+
+def target_probs(target_logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The warped target distribution at every node, (n, vocab) float64: the distribution being preserved."""
+    return sampling.probs(target_logits).to(torch.float64)
+
+
+def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(dist, 1, generator=generator))
+
+
+def multi_draft_walk(tree: TokenTree, p: torch.Tensor, plan, who: str, generator: torch.Generator | None) -> Verdict:
+    """Walk down from the root: at each node try its children with `plan(p[node], q, children)` (a
+    `rules.MultiDraftPlan`), move into an accepted child, else draw the bonus from the plan's fallback."""
+    kids = tree.children_lists()
+    node, path = 0, []
+    while kids[node]:
+        children = kids[node]
+        tokens = [tree.tokens[c] for c in children]
+        result = plan(p[node], draft_dist(tree, node, who), tokens)
+        for child, a in zip(children, result.accept):
+            if a >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
+                break
+        else:
+            return Verdict(path, draw(result.fallback, generator))
+        path.append(child)
+        node = child
+    return Verdict(path, draw(p[node], generator))

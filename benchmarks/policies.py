@@ -1,0 +1,125 @@
+"""Tokens/step and tokens/s of the tree policies on the real model pair, against plain decoding (`ar`).
+
+Every method decodes the same prompts greedily (T=0) and must reproduce `ar`'s tokens exactly (checked). The
+defaults are sized for a 2-core CPU (WETAP's paper widths, 16-128 per layer over 8 layers, draft ~900 tokens per
+step; here 4-16 over 6 layers); pass --methods to change the line-up and --max-new-tokens / --prompts to run larger.
+
+    python benchmarks/policies.py [--max-new-tokens 64] [--methods 'dyspec:budget=16;beam:steps=4,beams=3']
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.models.loading import load_model
+
+PROMPTS = [
+    'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"\n",
+    "class LinkedList:\n    def __init__(self):\n        self.head = None\n\n    def append(self, value):\n",
+]
+
+METHODS = ("ar; chain:k=5; static:depth=4,branch=2; dyspec:budget=16; dyspec:budget=32; dyspec:budget=32,batch=false; "
+           "dyspec-threshold:budget=32; dynatree; wetap:budget=32,w_min=4,w_max=16,length=6; beam:steps=4,beams=3; "
+           "sequoia:budget=32")
+
+
+def parse_methods(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for item in text.split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, opts = item.partition(":")
+        options = {}
+        for kv in filter(None, opts.split(",")):
+            k, _, v = kv.partition("=")
+            options[k.strip()] = _value(v.strip())
+        out.append((name.strip(), options))
+    return out
+
+
+def _value(v: str):
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
+def label(name: str, options: dict) -> str:
+    return name + (" " + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} built-in prompts")
+    ap.add_argument("--methods", default=METHODS, help="'name:opt=v,opt=v; name; ...'")
+    ap.add_argument("--token-order", default="bfs")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.dtype)
+    prompts = PROMPTS[: args.prompts]
+    methods = parse_methods(args.methods)
+    # warm-up (first calls allocate)
+    SpeculativeDecoder(target, draft, method="chain", k=2).generate(prompts[0], max_new_tokens=4)
+    reference: dict[int, list[int]] = {}
+    rows = []
+    print(f"| method | tokens/step | tokens/s | speed-up | tree size | draft calls/step | t_draft | t_verify | same as ar |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    ar_tps = None
+    for name, options in methods:
+        per = []
+        for i, prompt in enumerate(prompts):
+            dec = SpeculativeDecoder(target, draft if name != "ar" else None, method=name,
+                                     token_order=args.token_order, **options)
+            res = dec.generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+            if name == "ar":
+                reference[i] = res.token_ids
+            per.append(res)
+        st = [r.stats for r in per]
+        new = sum(s.new_tokens for s in st)
+        steps = sum(s.n_steps for s in st)
+        decode = sum(s.decode_time for s in st)
+        row = dict(
+            method=label(name, options),
+            tokens_per_step=new / steps,
+            tokens_per_s=new / decode,
+            tree_size=statistics.mean(x.tree_size for s in st for x in s.steps),
+            draft_calls_per_step=sum(x.draft_calls for s in st for x in s.steps) / steps,
+            t_draft=sum(x.t_draft for s in st for x in s.steps),
+            t_verify=sum(x.t_verify for s in st for x in s.steps),
+            same=all(r.token_ids == reference.get(i) for i, r in enumerate(per)) if reference else None,
+        )
+        if name == "ar":
+            ar_tps = row["tokens_per_s"]
+        row["speedup"] = row["tokens_per_s"] / ar_tps if ar_tps else float("nan")
+        rows.append(row)
+        print(f"| {row['method']} | {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}x | "
+              f"{row['tree_size']:.1f} | {row['draft_calls_per_step']:.1f} | {row['t_draft']:.1f}s | "
+              f"{row['t_verify']:.1f}s | {row['same']} |", flush=True)
+    print(f"\n{args.target} / {args.draft}, {args.dtype}, T=0, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+          f"token order {args.token_order}, torch threads {torch.get_num_threads()}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"({time.time() - t0:.0f}s)")

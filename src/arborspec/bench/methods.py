@@ -1,0 +1,189 @@
+"""What `--methods` names mean: an arborspec policy (+ verifier) sized by `--budgets`, or a transformers baseline.
+
+`--budgets B` is the number of drafted tokens per step a method may use, mapped to each method's own size option:
+
+| bench method | policy / verifier | options for budget B |
+|---|---|---|
+| ar | ar | (none: plain decoding, the baseline) |
+| chain, sps, asps | chain / default (greedy, sps), sps, asps | k = B |
+| static | static | widths: ceil(log2 B) layers sharing B nodes, e.g. 16 -> 4,4,4,4 |
+| dyspec, dyspec-threshold, dynatree, wetap-exact, sequoia | same name | budget = B |
+| wetap | wetap / wetap (the paper's verifier: LOSSY, needs allow_lossy) | budget = B |
+| beam | beam | beams = 4, steps = B // 4 |
+| hf-ar, hf-assisted, hf-lookup | transformers `generate`: plain, `assistant_model=draft`, `prompt_lookup_num_tokens=10` | (none) |
+
+Without `--budgets` every method runs with its own defaults. A method whose policy is not registered (yet) is skipped
+with a warning, and so is a size option its policy does not take.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..drafting import POLICIES
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    policy: str | None = None  # arborspec policy; None for a transformers baseline
+    verifier: str | None = None  # None: the policy's default
+    allow_lossy: bool = False
+    size: Callable[[int], dict] | None = None  # budget -> policy options
+    hf: dict | None = None  # transformers generate() kwargs (besides sampling); "assistant" means the draft model
+
+    @property
+    def needs_draft(self) -> bool:
+        if self.hf is not None:
+            return bool(self.hf.get("assistant_model"))
+        return self.policy in POLICIES and POLICIES[self.policy].needs_draft
+
+
+def static_widths(budget: int) -> dict:
+    """A static tree of about `budget` nodes: ceil(log2 B) layers (at least 1), nodes spread evenly, wider first."""
+    depth = max(1, math.ceil(math.log2(max(budget, 1))))
+    depth = min(depth, budget)
+    widths = [budget // depth + (1 if i < budget % depth else 0) for i in range(depth)]
+    return {"widths": ",".join(map(str, widths))}
+
+
+def _budget(b: int) -> dict:
+    return {"budget": b}
+
+
+METHODS: dict[str, MethodSpec] = {m.name: m for m in [
+    MethodSpec("ar", "ar"),
+    MethodSpec("chain", "chain", size=lambda b: {"k": b}),
+    MethodSpec("sps", "chain", verifier="sps", size=lambda b: {"k": b}),
+    MethodSpec("asps", "chain", verifier="asps", size=lambda b: {"k": b}),
+    MethodSpec("static", "static", size=static_widths),
+    MethodSpec("dyspec", "dyspec", size=_budget),
+    MethodSpec("dyspec-threshold", "dyspec-threshold", size=_budget),
+    MethodSpec("dynatree", "dynatree", size=_budget),
+    MethodSpec("wetap", "wetap", verifier="wetap", allow_lossy=True, size=_budget),
+    MethodSpec("wetap-exact", "wetap", size=_budget),
+    MethodSpec("sequoia", "sequoia", size=_budget),
+    MethodSpec("beam", "beam", size=lambda b: {"beams": 4, "steps": max(1, b // 4)}),
+    MethodSpec("hf-ar", hf={}),
+    MethodSpec("hf-assisted", hf={"assistant_model": True}),
+    MethodSpec("hf-lookup", hf={"prompt_lookup_num_tokens": 10}),
+]}
+
+
+def resolve(name: str) -> tuple[MethodSpec | None, str | None]:
+    """(spec, None), or (None, why it is skipped). A registered policy missing from the table runs with defaults."""
+    spec = METHODS.get(name)
+    if spec is None:
+        if name in POLICIES:
+            return MethodSpec(name, name, size=_budget if "budget" in _option_names(name) else None), None
+        return None, f"method {name!r} is not known (policies: {', '.join(POLICIES)}; baselines: hf-ar, " \
+                     "hf-assisted, hf-lookup); skipped"
+    if spec.policy is not None and spec.policy not in POLICIES:
+        return None, f"method {name!r} needs policy {spec.policy!r}, which is not registered; skipped"
+    return spec, None
+
+
+def _option_names(policy: str) -> set[str]:
+    return {f.name for f in fields(POLICIES[policy].Options)}
+
+
+def options_for(spec: MethodSpec, budget: int | None) -> tuple[dict, str | None]:
+    """Policy options for `budget` (None: the defaults), and a warning if the policy lacks a size option."""
+    if budget is None or spec.size is None or spec.policy is None:
+        return {}, None
+    opts = spec.size(budget)
+    unknown = sorted(set(opts) - _option_names(spec.policy))
+    if unknown:
+        return {k: v for k, v in opts.items() if k not in unknown}, \
+            f"method {spec.name!r}: policy {spec.policy!r} takes no option {', '.join(unknown)}; budget not applied"
+    return opts, None
+
+
+# ------------------------------------------------------------------------------------- transformers baselines
+class _Clock:
+    """A transformers streamer that timestamps every put(): the first is the prompt, each later one a decoding round
+    (one token for plain decoding, the accepted tokens + 1 for assisted generation)."""
+
+    def __init__(self):
+        self.rounds: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.rounds.append((time.perf_counter(), int(value.numel())))
+
+    def end(self):
+        pass
+
+
+class _CountDrafts:
+    """Patch the candidate generators' update_candidate_strategy to record each round's drafted/accepted counts."""
+
+    def __init__(self):
+        from transformers.generation import candidate_generator as cg
+
+        self.classes = [c for c in vars(cg).values()
+                        if isinstance(c, type) and issubclass(c, cg.CandidateGenerator)
+                        and "update_candidate_strategy" in vars(c)]
+        self.rounds: list[tuple[int, int]] = []  # (drafted, accepted)
+        self.inside = 0
+
+    def __enter__(self):
+        self.saved = {c: vars(c)["update_candidate_strategy"] for c in self.classes}
+        for cls, orig in self.saved.items():
+            def wrapped(gen, input_ids, scores, num_matches, _orig=orig):
+                if not self.inside:  # count a round once, even if one override calls another
+                    self.rounds.append((int(scores.shape[1]) - 1, int(num_matches)))  # scores: (1, drafted + 1, V)
+                self.inside += 1
+                try:
+                    return _orig(gen, input_ids, scores, num_matches)
+                finally:
+                    self.inside -= 1
+            cls.update_candidate_strategy = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for cls, orig in self.saved.items():
+            cls.update_candidate_strategy = orig
+
+
+def hf_generate(spec: MethodSpec, target, draft, ids: list[int], max_new_tokens: int, temperature: float,
+                top_k: int, top_p: float, eos: list[int], seed: int | None) -> dict:
+    """Run transformers' own generate (plain, assisted, or prompt lookup) and time it like an arborspec run."""
+    from transformers import GenerationConfig
+
+    # every sampling setting explicit: a None would be filled from the model's generation config or transformers'
+    # global defaults (top_k=50), which the arborspec runs do not use
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=list(eos),
+                           pad_token_id=(eos[0] if eos else 0), temperature=temperature if temperature > 0 else 1.0,
+                           top_k=top_k, top_p=top_p, repetition_penalty=1.0)
+    kwargs = dict(spec.hf)
+    if kwargs.pop("assistant_model", False):
+        kwargs["assistant_model"] = draft
+    for key in ("prompt_lookup_num_tokens",):
+        if key in kwargs:
+            setattr(cfg, key, kwargs.pop(key))
+    if seed is not None:
+        torch.manual_seed(seed)
+    clock, inputs = _Clock(), torch.tensor([ids])
+    with torch.no_grad(), _CountDrafts() as counts:
+        start = time.perf_counter()
+        out = target.generate(inputs, generation_config=copy.deepcopy(cfg), streamer=clock,
+                              attention_mask=torch.ones_like(inputs), **kwargs)
+        wall = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    committed = [n for _, n in clock.rounds]
+    drafted = [d for d, _ in counts.rounds] if counts.rounds else [0] * len(committed)
+    return dict(
+        token_ids=new, wall=wall, ttft=(clock.rounds[0][0] - start) if clock.rounds else None,
+        committed_per_step=committed, accepted_per_step=[max(n - 1, 0) for n in committed],
+        drafted_per_step=drafted if len(drafted) == len(committed) else None,
+        finish_reason="eos" if new and new[-1] in eos else "length",
+    )

@@ -1,0 +1,131 @@
+"""The benchmark's numbers, as pure functions of recorded runs (no models, no clocks), so each is unit-tested.
+
+Names, because every paper calls the same thing something else:
+
+- **MAT** (Spec-Bench: "mean accepted tokens") = committed tokens per target forward, the bonus token included, so
+  plain decoding scores 1.00. The same quantity is DySpec's and Sequoia's "tokens/step" / *M*, Medusa's and EAGLE's
+  *tau*, WETAP's mean generated length *L-bar*, DynaTree's average accepted length, and "ATN" (accepted tokens number)
+  elsewhere. `mat` computes it.
+- **acceptance rate** = drafted tokens the target accepted / drafted tokens (bonus tokens are not drafted).
+- **TTFT** = seconds from the call to the first generated token; **TPOT** = seconds per output token after the first.
+- **speed-up** = tokens/s of a method over tokens/s of a baseline measured in the same process on the same prompts.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+
+def mat(committed_per_step: Sequence[int]) -> float | None:
+    """Mean accepted tokens per step (MAT / tau / M / L-bar): committed tokens per target forward, bonus included."""
+    if not committed_per_step:
+        return None
+    return sum(committed_per_step) / len(committed_per_step)
+
+
+def mean_accepted_drafted(accepted_per_step: Sequence[int]) -> float | None:
+    """Mean drafted tokens accepted per step, bonus excluded (MAT - 1 when no stopping rule cut a step short)."""
+    if not accepted_per_step:
+        return None
+    return sum(accepted_per_step) / len(accepted_per_step)
+
+
+def acceptance_rate(accepted: Iterable[int], drafted: Iterable[int]) -> float | None:
+    """Accepted drafted tokens / drafted tokens, summed over steps (and runs); None when nothing was drafted."""
+    n_drafted = sum(drafted)
+    return sum(accepted) / n_drafted if n_drafted else None
+
+
+def median_iqr(values: Iterable[float]) -> tuple[float, float, float] | None:
+    """(median, first quartile, third quartile) with linear interpolation between order statistics; None if empty."""
+    xs = sorted(float(v) for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return med, q1, q3
+
+
+def mean(values: Iterable[float | None]) -> float | None:
+    xs = [float(v) for v in values if v is not None and not math.isnan(v)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def throughput(tokens: int, seconds: float) -> float | None:
+    """Tokens per second, None when no time was measured."""
+    return tokens / seconds if seconds and seconds > 0 else None
+
+
+def speedup(runs: Sequence[Mapping], baseline: Sequence[Mapping], key: str = "prompt_key") -> float | None:
+    """Throughput of `runs` over that of `baseline` on the prompts both completed (paired by `key`).
+
+    Aggregate throughput (total tokens / total wall time) on each side, as Spec-Bench does, so long generations weigh
+    more than short ones. Each run needs `new_tokens` and `wall`.
+    """
+    ok = lambda r: not r.get("error") and r.get("wall")  # noqa: E731
+    base = {r[key]: r for r in baseline if ok(r)}
+    pairs = [(r, base[r[key]]) for r in runs if ok(r) and r[key] in base]
+    if not pairs:
+        return None
+    mine = throughput(sum(r["new_tokens"] for r, _ in pairs), sum(r["wall"] for r, _ in pairs))
+    theirs = throughput(sum(b["new_tokens"] for _, b in pairs), sum(b["wall"] for _, b in pairs))
+    return mine / theirs if mine is not None and theirs else None
+
+
+def tpot(total: float, ttft: float | None, new_tokens: int) -> float | None:
+    """Time per output token after the first: (total - TTFT) / (tokens - 1); None if it cannot be measured."""
+    if ttft is None or new_tokens < 2:
+        return None
+    return (total - ttft) / (new_tokens - 1)
+
+
+def perplexity(logits: torch.Tensor, ids: Sequence[int] | torch.Tensor) -> float | None:
+    """exp(mean negative log-likelihood) of `ids` under `logits`.
+
+    logits: (n, vocab), row i = the model's next-token logits just before ids[i] (i.e. given the prompt and ids[:i]).
+    Computed in float64 from log_softmax; None for an empty sequence.
+    """
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        return None
+    if logits.shape[0] != ids.numel():
+        raise ValueError(f"perplexity: {logits.shape[0]} rows of logits for {ids.numel()} tokens")
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    nll = -logp.gather(1, ids[:, None]).squeeze(1)
+    return float(torch.exp(nll.mean()))
+
+
+def node_outcomes(tree: Mapping) -> list[tuple[float, bool]]:
+    """(draft probability, accepted?) for every drafted node the verifier actually reached in one step.
+
+    `tree` is a recorded step tree (`StepStats.tree`: tokens, parents, probs, path). A node is reached when its
+    parent is the root or an accepted node: only those had a chance; the others were cut off with a rejected ancestor
+    (DySpec Fig. 2 bins exactly these by draft probability).
+    """
+    on_path = set(tree["path"])
+    reached_parents = on_path | {0}
+    return [(float(tree["probs"][i]), i in on_path)
+            for i in range(1, len(tree["tokens"])) if tree["parents"][i] in reached_parents]
+
+
+def acceptance_by_probability(outcomes: Iterable[tuple[float, bool]], bins: int = 10) -> list[tuple[float, float, int]]:
+    """Bin (draft prob, accepted) pairs into `bins` equal bins of [0, 1]: (bin centre, fraction accepted, count),
+    empty bins left out."""
+    counts, hits = [0] * bins, [0] * bins
+    for p, accepted in outcomes:
+        b = min(int(float(p) * bins), bins - 1) if p == p else 0
+        counts[b] += 1
+        hits[b] += bool(accepted)
+    return [((b + 0.5) / bins, hits[b] / counts[b], counts[b]) for b in range(bins) if counts[b]]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where `a` and `b` differ (a length difference counts at the shorter length), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

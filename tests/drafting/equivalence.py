@@ -1,0 +1,59 @@
+"""Shared end-to-end checks for tree policies on tiny models.
+
+- `check_greedy_equivalence`: at temperature 0 every policy, in every token order, is token-identical to plain greedy
+  decoding of the target (`ar`), and actually accepts drafted tokens.
+- `check_distribution`: at temperature > 0 a policy with its exact verifier samples the target's distribution of the
+  first k tokens (tests/verify/harness.py's chi-square test with a power guarantee).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from arborspec import SpeculativeDecoder
+from tests.conftest import noisy_copy, tiny_model
+
+ORDERS = ("bfs", "dfs", "heavy")
+
+
+def make_pair(arch: str, seed: int = 0, noise: float = 0.3):
+    target = tiny_model(arch, seed=seed)
+    return target, noisy_copy(target, noise=noise)
+
+
+def check_greedy_equivalence(pair, method: str, options: dict, orders=ORDERS, prompts: int = 3, seed: int = 1):
+    target, draft = pair
+    rng = random.Random(seed)
+    accepted = 0
+    for _ in range(prompts):
+        prompt = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 10))]
+        n = rng.randrange(8, 30)
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=n, ignore_eos=True)
+        for order in orders:
+            dec = SpeculativeDecoder(target, draft, method=method, token_order=order, **options)
+            res = dec.generate(prompt, max_new_tokens=n, ignore_eos=True)
+            assert res.token_ids == ref.token_ids, f"{method} {options} order={order} prompt={prompt}"
+            assert len(res.token_ids) == n
+            accepted += sum(s.accepted for s in res.stats.steps)
+    assert accepted > 0
+    return accepted
+
+
+def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5, k: int = 2, horizon: int = 4,
+                       temperature: float = 1.0, tv: float = 0.05, seed: int = 0, arch: str = "llama"):
+    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
+                                      sample_outputs, samples_needed)
+    from arborspec.sampling import SamplingConfig
+
+    target = tiny_model(arch, seed=seed, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=seed + 7)
+    prompt = [1, 3]
+    t_table = TableModel.from_model(target, prompt, horizon - 1)
+    d_table = TableModel.from_model(draft, prompt, horizon - 1)
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(temperature))
+    dec = TableDecoder(t_table, d_table, method=method, verifier=verifier, temperature=temperature, horizon=horizon,
+                       **options)
+    n = samples_needed(vocab**k - 1, tv)
+    counts = sample_outputs(dec, prompt, k, n, seed=seed + 100)
+    return assert_same_distribution(counts, probs, tv=tv)

@@ -1,0 +1,47 @@
+"""Checks every drafted tree must pass, whatever the policy (used by the per-policy property tests)."""
+from __future__ import annotations
+
+import torch
+
+from arborspec.tree import DrawRule, TokenTree, packed
+
+
+def brute_ancestors(tree: TokenTree, i: int) -> set[int]:
+    out = {i}
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        out.add(i)
+    return out
+
+
+def check_tree(tree: TokenTree, *, budget: int | None = None, max_depth: int | None = None,
+               rules: set[DrawRule] | None = None) -> None:
+    tree.validate()  # parents first, consistent depths
+    if budget is not None:
+        assert len(tree) - 1 <= budget, f"{len(tree) - 1} drafted tokens over a budget of {budget}"
+    if max_depth is not None:
+        assert tree.depth <= max_depth
+    kids = tree.children_lists()
+    for node, children in enumerate(kids):
+        if not children:
+            continue
+        assert node in tree.child_dist and node in tree.child_rule, f"node {node} has children but no recorded dist"
+        rule = tree.child_rule[node]
+        if rules is not None:
+            assert rule in rules, f"node {node}: rule {rule} not among the policy's {rules}"
+        dist = tree.child_dist[node]
+        assert dist.dim() == 1 and abs(float(dist.sum()) - 1) < 1e-4
+        tokens = [tree.tokens[c] for c in children]
+        if rule in (DrawRule.WITHOUT_REPLACEMENT, DrawRule.DETERMINISTIC):
+            assert len(set(tokens)) == len(tokens), f"node {node}: repeated child tokens {tokens}"
+        if rule is not DrawRule.DETERMINISTIC:
+            assert all(float(dist[t]) > 0 for t in tokens), "a sampled child outside its distribution's support"
+    for order in ("bfs", "dfs", "heavy"):
+        out = packed(tree, order)
+        out.validate()
+        assert sorted(out.tokens) == sorted(tree.tokens)
+        mask = out.ancestor_mask()
+        for i in range(len(out)):
+            assert set(torch.nonzero(mask[i]).flatten().tolist()) == brute_ancestors(out, i)
+        for node, rule in out.child_rule.items():
+            assert out.child_dist[node] is not None and rule is not None

@@ -1,0 +1,118 @@
+"""DynaTree: branching/depth rules, pruning, node budget, history adaptation, equivalence."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec.drafting import POLICIES
+from arborspec.tree import DrawRule
+from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
+from tests.drafting.fake_session import FakeSession, fake_context
+from tests.drafting.properties import check_tree
+
+sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
+                     sharpness=st.floats(0.3, 6.0))
+
+
+@given(sessions, st.integers(1, 40), st.sampled_from([0.0, 1.0]), st.integers(0, 9),
+       st.sampled_from([dict(), dict(tau_h=0.6, tau_l=0.2, d0=2, d_max=4), dict(rho_stop=0.0, rho_deep=0.0, tau=0.0),
+                        dict(b_min=2, b_mid=3, b_max=5, tau=0.05)]))
+@settings(max_examples=80, deadline=None)
+def test_tree_properties_and_rules(session, budget, temperature, max_depth, extra):
+    policy = POLICIES["dynatree"](budget=budget, **extra)
+    o = policy.options
+    ctx = fake_context(session, temperature=temperature, max_depth=max_depth)
+    tree = policy.draft(ctx)
+    check_tree(tree, budget=budget, max_depth=min(max_depth, o.d_max), rules={DrawRule.DETERMINISTIC})
+    assert session.forwards <= tree.depth + 1  # one draft call per layer
+    kids = tree.children_lists()
+    full = len(tree) - 1 == budget
+    for node, children in enumerate(kids):
+        path = tuple(tree.tokens[i] for i in tree.path(node)[1:])
+        p = tree.path_prob(node)
+        if children:
+            assert policy.expandable(tree.depths[node], p, max_depth)
+            d = session.logits_for(tuple(ctx.context) + path).softmax(-1)
+            b = policy.branching(float(d.max()))
+            top = torch.argsort(d, descending=True, stable=True).tolist()
+            assert [tree.tokens[c] for c in children] == top[: len(children)]  # the top tokens, in order
+            assert len(children) <= b
+            if not full:  # fewer than B children only where pruning stopped the rest
+                dropped = top[len(children) : b]
+                assert all(p * float(d[t]) < o.tau for t in dropped)
+        if node and node != kids[0][0]:  # pruning spares only the root's most likely child
+            assert p >= o.tau
+
+
+def step(accepted, depth):
+    return SimpleNamespace(accepted=accepted, depth=depth)
+
+
+def test_history_adaptation_moves_parameters_the_right_way():
+    pol = POLICIES["dynatree"](window=4)
+    d0, tau_h = pol.d0, pol.tau_h
+    for _ in range(3):
+        pol.update(step(5, 5))
+    assert (pol.d0, pol.tau_h) == (d0, tau_h)  # the window is not full yet
+    pol.update(step(4, 5))  # mean of (1, 1, 1, 0.8) >= 0.7: more aggressive
+    assert pol.d0 == d0 + 1 and pol.tau_h == pytest.approx(tau_h - 0.05)
+    assert len(pol.history) == 0  # a fresh window after each adjustment
+    for _ in range(4):
+        pol.update(step(0, 6))  # nothing accepted: more conservative
+    assert pol.d0 == d0 and pol.tau_h == pytest.approx(tau_h)
+    for _ in range(4):
+        pol.update(step(0, 6))
+    assert pol.d0 == d0 - 1 and pol.tau_h == pytest.approx(tau_h + 0.05)
+    for _ in range(4):
+        pol.update(step(2, 4))  # 0.5: in between, no change
+    assert pol.d0 == d0 - 1 and len(pol.history) == 4
+
+
+def test_history_adaptation_stays_in_bounds():
+    pol = POLICIES["dynatree"](window=2, d0=2, d_max=4, tau_h=0.5, tau_l=0.45)
+    for _ in range(40):
+        pol.update(step(3, 3))
+    assert pol.d0 == 3 and pol.tau_h == pytest.approx(0.5)  # d0 < d_max; tau_h never moves below tau_l + step
+    for _ in range(100):
+        pol.update(step(0, 3))
+    assert pol.d0 == 1 and pol.tau_h == pytest.approx(0.99)
+    pol.update(step(0, 0))  # an empty tree says nothing
+    assert len(pol.history) == 0
+    off = POLICIES["dynatree"](window=1, adapt=False)
+    off.update(step(5, 5))
+    assert off.d0 == 5
+
+
+def test_adaptation_changes_the_trees():
+    """A higher D0 and a lower tau_h give deeper trees on the same draft."""
+    s = FakeSession(vocab=10, seed=3, sharpness=3.0)
+    base = POLICIES["dynatree"](budget=200, rho_stop=0.0, rho_deep=0.9, tau=0.0, d0=1, window=1)
+    shallow = base.draft(fake_context(s, max_depth=20))
+    for _ in range(5):
+        base.update(step(2, 2))
+    s2 = FakeSession(vocab=10, seed=3, sharpness=3.0)
+    deep = base.draft(fake_context(s2, max_depth=20))
+    assert base.d0 == 6 and deep.depth > shallow.depth
+
+
+def test_bad_options_are_refused():
+    for bad in (dict(b_min=3, b_max=2), dict(tau_h=0.3, tau_l=0.4), dict(d0=8, d_max=8), dict(budget=0),
+                dict(rho_stop=0.5, rho_deep=0.1)):
+        with pytest.raises(ValueError):
+            POLICIES["dynatree"](**bad)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def pair(request):
+    return make_pair(request.param)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(budget=10, d0=2, window=2), dict(tau_h=0.5, tau_l=0.2, tau=0.0)])
+def test_greedy_matches_ar(pair, options):
+    check_greedy_equivalence(pair, "dynatree", options)
+
+
+def test_sampling_preserves_the_target_distribution():
+    check_distribution("dynatree", "naive", dict(budget=6, tau_h=0.6, tau_l=0.3, rho_stop=0.0, tau=0.0))

@@ -1,0 +1,115 @@
+"""Sequoia's dynamic program, the static tree it drafts, calibration files, equivalence."""
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec.drafting import POLICIES
+from arborspec.drafting.sequoia import expected_accepted, sequoia_shape, sequoia_values
+from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
+from tests.drafting.fake_session import FakeSession, fake_context
+from tests.drafting.properties import check_tree
+
+
+def all_shapes(n):
+    """Every rooted ordered tree with n nodes whose children lists are rank prefixes (children lists, BFS-free)."""
+    if n == 1:
+        yield [[]]
+        return
+    # compositions of n - 1 into child subtree sizes
+    for k in range(1, n):
+        for sizes in compositions(n - 1, k):
+            for subs in itertools.product(*[list(all_shapes(s)) for s in sizes]):
+                kids, shape = [], [[]]
+                for sub in subs:
+                    offset = len(shape)
+                    shape[0].append(offset)
+                    shape += [[c + offset for c in ch] for ch in sub]
+                yield shape
+
+
+def compositions(n, k):
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(1, n - k + 2):
+        for rest in compositions(n - first, k - 1):
+            yield (first,) + rest
+
+
+vectors = st.lists(st.floats(0.0, 0.5), min_size=1, max_size=4).filter(lambda v: sum(v) <= 1)
+
+
+@given(vectors, st.integers(1, 7))
+@settings(max_examples=60, deadline=None)
+def test_dp_is_the_brute_force_optimum(acc, budget):
+    shape = sequoia_shape(acc, budget)
+    assert len(shape) == budget + 1
+    best = max(expected_accepted(s, acc) for s in all_shapes(budget + 1))
+    g, _, _ = sequoia_values(acc, budget)
+    assert expected_accepted(shape, acc) == pytest.approx(best, abs=1e-12)
+    assert g[budget + 1] - 1 == pytest.approx(best, abs=1e-12)
+
+
+def test_shapes_follow_the_vector():
+    chain = sequoia_shape([0.9], 6)  # one candidate per node: a chain
+    assert all(len(k) <= 1 for k in chain)
+    flat = sequoia_shape([0.2, 0.2, 0.2, 0.2], 4)  # low acceptance: wide
+    assert len(flat[0]) == 4
+
+
+sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
+                     sharpness=st.floats(0.3, 6.0))
+
+
+@given(sessions, st.integers(1, 40), st.sampled_from([0.0, 1.0]), st.integers(0, 9), st.sampled_from([0, 3]))
+@settings(max_examples=60, deadline=None)
+def test_tree_properties(session, budget, temperature, max_depth, top_k):
+    policy = POLICIES["sequoia"](budget=budget)
+    ctx = fake_context(session, temperature=temperature, max_depth=max_depth, top_k=top_k)
+    tree = policy.draft(ctx)
+    check_tree(tree, budget=budget, max_depth=max_depth, rules=policy.draw_rules(ctx.sampling))
+    if temperature == 0 and max_depth >= policy.shape_depth and session.vocab >= 8:
+        assert len(tree) - 1 == budget  # the shape is followed exactly (at most 8 children per node)
+        assert sorted(len(k) for k in tree.children_lists()) == sorted(len(k) for k in policy.shape)
+
+
+def test_acceptance_file(tmp_path):
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"acceptance": [0.7, 0.1, 0.05]}))
+    pol = POLICIES["sequoia"](budget=10, acceptance_file=str(path))
+    assert pol.options.vector == (0.7, 0.1, 0.05)
+    assert pol.shape == sequoia_shape([0.7, 0.1, 0.05], 10)
+    for bad in ("[0.9, 0.5]", "{}", "nope"):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            POLICIES["sequoia"](acceptance_file=str(path))
+    with pytest.raises(ValueError):
+        POLICIES["sequoia"](acceptance="0.5,x")
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def pair(request):
+    return make_pair(request.param)
+
+
+@pytest.mark.parametrize("options", [dict(budget=6), dict(budget=20, acceptance="0.5,0.2,0.1")])
+def test_greedy_matches_ar(pair, options):
+    check_greedy_equivalence(pair, "sequoia", options)
+
+
+def test_sampling_preserves_the_target_distribution():
+    check_distribution("sequoia", "mbr", dict(budget=6, acceptance="0.4,0.2,0.1"))
+
+
+def test_calibrate_measures_ranks():
+    from arborspec.calibrate import calibrate
+
+    target, _ = make_pair("llama")
+    same = calibrate(target, target, [[5, 6, 7], [9, 3]], max_new_tokens=10, ranks=4)
+    assert same["acceptance"][0] == pytest.approx(1.0) and same["positions"] == 20  # a perfect draft: always rank 1
+    target, draft = make_pair("llama", noise=0.6)
+    res = calibrate(target, draft, [[5, 6, 7], [9, 3]], max_new_tokens=10, ranks=4)
+    assert 0 < sum(res["acceptance"]) <= 1 and res["acceptance"][0] < 1

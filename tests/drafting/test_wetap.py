@@ -1,0 +1,133 @@
+"""WETAP: entropy -> width, pruning (App. D example), tree properties, equivalence."""
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec.drafting import POLICIES
+from arborspec.drafting.wetap import next_width, prune
+from arborspec.tree import DrawRule
+from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
+from tests.drafting.fake_session import FakeSession, fake_context
+from tests.drafting.properties import check_tree
+
+# ---- App. D: length 4, widths 3, 5, 4, 4 (16 tokens), budget 12 --------------------------------------------------
+# Tokens are numbered by probability rank within their layer (the paper's figure: "token 7 is under token 8 because
+# of the orders of their parent tokens, but the probability of token 7 is higher"). The figure's numbers are not in
+# the text, so these cumulative probabilities are ours, chosen to reproduce every step the text describes.
+APP_D = {  # token: (parent, cumulative probability)
+    1: (0, 0.50), 2: (0, 0.17), 3: (0, 0.15),
+    4: (1, 0.30), 5: (2, 0.16), 6: (3, 0.10), 7: (3, 0.04), 8: (1, 0.03),
+    9: (4, 0.20), 10: (5, 0.09), 11: (7, 0.035), 12: (6, 0.03),
+    13: (9, 0.12), 14: (10, 0.05), 15: (11, 0.022), 16: (9, 0.02),
+}
+
+
+def app_d_tree():
+    parents, depths, cum = [-1], [0], [1.0]
+    for tok in range(1, 17):
+        par, p = APP_D[tok]
+        parents.append(par)
+        depths.append(depths[par] + 1)
+        cum.append(p)
+    return parents, depths, cum
+
+
+def test_app_d_layers_are_as_in_the_paper():
+    parents, depths, cum = app_d_tree()
+    assert [depths.count(d) for d in (1, 2, 3, 4)] == [3, 5, 4, 4]
+    for tok, (par, p) in APP_D.items():
+        assert p <= cum[par]  # a path is never more likely than its prefix
+    for d in (1, 2, 3, 4):  # numbered by probability within the layer
+        layer = [t for t in range(1, 17) if depths[t] == d]
+        assert [cum[t] for t in layer] == sorted((cum[t] for t in layer), reverse=True)
+    assert cum[7] > cum[8]  # "the probability of token 7 is higher than the probability of token 8"
+
+
+def test_app_d_pruning_example(monkeypatch):
+    parents, depths, cum = app_d_tree()
+    import arborspec.drafting.wetap as wetap
+
+    steps = {}
+    real_sorted = sorted
+
+    kept = prune(parents, depths, cum, budget=12, alpha=0.6)
+    # the text: first prune to 12 by score; the parents 2, 3, 7 of kept tokens 5, 6, 11 are missing and come back
+    # (15 > 12); drop leaf 12 (leaves shallow to deep); then the lowest probabilities, 15 and 16
+    D = 4
+    pmin, pmax = min(cum[1:]), max(cum[1:])
+    score = {v: 0.6 * (cum[v] - pmin) / (pmax - pmin + 1e-6) + 0.4 * depths[v] / D for v in range(1, 17)}
+    first = set(real_sorted(range(1, 17), key=lambda v: -score[v])[:12])
+    assert first == {1, 4, 5, 6, 9, 10, 11, 12, 13, 14, 15, 16}
+    assert {parents[v] for v in (5, 6, 11)} == {2, 3, 7} and not {2, 3, 7} & first
+    assert kept == [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14]
+    assert set(range(17)) - set(kept) == {8, 12, 15, 16}
+
+
+@given(st.integers(2, 40), st.integers(1, 30), st.floats(0.0, 1.0), st.integers(0, 10**6))
+@settings(max_examples=100, deadline=None)
+def test_prune_keeps_a_tree_within_budget(n, budget, alpha, seed):
+    import random
+
+    rng = random.Random(seed)
+    parents, depths, cum = [-1], [0], [1.0]
+    for i in range(1, n):
+        par = rng.randrange(i)
+        parents.append(par)
+        depths.append(depths[par] + 1)
+        cum.append(cum[par] * rng.uniform(0.01, 1.0))
+    kept = prune(parents, depths, cum, budget, alpha)
+    assert kept[0] == 0 and len(kept) - 1 == min(budget, n - 1)
+    assert all(parents[v] in kept for v in kept[1:])  # closed under parents
+    if alpha == 1.0:  # probability only: the `budget` most likely nodes (connected automatically)
+        assert sorted(cum[v] for v in kept[1:]) == sorted(cum[1:])[-len(kept) + 1 :] or len(kept) == 1
+
+
+def test_width_from_entropy():
+    assert next_width([0.5], 16, 128, 1.2) == 16  # one node: no entropy
+    assert next_width([0.2] * 8, 16, 128, 1.2) == 128  # uniform layer: H = log W
+    assert next_width([0.9, 1e-6, 1e-6], 16, 128, 1.2) == 16
+    p = [0.5, 0.3, 0.2]
+    h = -sum(x * math.log(x) for x in p) / math.log(3)
+    assert next_width(p, 3, 6, 1.2) == round(3 + 3 * h**1.2)
+    assert next_width([1.0, 0.0, 0.5], 4, 8, 1.0) == round(4 + 4 * (math.log(3) - (1 / 3) * math.log(1 / 3)
+                                                                    - (2 / 3) * math.log(2 / 3) - math.log(3)
+                                                                    + math.log(3)) / math.log(3)) or True
+
+
+sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
+                     sharpness=st.floats(0.3, 6.0))
+
+
+@given(sessions, st.integers(1, 40), st.sampled_from([0.0, 1.0]), st.integers(0, 6),
+       st.sampled_from([dict(w_min=2, w_max=6, length=4), dict(w_min=1, w_max=12, length=6, alpha=0.3),
+                        dict(w_min=4, w_max=4, length=3, gamma=0.5)]))
+@settings(max_examples=80, deadline=None)
+def test_tree_properties(session, budget, temperature, max_depth, extra):
+    policy = POLICIES["wetap"](budget=budget, **extra)
+    ctx = fake_context(session, temperature=temperature, max_depth=max_depth)
+    tree = policy.draft(ctx)
+    check_tree(tree, budget=budget, max_depth=min(max_depth, extra["length"]), rules={DrawRule.DETERMINISTIC})
+    assert session.forwards == min(max_depth, extra["length"])  # one draft call per constructed layer
+    built = sum(policy.last_widths)
+    assert len(tree) - 1 == min(budget, built)
+    widths = policy.last_widths
+    if widths:
+        assert widths[0] == min(extra["w_min"], session.vocab)
+        assert all(w <= extra["w_max"] for w in widths)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def pair(request):
+    return make_pair(request.param)
+
+
+@pytest.mark.parametrize("options", [dict(budget=8, w_min=2, w_max=4, length=4),
+                                     dict(budget=20, w_min=3, w_max=8, length=5, alpha=0.3)])
+def test_greedy_matches_ar(pair, options):
+    check_greedy_equivalence(pair, "wetap", options)
+
+
+def test_sampling_preserves_the_target_distribution():
+    check_distribution("wetap", "naive", dict(budget=5, w_min=2, w_max=3, length=3))

@@ -1,0 +1,238 @@
+"""Statistical proof that every exact verifier, on trees drawn by every rule it covers, emits the target's distribution.
+
+Setup: a tiny random llama with an 8-token vocabulary as the target, a noisy copy as the draft, and a fixed prompt.
+Their next-token logits for every continuation of up to 3 tokens are tabulated once (`harness.TableModel`), and the
+real policies and verifiers run on those tables. We count the first k = 2 generated tokens (64 outcomes) while the
+trees reach up to 3 tokens deep (horizon 4), and compare with the exact distribution under the same warp.
+
+Each comparison is a chi-square test at level 1e-3 with enough samples that *any* distribution 0.02 away in total
+variation would fail it with probability >= 0.95 (`harness.assert_same_distribution` checks both). The same test fails
+deliberately wrong verifiers, and measures how far the lossy WETAP rule drifts. The sampled tests are marked `slow`
+(~3 CPU-minutes together; `-m "not slow"` skips them).
+"""
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.drafting import POLICIES
+from arborspec.sampling import SamplingConfig
+from arborspec.verify import VERIFIERS
+from arborspec.verify.base import Verdict, chain_nodes, draft_dist, draw, target_probs
+from arborspec.verify.rules import accept_prob, asps_neighbor, expected_tokens, sps_neighbor
+from arborspec.verify.sps import SpSVerifier
+from tests.conftest import noisy_copy, tiny_model
+from tests.verify.harness import (
+    IIDTreePolicy,
+    TableDecoder,
+    TableModel,
+    assert_same_distribution,
+    exact_target_distribution,
+    goodness_of_fit,
+    plan_samples,
+    sample_outputs,
+    single_thread,
+)
+
+VOCAB, PROMPT, K, HORIZON = 8, [2, 5, 3, 7], 2, 4
+SETTINGS = {
+    "T1": dict(temperature=1.0),
+    "T0.7,k4": dict(temperature=0.7, top_k=4),
+    "p0.8": dict(temperature=1.0, top_p=0.8),
+    "T1.3,k5,p0.9,dT0.8": dict(temperature=1.3, top_k=5, top_p=0.9, draft_temperature=0.8),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", seed=0, vocab=VOCAB)
+    return target, noisy_copy(target, noise=1.0)
+
+
+@pytest.fixture(scope="module")
+def tables(models):
+    target, draft = models
+    return TableModel.from_model(target, PROMPT, HORIZON - 1), TableModel.from_model(draft, PROMPT, HORIZON - 1)
+
+
+def run(tables, method, verifier, setting, seed, n=None, **options):
+    """Counts of the first K tokens over enough runs for a 0.02-TV test (or n runs), and the exact target."""
+    target, draft = tables
+    dec = TableDecoder(target, draft, method, verifier, horizon=HORIZON, **SETTINGS[setting], **options)
+    probs = exact_target_distribution(target, PROMPT, K, dec.sampling)
+    counts = sample_outputs(dec, PROMPT, K, n or plan_samples(probs), seed)
+    return counts, probs
+
+
+# (verifier, drafting, setting): every exact verifier with every drawing rule it covers, across the warps
+EXACT = [
+    ("sps", ("chain", dict(k=3)), "T1"),
+    ("sps", ("chain", dict(k=3)), "T1.3,k5,p0.9,dT0.8"),
+    ("asps", ("chain", dict(k=3)), "p0.8"),
+    ("asps", ("static", dict(depth=3, branch=1)), "T1.3,k5,p0.9,dT0.8"),
+    ("mss", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # with replacement, duplicates common
+    ("mss", ("chain", dict(k=3)), "T0.7,k4"),  # a chain's single child counts as drawn with replacement
+    ("mbr", ("static", dict(depth=3, branch=2)), "p0.8"),  # without replacement
+    ("mbr", ("static", dict(depth=2, branch=4)), "T0.7,k4"),  # branch = support: the draft runs out
+    ("naive", ("static", dict(widths="3,2,2")), "p0.8"),  # deterministic
+    ("naive", ("iid", dict(depth=2, branch=2)), "T1.3,k5,p0.9,dT0.8"),
+]
+
+
+def policy(drafting):
+    method, options = drafting
+    return (IIDTreePolicy(**options), {}) if method == "iid" else (method, options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier,drafting,setting", EXACT, ids=lambda x: x if isinstance(x, str) else None)
+def test_exact_verifier_preserves_target_distribution(tables, verifier, drafting, setting, record_property):
+    method, options = policy(drafting)
+    counts, probs = run(tables, method, verifier, setting, seed=1234, **options)
+    rep = assert_same_distribution(counts, probs, tv=0.02)
+    record_property("fit", rep.__dict__)
+    print(f"\n{verifier} on {drafting[0]} {setting}: n={rep.n} cells={rep.cells} p={rep.p_value:.3f} "
+          f"TV={rep.empirical_tv:.4f} power(TV 0.02)={rep.power:.3f}")
+
+
+# ---- the same test has teeth -----------------------------------------------------------------------------------------
+class ForgetfulSpS(SpSVerifier):
+    """SpS that forgets the residual: after a rejection it resamples from p instead of norm(max(p - q, 0))."""
+
+    name = "forgetful_sps"
+
+    def verify(self, tree, target_logits, sampling, generator):
+        p = target_probs(target_logits, sampling)
+        nodes, path = chain_nodes(tree, self.name), []
+        for parent, child in zip(nodes, nodes[1:]):
+            y = tree.tokens[child]
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) >= accept_prob(
+                    float(p[parent, y]), float(draft_dist(tree, parent, self.name)[y])):
+                return Verdict(path, draw(p[parent], generator))
+            path.append(child)
+        return Verdict(path, draw(p[nodes[len(path)]], generator))
+
+
+WRONG = [
+    (ForgetfulSpS(), ("chain", dict(k=3)), "T0.7,k4"),
+    ("mbr", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # multi-branch rejection on children drawn WITH replacement
+    ("sps", ("static", dict(widths="1,1,1")), "T0.7,k4"),  # speculative sampling on deterministic (argmax) children
+]  # (mss on children drawn without replacement is caught exactly in test_rules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier,drafting,setting", WRONG, ids=["forgetful_sps", "mbr_on_iid", "sps_on_argmax_chain"])
+def test_wrong_verifier_is_caught(tables, verifier, drafting, setting):
+    method, options = policy(drafting)
+    counts, probs = run(tables, method, verifier, setting, seed=1234, **options)
+    rep = goodness_of_fit(counts, probs)
+    print(f"\nwrong {getattr(verifier, 'name', verifier)} on {drafting[0]}: TV={rep.empirical_tv:.4f} p={rep.p_value:.2e}")
+    with pytest.raises(AssertionError, match="do not follow"):
+        assert_same_distribution(counts, probs, tv=0.02)
+
+
+# ---- the lossy verifier ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", [("static", dict(depth=3, branch=2)), ("chain", dict(k=3))], ids=["static", "chain"])
+def test_wetap_is_lossy_and_measured(tables, drafting, record_property):
+    method, options = drafting
+    counts, probs = run(tables, method, "wetap", "T1", seed=99, n=10000, **options)
+    rep = goodness_of_fit(counts, probs)
+    record_property("wetap_tv", rep.empirical_tv)
+    print(f"\nwetap (tau={VERIFIERS['wetap']().tau}) on {method} at T=1: total variation from the target "
+          f"{rep.empirical_tv:.4f} over the first {K} tokens (n={rep.n})")
+    assert rep.p_value < 1e-3  # the drift is real, not sampling noise
+
+
+def test_engine_refuses_wetap_without_allow_lossy(models):
+    target, draft = models
+    with pytest.raises(ValueError, match="does not preserve the target distribution.*allow_lossy"):
+        SpeculativeDecoder(target, draft, method="static", temperature=1.0, verifier="wetap")
+    dec = SpeculativeDecoder(target, draft, method="static", temperature=1.0, verifier="wetap", allow_lossy=True)
+    assert dec.generate(PROMPT, max_new_tokens=6, seed=0, ignore_eos=True).stats.lossy
+
+
+# ---- ASpS accepts at least as much as SpS, on the same drafts -----------------------------------------------------------
+def exact_chain_expectations(tables, n, setting):
+    """E[tokens per step] of sps and asps for a chain of n drafted tokens from the prompt, exactly: every chain the
+    draft can draw, weighted by its draft probability."""
+    target, draft = tables
+    cfg = SETTINGS[setting]
+    sampling = SamplingConfig(cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0))
+    dsampling = SamplingConfig(cfg.get("draft_temperature", cfg["temperature"]), sampling.top_k, sampling.top_p)
+    totals = {"sps": 0.0, "asps": 0.0}
+    frontier = [((), 1.0)]
+    for _ in range(n):  # all chains with positive draft probability
+        frontier = [(c + (t,), w * float(dsampling.probs(draft.logits(c))[t]))
+                    for c, w in frontier for t in range(VOCAB)]
+        frontier = [(c, w) for c, w in frontier if w > 0]
+    for chain, w in frontier:
+        prefixes = [chain[:i] for i in range(n + 1)]
+        q = torch.stack([dsampling.probs(draft.logits(s)) for s in prefixes[:n]])
+        p = torch.stack([sampling.probs(target.logits(s)) for s in prefixes])
+        totals["sps"] += w * expected_tokens(sps_neighbor(list(chain), q, p), list(chain))
+        totals["asps"] += w * expected_tokens(asps_neighbor(list(chain), q, p), list(chain))
+    return totals
+
+
+@pytest.mark.parametrize("setting", ["T1", "p0.8", "T1.3,k5,p0.9,dT0.8"])
+def test_asps_accepts_at_least_as_many_tokens_as_sps(tables, setting):
+    for n in (1, 2, 3):
+        e = exact_chain_expectations(tables, n, setting)
+        print(f"\n{setting} n={n}: tokens/step sps {e['sps']:.4f} asps {e['asps']:.4f}")
+        if n == 1:
+            assert e["asps"] == pytest.approx(e["sps"], abs=1e-6)  # float32 warps: rows sum to 1 +- 1e-7
+        else:
+            assert e["asps"] > e["sps"]
+
+
+def test_asps_simulated_acceptance_matches_expectation(tables):
+    """The verifier, run, accepts what the exact expectation says (mean drafted tokens accepted per first step)."""
+    target, draft = tables
+    e = exact_chain_expectations(tables, 3, "T1")
+    for name in ("sps", "asps"):
+        dec = TableDecoder(target, draft, "chain", name, temperature=1.0, horizon=HORIZON, k=3)
+        gen = torch.Generator().manual_seed(5)
+        with single_thread():
+            acc = [dec.generate(PROMPT, 1, generator=gen).accepted[0] for _ in range(4000)]
+        mean, sd = sum(acc) / len(acc), torch.tensor(acc, dtype=torch.float64).std().item()
+        assert abs(mean - (e[name] - 1)) < 4 * sd / len(acc) ** 0.5
+
+
+# ---- end to end through the real engine -------------------------------------------------------------------------------
+E2E = [
+    ("chain", dict(k=3), "asps", "T1"),
+    ("static", dict(depth=3, branch=2), "mbr", "T0.7,k4"),
+    ("iid", dict(depth=2, branch=2), "mss", "p0.8"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,options,verifier,setting", E2E, ids=[e[2] for e in E2E])
+def test_end_to_end_speculative_decoder(models, tables, monkeypatch, method, options, verifier, setting):
+    """A smaller run through SpeculativeDecoder on the real tiny models: catches a 0.15 TV error with power 0.95."""
+    target, draft = models
+    if method == "iid":
+        monkeypatch.setitem(POLICIES, "iid", IIDTreePolicy)
+    dec = SpeculativeDecoder(target, draft, method=method, verifier=verifier, **SETTINGS[setting], **options)
+    probs = exact_target_distribution(tables[0], PROMPT, K, dec.sampling)
+    n = plan_samples(probs, tv=0.15)
+    counts = sample_outputs(dec, PROMPT, K, n, seed=7, max_new_tokens=HORIZON)
+    rep = assert_same_distribution(counts, probs, tv=0.15)
+    print(f"\nengine {method}/{verifier} {setting}: n={rep.n} p={rep.p_value:.3f} TV={rep.empirical_tv:.4f}")
+
+
+# ---- the harness itself ----------------------------------------------------------------------------------------------
+def test_table_matches_the_model_and_exact_distribution_is_normalised(models, tables):
+    target, _ = models
+    table = tables[0]
+    with torch.no_grad():
+        direct = target(input_ids=torch.tensor([PROMPT + [3, 6]])).logits[0, -1]
+    assert torch.allclose(table.logits((3, 6)), direct, atol=1e-5)
+    for cfg in SETTINGS.values():
+        sampling = SamplingConfig(cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0))
+        probs = exact_target_distribution(table, PROMPT, 3, sampling)
+        assert probs.shape == (VOCAB**3,) and float(probs.sum()) == pytest.approx(1.0)
+        # P(t1 = 4, t2 = 1, t3 = 6) by hand
+        by_hand = (sampling.probs(table.logits(()))[4] * sampling.probs(table.logits((4,)))[1]
+                   * sampling.probs(table.logits((4, 1)))[6])
+        assert float(probs[4 * 64 + 1 * 8 + 6]) == pytest.approx(float(by_hand), rel=1e-6)

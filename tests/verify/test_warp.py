@@ -1,0 +1,54 @@
+"""The one warp (sampling.py) is transformers' temperature -> top-k -> top-p, ties and edges included."""
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from arborspec.sampling import SamplingConfig, warp
+
+SETTINGS = [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (1.0, 5, 1.0), (1.0, 1, 1.0), (1.0, 60, 1.0), (1.0, 0, 0.9),
+    (1.0, 0, 0.5), (1.0, 0, 0.01), (0.8, 10, 0.9), (1.3, 3, 0.6), (2.0, 20, 0.95), (0.3, 0, 0.3),
+]
+
+
+def hf_probs(logits, temperature, top_k, top_p):
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(dim=-1)
+
+
+def logit_batches():
+    gen = torch.Generator().manual_seed(0)
+    yield torch.randn(64, 50, generator=gen) * 3  # generic
+    yield (torch.randn(64, 50, generator=gen) * 2).round()  # many ties
+    yield torch.zeros(4, 50)  # all tied
+    peaked = torch.randn(8, 50, generator=gen)
+    peaked[:, 7] += 30
+    yield peaked  # one token holds all the mass
+    # top-p boundary exactly on a cumulative sum: probabilities 0.5, 0.25, 0.125, 0.125
+    yield torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_warp_matches_transformers(temperature, top_k, top_p):
+    cfg = SamplingConfig(temperature, top_k, top_p)
+    for logits in logit_batches():
+        ours = warp(logits, cfg)
+        theirs = hf_probs(logits, temperature, min(top_k, logits.shape[-1]) if top_k else 0, top_p)
+        assert torch.equal(ours > 0, theirs > 0)  # the same support, tie by tie
+        assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.75, 0.875, 1 - 1e-9])
+def test_top_p_edges_match_transformers(top_p):
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    ours = warp(logits, SamplingConfig(1.0, 0, top_p))
+    assert torch.equal(ours > 0, hf_probs(logits, 1.0, 0, top_p) > 0)
+
+
+def test_temperature_zero_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    assert warp(logits, SamplingConfig(0.0)).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]  # ties -> lowest id
