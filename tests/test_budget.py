@@ -21,15 +21,6 @@ from tests.models.tiny_ssm import ssm_model
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors run far faster on one intra-op thread than with thread hand-offs on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_linear_fit_recovers_a_noiseless_line():
     times = [0.002 * n + 0.030 for n in SIZES]
     fit = fit_runtime(SIZES, times, "linear")
@@ -121,3 +112,126 @@ def test_cli_generate_with_ssm_models_matches_ar(ssm_dirs, capsys, mode):
                  "--max-new-tokens", "16", "--ignore-eos", "--json", "--compare-ar"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["baseline_ar"]["identical"] is True and len(data["token_ids"]) == 16
+
+
+# ---- cached profiles and calibrations (drafting/auto.py) -------------------------------------------------------------
+@pytest.fixture
+def counted_measure(monkeypatch, tmp_path):
+    """A private cache directory and a fake measurement that counts its calls (t(n) = 1 ms + 0.1 ms per token)."""
+    from arborspec import budget
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake(model, sizes, prefix=200, repeats=3, **kw):
+        calls.append((model, tuple(sizes), prefix))
+        return [0.001 + 1e-4 * n for n in sizes]
+
+    monkeypatch.setattr(budget, "measure_forward_cost", fake)
+    return calls
+
+
+def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_path):
+    from arborspec import budget
+
+    model = tiny_model("llama", seed=0)
+    curve, source = budget.profile_model(model)
+    assert source == "measured" and len(counted_measure) == 1 and curve(8) == pytest.approx(0.0018)
+    path = budget.profile_path(model)
+    assert path.parent == tmp_path / "cache" / "profiles" and path.exists()
+    assert json.loads(path.read_text())["versions"] == budget.library_versions()
+    assert budget.profile_model(model)[1] == "cache" and len(counted_measure) == 1
+    assert budget.profile_model(tiny_model("llama", seed=0))[1] == "cache"  # the same model, loaded again
+
+    def source_of(m):
+        return budget.profile_model(m)[1]
+
+    assert source_of(tiny_model("llama", seed=1)) == "measured"  # other weights
+    assert source_of(tiny_model("llama", seed=0, layers=3)) == "measured"  # other architecture
+    assert source_of(tiny_model("llama", seed=0).to(torch.bfloat16)) == "measured"  # other dtype
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert source_of(model) == "measured"  # other thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert source_of(model) == "cache"
+    versions = budget.library_versions()
+    monkeypatch.setattr(budget, "library_versions", lambda: dict(versions, transformers="0.0.1"))
+    assert source_of(model) == "measured"  # another library version
+    monkeypatch.setattr(budget, "library_versions", lambda: versions)
+    assert source_of(model) == "measured"  # the file now holds the other version's record
+    path.write_text("{not json")
+    assert source_of(model) == "measured"  # unreadable
+    assert budget.profile_model(model, refresh=True)[1] == "measured"
+    monkeypatch.setattr(budget, "machine_id", lambda: "another cpu")
+    assert source_of(model) == "measured"  # another machine
+    assert counted_measure[-1][2] == 200  # the prefix fits the tiny model's 512-token window
+
+
+def test_profile_measures_a_tiny_model_for_real(tmp_path, monkeypatch):
+    from arborspec import budget
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama", seed=0, context=64)  # a short window: the prefix shrinks to fit
+    curve, source = budget.profile_model(model, sizes=(1, 2, 4), repeats=1)
+    assert source == "measured" and all(t > 0 for t in curve.times)
+    record = json.loads(budget.profile_path(model).read_text())
+    assert record["prefix"] < 64 and record["sizes"] == [1, 2, 4]
+
+
+def test_calibration_is_saved_and_reloaded(counted_measure, monkeypatch):
+    from arborspec import SpeculativeDecoder, budget
+
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.3)
+    dec = SpeculativeDecoder(target, draft, method="auto")
+    assert dec.policy.source["calibration"] == "new" and len(counted_measure) == 2
+    dec.policy.calibrator.observe([0.55] * 50, [1] * 20 + [0] * 30)
+    dec.policy.save()
+    again = SpeculativeDecoder(target, draft, method="auto")
+    assert again.policy.source["calibration"] == "cache" and len(counted_measure) == 2  # profiles cached too
+    assert again.policy.calibrator.trials.sum() == pytest.approx(dec.policy.calibrator.trials.sum())
+    assert SpeculativeDecoder(target, noisy_copy(target, 0.3, seed=5), method="auto").policy.source["calibration"] \
+        == "new"  # another draft
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=1.0).policy.source["calibration"] == "new"
+    assert SpeculativeDecoder(target, draft, method="auto", remember=False).policy.source.get("calibration") is None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert SpeculativeDecoder(target, draft, method="auto").policy.source["calibration"] == "new"
+    finally:
+        torch.set_num_threads(threads)
+    versions = budget.library_versions()
+    monkeypatch.setattr(budget, "library_versions", lambda: dict(versions, arborspec="9.9"))
+    assert SpeculativeDecoder(target, draft, method="auto").policy.source["calibration"] == "new"
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_models")
+    target = tiny_model("llama", seed=0)
+    tok = char_tokenizer()
+    paths = {}
+    for name, model in [("target", target), ("draft", noisy_copy(target, 0.2))]:
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
+def test_cli_profile_pair_and_generate_auto(llama_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    png = tmp_path / "pair.png"
+    args = ["profile", "--pair", "--target", llama_dirs["target"], "--draft", llama_dirs["draft"], "--dtype", "fp32",
+            "--sizes", "1,2,4,8", "--repeats", "1", "--prefix", "12"]
+    assert main(args + ["--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "target:" in out and "measured profile" in out and "d(n)/d(1)" in out and png.stat().st_size > 1000
+    assert main(args) == 0 and "cache profile" in capsys.readouterr().out
+    assert main(["profile", "--dtype", "fp32"]) == 2  # neither --model nor --pair
+    for extra in (["--method", "auto"], ["--method", "dyspec", "--budget", "auto"]):
+        code = main(["generate", "--target", llama_dirs["target"], "--draft", llama_dirs["draft"], "--dtype", "fp32",
+                     "--prompt", "def f(x):", "--max-new-tokens", "12", "--ignore-eos", "--compare-ar", *extra])
+        out = capsys.readouterr().out
+        assert code == 0 and "auto:" in out and "identical output" in out

@@ -102,3 +102,27 @@ def test_methods_lists_every_policy(capsys):
     assert code == 0
     for name in POLICIES:
         assert f"{name}:" in out
+
+
+def test_draft_levers_on_the_command_line(model_dirs, capsys, monkeypatch):
+    from arborspec.models import draft_levers
+
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, n, **kw: __import__("torch").arange(n).flip(0))
+    code, out, _ = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--dtype", "fp32", "--method", "chain", "--k", "3", "--draft-quant", "int8",
+                           "--draft-vocab", "30", "--ngram", "2", "--prompt", "abcabcabc", "--max-new-tokens", "16",
+                           "--ignore-eos", "--json", "--compare-ar")
+    assert code == 0
+    data = json.loads(out)
+    assert data["baseline_ar"]["identical"] is True
+    assert data["stats"]["verifier"] == "greedy"
+
+
+def test_method_options_are_typed_from_the_registry():
+    from arborspec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--method", "dyspec", "--batch", "false", "--budget", "8",
+                                      "--widths", "2,2"])
+    assert args.opt_batch is False and args.opt_budget == 8 and args.opt_widths == "2,2"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--batch", "maybe"])

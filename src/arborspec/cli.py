@@ -29,6 +29,21 @@ def _method_option_fields() -> dict[str, dataclasses.Field]:
     return fields
 
 
+def _parse_bool(text: str) -> bool:
+    value = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+    if text.lower() not in value:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value[text.lower()]
+
+
+def _int_or_text(text: str):
+    """An integer option that also takes a word (dyspec's --budget auto)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
@@ -45,9 +60,18 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
     p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
                    help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
+    levers = p.add_argument_group("cheaper drafting (any method; the output stays exact)")
+    levers.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
+                        help="quantize the draft's linear layers (int4 needs torchao)")
+    levers.add_argument("--draft-vocab", type=int, default=0,
+                        help="draft head over the K most frequent tokens only (0 = full vocabulary)")
+    levers.add_argument("--ngram", type=int, default=0,
+                        help="graft prompt-lookup branches matching up to N-token n-grams of the context (0 = off)")
+    levers.add_argument("--ngram-len", type=int, default=8, help="tokens per prompt-lookup branch")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
-        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}.get(f.type, str)
+        kind = {"int": int, "float": float, "str": str, "bool": _parse_bool,
+                "int | str": _int_or_text}.get(getattr(f.type, "__name__", f.type), str)
         group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=kind, default=None,
                            help=f"{f.metadata.get('help', '')} (default {f.default!r})")
 
@@ -94,8 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default="acceptance.json", help="JSON file for `sequoia --acceptance-file`")
     cal.set_defaults(compare_ar=False)
 
-    prof = sub.add_parser("profile", help="measure a model's tree-forward cost t(N) and fit STree's runtime model")
-    prof.add_argument("--model", required=True, help="alias, local dir, .gguf file or hub id")
+    prof = sub.add_parser("profile", help="measure a model's tree-forward cost t(N) and fit STree's runtime model; "
+                                          "--pair: the target's t(n) and the draft's per-layer cost that auto uses")
+    prof.add_argument("--model", default=None, help="alias, local dir, .gguf file or hub id")
+    prof.add_argument("--pair", action="store_true",
+                      help="profile --target and --draft as `--method auto` does (cached per model, dtype, threads, "
+                           "machine and library versions; --refresh measures again)")
+    prof.add_argument("--target", default=DEFAULT_TARGET, help="with --pair: the target model")
+    prof.add_argument("--draft", default=DEFAULT_DRAFT, help="with --pair: the draft model")
+    prof.add_argument("--refresh", action="store_true", help="with --pair: measure even if a cached profile exists")
     prof.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
@@ -134,8 +165,11 @@ def _method_options(args) -> dict:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
-def make_decoder(args, method: str | None = None, options: dict | None = None):
-    """Load the models named on the command line and build a decoder (models are loaded once and reused)."""
+def make_decoder(args, method: str | None = None, options: dict | None = None, baseline: bool = False):
+    """Load the models named on the command line and build a decoder (models are loaded once and reused).
+
+    `baseline`: plain decoding for --compare-ar, without the n-gram lever.
+    """
     from .engine import SpeculativeDecoder
 
     method = method or args.method
@@ -148,6 +182,11 @@ def make_decoder(args, method: str | None = None, options: dict | None = None):
             from .models.loading import check_tokenizers_compatible
 
             check_tokenizers_compatible(target, draft)
+            if getattr(args, "draft_quant", "none") != "none" or getattr(args, "draft_vocab", 0):
+                from .models.draft_levers import prepare_draft
+
+                print("[arborspec] preparing the draft (quantization / vocabulary) ...", file=sys.stderr)
+                prepare_draft(draft, getattr(args, "draft_quant", "none"), getattr(args, "draft_vocab", 0))
         args._models = (target, draft)
     target, draft = args._models
     return SpeculativeDecoder(
@@ -155,7 +194,8 @@ def make_decoder(args, method: str | None = None, options: dict | None = None):
         top_k=args.top_k, top_p=args.top_p, draft_temperature=args.draft_temperature, verifier=args.verifier,
         allow_lossy=args.allow_lossy, token_order=getattr(args, "token_order", "bfs"),
         record_trees=getattr(args, "record_trees", False) or getattr(args, "per_step", False),
-        ssm_tree=getattr(args, "ssm_tree", "packed"), **(_method_options(args) if options is None else options),
+        ssm_tree=getattr(args, "ssm_tree", "packed"), ngram=0 if baseline else getattr(args, "ngram", 0),
+        ngram_len=getattr(args, "ngram_len", 8), **(_method_options(args) if options is None else options),
     )
 
 
@@ -164,7 +204,8 @@ def _summary(stats) -> str:
     return (f"{stats.method}/{stats.verifier}: {d['new_tokens']} tokens in {d['steps']} steps, "
             f"{d['tokens_per_step']:.2f} tokens/step (accepted {d['mean_accepted']:.2f}/step), "
             f"{d['tokens_per_s']:.2f} tokens/s, TTFT {d['t_first_token']:.2f}s; time draft {d['t_draft']:.1f}s, "
-            f"verify {d['t_verify']:.1f}s, other {d['t_other']:.1f}s" + (" [LOSSY]" if stats.lossy else ""))
+            f"verify {d['t_verify']:.1f}s, other {d['t_other']:.1f}s" + (" [LOSSY]" if stats.lossy else "")
+            + (f"\n{stats.policy['summary']}" if stats.policy.get("summary") else ""))
 
 
 def cmd_generate(args) -> int:
@@ -192,7 +233,7 @@ def cmd_generate(args) -> int:
         result = dec.last_result
     out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict(per_step=args.per_step)}
     if args.compare_ar:
-        base = make_decoder(args, method="ar", options={}).generate(prompt, **kw)
+        base = make_decoder(args, method="ar", options={}, baseline=True).generate(prompt, **kw)
         speedup = result.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
         out["baseline_ar"] = {"tokens_per_s": base.stats.tokens_per_s, "token_ids": base.token_ids,
                               "speedup": speedup, "identical": base.token_ids == result.token_ids}
@@ -288,6 +329,10 @@ def cmd_profile(args) -> int:
         raise CliError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
     if not sizes or min(sizes) < 1 or args.repeats < 1 or args.prefix < 2:
         raise CliError("--sizes must be positive, --repeats at least 1 and --prefix at least 2")
+    if args.pair:
+        return _profile_pair(args, sizes)
+    if not args.model:
+        raise CliError("`arborspec profile` needs --model SPEC, or --pair (with --target/--draft)")
     model = _load(args.model, args.dtype, "model").model
     kind = args.kind or default_kind(model)
     times = measure_forward_cost(model, sizes, prefix=args.prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
@@ -300,6 +345,37 @@ def cmd_profile(args) -> int:
           + ", ".join(f"N2={n}: {required_tau_ratio(fit, n1, n):.2f}" for n in sizes if n > n1))
     if args.out:
         print(plot_profile(sizes, times, fit, args.out, title=f"{args.model} ({args.dtype})", n1=n1))
+    return 0
+
+
+def _profile_pair(args, sizes: list[int]) -> int:
+    """The two cost curves `--method auto` sizes its trees with: the target's t(n) and the draft's d(w)."""
+    from .budget import plot_pair, profile_model, profile_path
+
+    target = _load(args.target, args.dtype, "target").model
+    draft = _load(args.draft, args.dtype, "draft").model
+    curves = {}
+    for role, model in (("target", target), ("draft", draft)):
+        curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
+                                      repeats=args.repeats, progress=True)
+        curves[role] = curve
+        print(f"{role}: {getattr(args, role)} ({args.dtype}): {source} profile {profile_path(model)}")
+    t, d = curves["target"], curves["draft"]
+    t1 = t(1)
+    print(f"{'n':>5} {'target t(n) ms':>15} {'t(n)/t(1)':>10} {'draft d(n) ms':>14} {'d(n)/d(1)':>10} "
+          f"{'d(n)/t(1)':>10}")
+    for n in sorted(set(t.sizes) | set(d.sizes)):
+        print(f"{n:5d} {t(n) * 1e3:15.2f} {t(n) / t1:10.2f} {d(n) * 1e3:14.2f} {d(n) / d(1):10.2f} {d(n) / t1:10.2f}")
+    print(f"plain decoding: {1 / t1:.2f} tokens/s predicted; one draft layer of 1 node costs {d(1) / t1:.2f} target "
+          "tokens (t(n) = target forward over n tree tokens, root included; d(n) = one draft call over n nodes)")
+    if len(t.sizes) >= 3 and len(d.sizes) >= 3:
+        from .budget import fit_runtime
+
+        print(f"quadratic fits (auto interpolates the measurements instead): target "
+              f"{fit_runtime(t.sizes, t.times, 'quadratic').describe()}; draft "
+              f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
+    if args.out:
+        print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
     return 0
 
 
@@ -325,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError) as err:
+    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
         if os.environ.get("ARBORSPEC_DEBUG"):
             raise
         print(f"arborspec: error: {err}", file=sys.stderr)

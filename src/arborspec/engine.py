@@ -14,7 +14,8 @@ import torch
 from .drafting import POLICIES, DraftContext
 from .models import check_session_support, make_session
 from .sampling import SamplingConfig, make_generator
-from .tree import ORDERS
+from .drafting.ngram import add_ngram_branch
+from .tree import ORDERS, DrawRule
 from .verify import VERIFIERS, fits
 
 
@@ -30,6 +31,7 @@ class StepStats:
     t_verify: float
     t_other: float
     tree: dict | None = None  # with record_trees: tokens, parents, probs, accepted path (node indices), bonus
+    path: list[int] = field(default_factory=list)  # accepted node indices (as drafted), for policies that learn
 
 
 @dataclass
@@ -44,6 +46,7 @@ class GenerationStats:
     t_first_token: float = 0.0  # TTFT: from the call to the first committed token
     t_total: float = 0.0
     steps: list[StepStats] = field(default_factory=list)
+    policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration, guard)
 
     @property
     def n_steps(self) -> int:
@@ -150,6 +153,8 @@ class SpeculativeDecoder:
         token_order: str = "bfs",
         record_trees: bool = False,
         ssm_tree: str = "packed",
+        ngram: int = 0,
+        ngram_len: int = 8,
         **method_options,
     ):
         if token_order not in ORDERS:
@@ -159,6 +164,10 @@ class SpeculativeDecoder:
         if ssm_tree not in ("packed", "unrolled"):
             raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
         self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
+        for name, value in (("ngram", ngram), ("ngram_len", ngram_len)):
+            if int(value) != value or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        self.ngram, self.ngram_len = int(ngram), int(ngram_len)  # prompt-lookup branches (drafting/ngram.py)
         self.target, self.tokenizer = _unwrap(target, tokenizer)
         self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
@@ -180,12 +189,15 @@ class SpeculativeDecoder:
         if self.draft is not None and self.policy.needs_draft:
             check_session_support(self.draft)
             self._check_vocab()
+        self.policy.bind(self)  # e.g. auto: load or measure the models' cost profiles
 
     # ---- construction checks ---------------------------------------------------------------------------------
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
         rules = self.policy.draw_rules(self.draft_sampling)
         chain = self.policy.draws_chains
+        if self.ngram:  # grafted n-gram branches are deterministic children, and make chains into trees
+            rules, chain = rules | {DrawRule.DETERMINISTIC}, False
         if name is None:
             name = self.policy.default_verifier(self.sampling)
             if not self.sampling.greedy and not fits(VERIFIERS[name], rules, chain):
@@ -282,6 +294,8 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             calls0 = draft.forwards if draft else 0
             tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
+            if self.ngram:
+                add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
             t1 = time.perf_counter()
             # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
             # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
@@ -303,13 +317,14 @@ class SpeculativeDecoder:
             step = StepStats(
                 tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(verdict.path),
                 committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
-                t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2,
+                t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2, path=list(verdict.path),
             )
             if self.record_trees:
                 step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
                                  path=list(verdict.path), bonus=int(verdict.bonus))
             stats.steps.append(step)
             self.policy.update(step)
+            stats.policy = self.policy.explain()
             stats.new_tokens = len(new)
             now = time.perf_counter()
             if len(stats.steps) == 1:

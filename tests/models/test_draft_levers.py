@@ -60,3 +60,25 @@ def test_greedy_equivalence_with_a_cheaper_draft(lever):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="unknown draft quantization"):
         quantize(tiny_model("llama"), "int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lever", ["prune", "int8"])
+def test_cheaper_draft_keeps_the_target_distribution(lever):
+    """Sampled trees from a pruned / quantized draft, verified by mbr, emit exactly the target's distribution."""
+    from arborspec.sampling import SamplingConfig
+    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
+                                      sample_outputs, samples_needed)
+
+    vocab, k, horizon, prompt = 5, 2, 4, [1, 3]
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    draft = prune_head(draft, torch.tensor([0, 2, 3])) if lever == "prune" else quantize(draft, "int8")
+    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    if lever == "prune":
+        assert d_table.logits(()).float().softmax(-1)[[1, 4]].max() == 0  # the draft never proposes pruned tokens
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    dec = TableDecoder(t_table, d_table, method="static", verifier="mbr", temperature=1.0, horizon=horizon,
+                       depth=2, branch=2)
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)

@@ -26,33 +26,13 @@ from arborspec.models.ssm_scan import (
 )
 from arborspec.tree import TokenTree
 from tests.conftest import noisy_copy, tiny_model
+from tests.models.test_hf import random_tree, reference_logits
 from tests.models.tiny_ssm import ssm_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors run far faster on one intra-op thread than with thread hand-offs on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 KINDS = ["mamba2", "bamba", "nemotron_h"]
 SHAPES = [dict(heads=4, head_dim=8, state=8, groups=1), dict(heads=4, head_dim=8, state=8, groups=2),
           dict(heads=2, head_dim=16, state=4, groups=2), dict(heads=8, head_dim=4, state=16, groups=4)]
-
-
-def random_tree(rng, root, n, vocab=56):
-    tree = TokenTree.root(root)
-    for _ in range(n - 1):
-        tree.add(rng.randrange(len(tree)), rng.randrange(2, vocab))
-    return tree
-
-
-def reference_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].float()
 
 
 # ---- the pure math -----------------------------------------------------------------------------------------------

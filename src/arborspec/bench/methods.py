@@ -10,6 +10,7 @@
 | dyspec, dyspec-threshold, dynatree, wetap-exact, sequoia | same name | budget = B |
 | wetap | wetap / wetap (the paper's verifier: LOSSY, needs allow_lossy) | budget = B |
 | beam | beam | beams = 4, steps = B // 4 |
+| auto | auto (greedy / mbr) | (none: each tree is sized from the measured cost profile; see drafting/auto.py) |
 | hf-ar, hf-assisted, hf-lookup | transformers `generate`: plain, `assistant_model=draft`, `prompt_lookup_num_tokens=10` | (none) |
 
 Without `--budgets` every method runs with its own defaults. A method whose policy is not registered (yet) is skipped
@@ -69,6 +70,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in [
     MethodSpec("wetap-exact", "wetap", size=_budget),
     MethodSpec("sequoia", "sequoia", size=_budget),
     MethodSpec("beam", "beam", size=lambda b: {"beams": 4, "steps": max(1, b // 4)}),
+    MethodSpec("auto", "auto"),
     MethodSpec("hf-ar", hf={}),
     MethodSpec("hf-assisted", hf={"assistant_model": True}),
     MethodSpec("hf-lookup", hf={"prompt_lookup_num_tokens": 10}),

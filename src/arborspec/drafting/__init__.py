@@ -1,5 +1,6 @@
 """Tree policies, by name. A new policy is one module here plus one line in POLICIES."""
 from .ar import AutoregressivePolicy
+from .auto import AutoPolicy
 from .base import DraftContext, Policy
 from .beam import BeamPolicy
 from .chain import ChainPolicy
@@ -20,6 +21,7 @@ POLICIES: dict[str, type[Policy]] = {
     "wetap": WetapPolicy,
     "beam": BeamPolicy,
     "sequoia": SequoiaPolicy,
+    "auto": AutoPolicy,
 }
 
 __all__ = ["POLICIES", "Policy", "DraftContext"]

@@ -40,6 +40,8 @@ class Policy:
     summary: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     needs_draft: ClassVar[bool] = True
+    # How children are drawn when the draft samples (T > 0); at T = 0 every policy picks them deterministically.
+    sampled_rule: ClassVar[DrawRule] = DrawRule.DETERMINISTIC
 
     def __init__(self, **options):
         names = {f.name for f in dataclasses.fields(self.Options)}
@@ -51,10 +53,13 @@ class Policy:
 
     def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
         """The drawing rules this policy's trees may contain under `sampling` (used to pick/check verifiers)."""
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITH_REPLACEMENT}
+        return {DrawRule.DETERMINISTIC} if sampling.greedy else {self.sampled_rule}
 
     def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "naive"
+        """The exact verifier for this policy's trees: greedy at T = 0, else the one made for its drawing rule."""
+        if sampling.greedy:
+            return "greedy"
+        return EXACT_VERIFIER[next(iter(self.draw_rules(sampling)))] if len(self.draw_rules(sampling)) == 1 else "naive"
 
     @property
     def draws_chains(self) -> bool:
@@ -71,6 +76,20 @@ class Policy:
 
     def update(self, step) -> None:
         """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
+
+    def bind(self, decoder) -> None:
+        """Called once by `SpeculativeDecoder` after construction (auto profiles the decoder's models here)."""
+
+    def explain(self) -> dict:
+        """The policy's account of its choices so far, copied into `GenerationStats.policy` after each step."""
+        return {}
+
+
+EXACT_VERIFIER = {  # the verifier derived for each drawing rule (digest, "Verifiers and how children were drawn")
+    DrawRule.WITHOUT_REPLACEMENT: "mbr",
+    DrawRule.WITH_REPLACEMENT: "mss",
+    DrawRule.DETERMINISTIC: "naive",
+}
 
 
 def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:

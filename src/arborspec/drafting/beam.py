@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 from .dyspec import check_int
@@ -39,11 +38,6 @@ class BeamPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.steps
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "naive"
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         m = self.options.beams

@@ -22,13 +22,11 @@ class ChainPolicy(Policy):
     name = "chain"
     summary = "draft k tokens one after another (classic speculative decoding)"
     Options = ChainOptions
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # one draw per node: also "with replacement" (verify/base.py)
 
     @property
     def max_tree_depth(self) -> int:
         return self.options.k
-
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITHOUT_REPLACEMENT}
 
     def default_verifier(self, sampling: SamplingConfig) -> str:
         return "greedy" if sampling.greedy else "sps"

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 from .dyspec import check_int, parse_bool
@@ -94,11 +93,6 @@ class DynaTreePolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.d_max
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "naive"
 
     # ---- drafting --------------------------------------------------------------------------------------------
     def expandable(self, depth: int, p: float, max_depth: int) -> bool:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig, sample
+from ..sampling import sample
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 
@@ -60,13 +60,28 @@ def check_int(value, what: str, low: int = 1) -> None:
         raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
 
 
+def parse_budget(value, what: str = "budget"):
+    """An integer >= 1, or 'auto' (size the tree from measured costs: drafting/auto.py)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{what} must be an integer >= 1 or 'auto', got {value!r}") from None
+    check_int(value, what)
+    return value
+
+
 @dataclass
 class DySpecOptions:
-    budget: int = opt(64, "drafted tokens per step (m in DySpec Alg. 1; the paper's guess length is 64)")
+    budget: int | str = opt(64, "drafted tokens per step (m in DySpec Alg. 1; the paper's guess length is 64), or "
+                                "'auto' (dyspec/auto only): size each tree from measured costs, like --method auto")
     batch: bool = opt(True, "batch the draft calls (same tree as Alg. 1, fewer calls); false: one call per node")
 
     def __post_init__(self):
-        check_int(self.budget, "budget")
+        self.budget = parse_budget(self.budget)
         self.batch = parse_bool(self.batch, "batch")
 
 
@@ -74,24 +89,37 @@ class DySpecPolicy(Policy):
     name = "dyspec"
     summary = "DySpec Alg. 1: grow the tree greedily from a heap of draws valued by draft probability (--budget)"
     Options = DySpecOptions
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # verified exactly by mbr
 
     def __init__(self, **options):
         super().__init__(**options)
         self.last_values: list[float] = []  # per node of the last tree: the value of the slot it was drawn from
         self.last_calls = 0  # draft calls of the last tree
         self.last_wasted = 0  # nodes forwarded through the draft but never expanded
+        self.auto = None
+        if self.options.budget == "auto":  # the auto policy's trees are DySpec-valued, sized from measured costs
+            from .auto import AutoPolicy
+
+            self.auto = AutoPolicy()
 
     @property
     def max_tree_depth(self) -> int:
-        return self.options.budget
+        return self.auto.max_tree_depth if self.auto else self.options.budget
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITHOUT_REPLACEMENT}
+    def bind(self, decoder) -> None:
+        if self.auto:
+            self.auto.bind(decoder)
 
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "mbr"
+    def update(self, step) -> None:
+        if self.auto:
+            self.auto.update(step)
+
+    def explain(self) -> dict:
+        return self.auto.explain() if self.auto else {}
 
     def draft(self, ctx: DraftContext) -> TokenTree:
+        if self.auto:
+            return self.auto.draft(ctx)
         return _DySpecBuild(ctx, self.options.budget, self.options.batch).run(self)
 
 

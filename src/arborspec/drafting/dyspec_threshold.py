@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..sampling import SamplingConfig, sample
+from ..sampling import sample
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 from .dyspec import check_int
@@ -35,16 +35,12 @@ class DySpecThresholdPolicy(Policy):
     name = "dyspec-threshold"
     summary = "DySpec Alg. 2: expand, layer by layer, every draw whose value exceeds --threshold (cap --budget)"
     Options = DySpecThresholdOptions
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # verified exactly by mbr
 
     @property
     def max_tree_depth(self) -> int:
         return self.options.budget
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITHOUT_REPLACEMENT}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "mbr"
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         budget, t = self.options.budget, self.options.threshold

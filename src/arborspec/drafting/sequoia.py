@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 from .dyspec import check_int
@@ -143,6 +142,7 @@ class SequoiaPolicy(Policy):
     name = "sequoia"
     summary = "Sequoia: the static tree a dynamic program picks from an acceptance-rate vector (--budget)"
     Options = SequoiaOptions
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # verified exactly by mbr
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -157,11 +157,6 @@ class SequoiaPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.shape_depth
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITHOUT_REPLACEMENT}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "mbr"
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         tree = TokenTree.root(ctx.context[-1])

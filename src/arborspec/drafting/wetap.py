@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt
 from .dyspec import check_int
@@ -121,11 +120,6 @@ class WetapPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.length
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "naive"
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         o = self.options

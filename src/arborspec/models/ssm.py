@@ -42,6 +42,7 @@ import torch
 
 from ..sampling import check_finite
 from ..tree import TokenTree
+from .hf import pending_tokens
 from .ssm_scan import chain_states, conv_taps, discretize, new_conv_tail, replay_state, tree_conv, tree_ssd
 
 SSM_MODEL_TYPES = ("mamba2", "bamba", "nemotron_h")
@@ -319,14 +320,7 @@ class SSMTreeSession:
 
     # ---- internals -------------------------------------------------------------------------------------------------
     def _pending(self, context: list[int], tree: TokenTree) -> list[int]:
-        if tree.tokens[0] != context[-1]:
-            raise ValueError("the tree's root must be the last committed token")
-        n = len(self.cached)
-        if self.slot:
-            return []
-        if n >= len(context) or context[:n] != self.cached:
-            raise RuntimeError(f"{self.role} state is out of sync with the committed tokens")
-        return context[n:-1]
+        return pending_tokens(self, context, tree)
 
     def _commit_rows(self, rows: list[int]) -> None:
         """Fold the chain of `rows` into the committed states (activation replay) and clear this step's rows."""

@@ -1,0 +1,550 @@
+"""auto: the objective against brute-force optima on synthetic costs, calibration, the guard, cost adaptation, stats,
+and exactness (greedy equivalence with `ar`, the target's distribution at T > 0 with mbr)."""
+import itertools
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec import SpeculativeDecoder, budget
+from arborspec.budget import CostCurve, CostModel, best_prefix, tree_rate
+from arborspec.drafting import POLICIES, DraftContext
+from arborspec.drafting.auto import Calibrator, Guard, pool_adjacent_violators
+from arborspec.engine import StepStats
+from arborspec.sampling import SamplingConfig, make_generator
+from arborspec.tree import DrawRule
+from tests.drafting.equivalence import check_greedy_equivalence, make_pair
+from tests.drafting.fake_session import FakeSession, fake_context
+from tests.drafting.properties import check_tree
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# the shape measured on this CPU (shared notes): verification flat to 8 tokens, a draft layer ~1/3 of a target token
+T_CPU = CostCurve.from_measurements(SIZES, [0.178 * r for r in (1, 0.81, 0.86, 0.99, 1.16, 1.59, 2.22, 3.5)])
+D_CPU = CostCurve.from_measurements(SIZES, [0.057 * r for r in (1, 1.01, 0.97, 1.08, 1.24, 1.62, 2.35, 3.8)])
+
+
+def flat(seconds: float) -> CostCurve:
+    return CostCurve.from_measurements((1, 128), (seconds, seconds))
+
+
+class ConstSession:
+    """A draft whose next-token distribution is `probs` after every path (a stationary acceptance model)."""
+
+    def __init__(self, probs):
+        self.logits = torch.log(torch.tensor(np.array(probs, dtype=np.float32)))
+        self.forwards = 0
+        self.widths: list[int] = []
+
+    def forward(self, context, tree, nodes):
+        self.forwards += 1
+        self.widths.append(len(nodes))
+        return self.logits.expand(len(nodes), -1).clone()
+
+
+def auto(costs: CostModel, p=None, greedy: bool = True, **options):
+    """An auto policy with a fixed cost model; `p`: the exact child probabilities (a perfect predictor)."""
+    policy = POLICIES["auto"](**options).use_costs(costs)
+    if p is not None:
+        policy.child_probs[greedy][: len(p)] = p
+        policy.child_probs[greedy][len(p):] = 0.0
+    return policy
+
+
+def ctx_for(session, temperature=0.0, max_depth=100, seed=0, context=(3, 1, 4)):
+    return DraftContext(session, list(context), SamplingConfig(temperature), make_generator(seed), max_depth)
+
+
+def step_for(tree, path, t_draft=0.05, t_verify=0.2, t_other=0.0, committed=None):
+    return StepStats(tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(path),
+                     committed=len(path) + 1 if committed is None else committed, draft_calls=0, t_draft=t_draft,
+                     t_verify=t_verify, t_other=t_other, path=list(path))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def cheap_profile(monkeypatch):
+    """Skip measuring tiny models: a target that verifies up to 128 tokens for the price of one, cheap draft layers."""
+    curves = {}
+
+    def fake(model, refresh=False, **kw):
+        curves.setdefault("calls", []).append(model)
+        return (flat(0.01) if len(curves["calls"]) % 2 else flat(0.001)), "measured"
+
+    monkeypatch.setattr(budget, "profile_model", fake)
+    return curves
+
+
+# ---- the objective's pieces --------------------------------------------------------------------------------------
+def test_best_prefix_is_the_enumerated_argmax():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        times = np.sort(rng.uniform(0.5, 3.0, 4))
+        costs = CostModel(CostCurve.from_measurements((1, 4, 16, 64), times), flat(0.1),
+                          overhead=float(rng.uniform(0, 0.2)))
+        gains = np.sort(rng.uniform(0, 1, rng.integers(0, 12)))[::-1]
+        expected, draft_time, nodes = float(rng.uniform(1, 3)), float(rng.uniform(0, 1)), int(rng.integers(0, 20))
+        rates = [(expected + gains[:m].sum()) / (draft_time + costs.verify(1 + nodes + m) + costs.overhead)
+                 for m in range(len(gains) + 1)]
+        m, r = best_prefix(expected, draft_time, nodes, gains, costs)
+        assert m == int(np.argmax(rates)) and r == pytest.approx(max(rates))
+
+
+def test_cost_curve_interpolates_extrapolates_and_smooths_noise():
+    c = CostCurve.from_measurements((1, 2, 4, 8), (1.0, 0.8, 0.9, 0.85))  # t(1) > t(2) is real; t(8) < t(4) noise
+    assert c(1) == 1.0 and c(2) == 0.8
+    assert c(4) == pytest.approx(0.875) and c(8) == pytest.approx(0.875)  # pooled: non-decreasing from n = 2
+    assert c(3) == pytest.approx((0.8 + 0.875) / 2)
+    assert c(16) == pytest.approx(0.875)  # flat last segment: flat extrapolation
+    up = CostCurve.from_measurements((1, 2, 4), (1.0, 1.0, 2.0))
+    assert up(8) == pytest.approx(4.0) and list(up(np.array([1, 3]))) == [1.0, 1.5]
+    with pytest.raises(ValueError):
+        CostCurve.from_measurements((1, 1), (1.0, 2.0))
+
+
+# ---- synthetic optima ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q,delta", [(0.9, 0.1), (0.8, 0.25), (0.6, 0.2), (0.5, 0.45), (0.3, 0.5), (0.97, 0.02)])
+def test_chain_depth_is_the_closed_form_optimum(q, delta):
+    """One child per node, acceptance = draft probability q per token, flat verification, draft layers of delta:
+    R(D) = (1 + q + ... + q^D) / (1 + D delta); the policy's depth is the argmax (0 = plain decoding)."""
+    policy = auto(CostModel(flat(1.0), flat(delta)), [q], max_children=1, calibration=False)
+    session = ConstSession([q] + [(1 - q) / 4] * 4)
+    tree = policy.draft(ctx_for(session))
+    rates = [sum(q**i for i in range(d + 1)) / (1 + d * delta) for d in range(17)]
+    best = int(np.argmax(rates))
+    assert tree.depth == best and len(tree) - 1 == best
+    assert session.forwards == best  # a perfect predictor never wastes a draft call
+    assert policy._built.record["expected"] == pytest.approx(sum(q**i for i in range(best + 1)), rel=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_root_width_is_the_enumerated_optimum(seed):
+    """One layer (max_layers=1): the number of root children is argmax_m (1 + p_1 + ... + p_m) / (d(1) + t(1 + m))."""
+    rng = np.random.default_rng(seed)
+    p = np.sort(rng.dirichlet(np.full(12, 0.4)))[::-1]
+    t = CostCurve.from_measurements(SIZES, np.sort(rng.uniform(0.8, 3.0, len(SIZES))))
+    d = flat(float(rng.uniform(0.02, 0.3)))
+    policy = auto(CostModel(t, d), p[:8], max_layers=1, calibration=False)
+    tree = policy.draft(ctx_for(ConstSession(p)))
+    rates = [(1 + p[:m].sum()) / (d(1) + t(1 + m)) if m else 1 / t(1) for m in range(9)]
+    assert len(tree) - 1 == int(np.argmax(rates))
+    assert [tree.tokens[c] for c in tree.children(0)] == list(range(len(tree) - 1))  # the top tokens, in order
+
+
+def rank_trees(k: int, max_nodes: int, max_depth: int):
+    """Every tree of rank paths (child j of a node = its j-th most likely token) closed under parents and under
+    earlier siblings, with at most max_nodes drafted nodes."""
+    full = sorted((t for d in range(1, max_depth + 1) for t in itertools.product(range(k), repeat=d)),
+                  key=lambda t: (len(t), t))
+    out = []
+
+    def grow(i, chosen):
+        if i == len(full):
+            out.append(list(chosen))
+            return
+        grow(i + 1, chosen)
+        t = full[i]
+        if len(chosen) < max_nodes and (len(t) == 1 or t[:-1] in chosen) and (t[-1] == 0 or t[:-1] + (t[-1] - 1,) in chosen):
+            chosen.add(t)
+            grow(i + 1, chosen)
+            chosen.remove(t)
+
+    grow(0, set())
+    return out
+
+
+def rank_tree_rate(nodes, p, costs):
+    values = [math.prod(p[j] for j in t) for t in nodes]
+    depth = max((len(t) for t in nodes), default=0)
+    widths = [len({t[:-1] for t in nodes if len(t) == d + 1}) for d in range(depth)]  # nodes each call forwards
+    return tree_rate(values, widths, costs)
+
+
+def test_trees_are_near_the_brute_force_optimum():
+    """Stationary acceptance = draft probability, random CPU-like costs: the greedy layer-by-layer tree reaches
+    >= 97% of the best rate over every tree of <= 7 nodes (and exactly the best in most cases)."""
+    rng = random.Random(0)
+    ratios = []
+    trees = rank_trees(3, 7, 4)
+    for _ in range(30):
+        p = sorted((rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(3)), reverse=True)
+        scale = sum(p) * rng.uniform(1.0, 1.6)
+        p = [x / scale for x in p]
+        t = CostCurve.from_measurements((1, 2, 4, 8), [1.0] + sorted(rng.uniform(0.8, 1.4) for _ in range(3)))
+        delta = rng.uniform(0.05, 0.6)
+        costs = CostModel(t, CostCurve.from_measurements((1, 2, 4, 8), [delta * r for r in (1, 1.02, 1.05, 1.2)]))
+        tail = max(5, math.ceil((1 - sum(p)) / p[-1]) + 1)  # tail tokens, each less likely than the top 3
+        session = ConstSession(p + [(1 - sum(p)) / tail] * tail)
+        tree = auto(costs, p, max_nodes=7, max_layers=4, max_children=3, calibration=False).draft(ctx_for(session))
+        got = tree_rate([tree.path_prob(i) for i in range(1, len(tree))], session.widths, costs)
+        best = max(rank_tree_rate(nodes, p, costs) for nodes in trees)
+        assert got <= best * (1 + 1e-5)  # (float32 draft probabilities)
+        ratios.append(got / best)
+    assert min(ratios) >= 0.97 and np.mean(ratios) >= 0.995
+    assert sum(r > 1 - 1e-5 for r in ratios) >= 0.8 * len(ratios)
+
+
+def test_no_draft_call_when_drafting_cannot_pay():
+    session = ConstSession([0.5] + [0.1] * 5)
+    policy = auto(CostModel(flat(1.0), flat(2.0)), [0.5])
+    tree = policy.draft(ctx_for(session))
+    assert len(tree) == 1 and session.forwards == 0
+    assert policy._built.record["mode"] == "ar (objective)"
+
+
+def test_cpu_costs_give_wide_shallow_trees_for_an_unsure_draft_and_deep_ones_for_a_sure_one():
+    unsure = ConstSession([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05])
+    tree = auto(CostModel(T_CPU, D_CPU), [0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05]).draft(ctx_for(unsure))
+    assert tree.depth == 1 and len(tree) - 1 >= 4  # verification is free up to ~8 tokens; depth costs draft calls
+    sure = ConstSession([0.95, 0.02, 0.01, 0.01, 0.01])
+    tree = auto(CostModel(T_CPU, D_CPU), [0.95, 0.02, 0.01, 0.01, 0.01]).draft(ctx_for(sure))
+    assert tree.depth >= 4 and len(tree) - 1 <= tree.depth + 2
+
+
+@given(st.integers(2, 14), st.integers(0, 10**6), st.floats(0.3, 6.0), st.sampled_from([0.0, 0.7, 1.0]),
+       st.integers(0, 6), st.integers(1, 20), st.floats(0.001, 0.5))
+@settings(max_examples=60, deadline=None)
+def test_tree_properties(vocab, seed, sharpness, temperature, max_depth, max_nodes, delta):
+    session = FakeSession(vocab, seed, sharpness)
+    policy = auto(CostModel(T_CPU, flat(delta)), max_nodes=max_nodes, max_children=4)
+    ctx = fake_context(session, temperature=temperature, max_depth=max_depth, seed=seed)
+    tree = policy.draft(ctx)
+    check_tree(tree, budget=max_nodes, max_depth=max_depth, rules=policy.draw_rules(ctx.sampling))
+    assert all(len(k) <= 4 for k in tree.children_lists())
+    assert session.forwards == len(policy._built.record["forwarded"]) <= tree.depth + 1
+    assert len(policy._built.scores) == len(tree) - 1
+    if temperature > 0:
+        assert all(r is DrawRule.WITHOUT_REPLACEMENT for r in tree.child_rule.values())
+
+
+def test_draws_without_replacement_have_the_residual_distribution():
+    """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, uses a
+    masked multinomial): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
+    from arborspec.drafting.auto import _Build
+
+    build = SimpleNamespace(ctx=SimpleNamespace(generator=make_generator(0)))  # all _draw_new needs
+
+    for q, taken in (([0.5, 0.3, 0.15, 0.05], [1]), ([0.995, 0.004, 0.001], [0])):
+        qt = torch.tensor(q, dtype=torch.float64)
+        cdf = torch.cumsum(qt, 0).numpy()
+        n = 6000
+        counts = np.bincount([_Build._draw_new(build, qt, cdf, float(cdf[-1]), taken) for _ in range(n)],
+                             minlength=len(q))
+        expect = np.array(q) / (1 - sum(q[t] for t in taken))
+        expect[taken] = 0
+        assert counts[taken].sum() == 0
+        assert np.abs(counts / n - expect).max() < 4 * np.sqrt(0.25 / n)
+
+
+# ---- calibration --------------------------------------------------------------------------------------------------
+def test_calibrator_starts_at_the_identity_and_learns_a_monotone_curve():
+    cal = Calibrator(max_evidence=1e9)
+    assert cal(cal.centers) == pytest.approx(cal.centers)  # the prior: draft probability = acceptance
+    rng = np.random.default_rng(0)
+    scores = rng.uniform(0, 1, 60000)
+    truth = lambda s: 0.8 * s**2  # noqa: E731  the draft is overconfident
+    cal.observe(scores, rng.uniform(0, 1, len(scores)) < truth(scores))
+    curve = cal.curve()
+    assert np.all(np.diff(curve) >= 0)
+    busy = cal.trials > 1000
+    assert np.abs(curve[busy] - truth(cal.centers[busy])).max() < 0.03
+    assert cal(0.0) == 0.0 and 0.0 <= cal(1.0) <= 1.0
+
+
+def test_calibration_is_monotone_even_when_the_data_is_not():
+    cal = Calibrator()
+    cal.observe([0.35] * 200 + [0.45] * 200, [1] * 180 + [0] * 20 + [1] * 20 + [0] * 180)
+    assert np.all(np.diff(cal.curve()) >= 0)
+    assert pool_adjacent_violators([3, 1, 2], [1, 1, 1]).tolist() == [2, 2, 2]
+    off = Calibrator(enabled=False)
+    off.observe([0.5], [0])
+    assert off(0.37) == pytest.approx(0.37) and off.trials.sum() == 0
+
+
+def test_calibrator_save_load_caps_old_evidence():
+    cal = Calibrator(max_evidence=10**9)
+    cal.observe([0.55] * 1000, [1] * 300 + [0] * 700)
+    again = Calibrator()
+    assert again.load(cal.to_dict(), cap=100)
+    b = int(np.searchsorted(again.edges, 0.55, side="right") - 1)
+    assert again.trials[b] == pytest.approx(100) and again.hits[b] == pytest.approx(30)
+    assert not Calibrator(edges=(0, 0.5, 1)).load(cal.to_dict())  # other bins: ignored
+
+
+def test_update_learns_from_the_accepted_path():
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    session = ConstSession([0.6, 0.2, 0.1, 0.05, 0.05])
+    tree = policy.draft(ctx_for(session))
+    assert len(tree) > 2
+    path = [tree.children(0)[0]]
+    policy.update(step_for(tree, path))
+    assert policy.calibrator.trials.sum() == len(tree) - 1 and policy.calibrator.hits.sum() == 1
+    rec = policy.explain()["steps"][-1]
+    assert rec["accepted"] == 1 and rec["widths"] == tree.widths()
+
+
+def test_update_ignores_grafted_nodes():
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    tree = policy.draft(ctx_for(ConstSession([0.6, 0.2, 0.1, 0.05, 0.05])))
+    own = len(tree) - 1
+    extra = tree.add(0, 4)  # e.g. an n-gram branch the engine grafted after drafting
+    policy.update(step_for(tree, [extra]))
+    assert policy.calibrator.trials.sum() == own and policy.calibrator.hits.sum() == 0
+
+
+# ---- the guard ----------------------------------------------------------------------------------------------------
+def run_guard(guard, steps, model_plain=0.1):
+    """Feed (seconds, tokens) as drafted steps whenever the guard plans speculation; returns the plans."""
+    plans = []
+    for seconds, tokens in steps:
+        plan = guard.plan()
+        plans.append(plan)
+        if plan == "ar":
+            guard.observe(0.1, 1, "ar", False, model_plain)
+        else:
+            guard.observe(seconds, tokens, plan, True, model_plain)
+    return plans
+
+
+def test_guard_falls_back_probes_backs_off_and_resumes():
+    guard = Guard(margin=0.1, window=4, cooldown=3)
+    slow = [(0.5, 2)] * 4  # 4 tokens/s against plain decoding's 10
+    plans = run_guard(guard, slow + [(0, 0)] * 3 + slow + [(0, 0)] * 6)
+    assert plans[:4] == ["spec"] * 4 and plans[4:7] == ["ar"] * 3  # fallback for `cooldown` plain steps
+    assert plans[7:11] == ["spec"] * 4 and plans[11:17] == ["ar"] * 6  # the probe failed: twice as long
+    actions = [d["action"] for d in guard.decisions]
+    assert actions == ["fallback", "probe", "fallback", "probe"]
+    assert guard.decisions[0]["measured_tokens_per_s"] == pytest.approx(4.0)
+    assert guard.decisions[0]["plain_tokens_per_s"] == pytest.approx(10.0)
+    fast = [(0.1, 3)] * 4  # 30 tokens/s
+    run_guard(guard, fast)
+    assert guard.decisions[-1]["action"] == "resume" and guard.backoff == 1
+    run_guard(guard, fast * 3)
+    assert guard.decisions[-1]["action"] == "resume"  # no news while speculation keeps paying
+
+
+def test_one_stalled_step_does_not_trigger_a_fallback():
+    guard = Guard(margin=0.1, window=4, cooldown=3)
+    run_guard(guard, [(5.0, 3)] + [(0.1, 3)] * 3)  # 12 tokens in 5.3 s, but one step was a stall
+    assert guard.decisions == [] and guard.rate() == pytest.approx(30.0)
+    run_guard(guard, [(5.0, 3)] * 2)  # two stalls in the window are a trend
+    assert [d["action"] for d in guard.decisions] == ["fallback"]
+
+
+def test_guard_uses_measured_plain_steps_over_the_profile():
+    guard = Guard(margin=0.1, window=2, cooldown=2)
+    for _ in range(3):
+        guard.observe(0.5, 1, "spec", False, model_plain=0.1)  # measured plain decoding: 2 tokens/s, not 10
+    assert guard.plain_time(0.1) == (0.5, "measured")
+    run_guard(guard, [(0.5, 2)] * 4)  # 4 tokens/s beats the measured 2 tokens/s
+    assert guard.decisions == []
+    assert Guard(enabled=False).plan() == "spec"
+
+
+def test_guard_forces_a_probe_after_a_long_plain_stretch():
+    guard = Guard(cooldown=3)
+    for _ in range(3):
+        assert guard.plan() == "spec"
+        guard.observe(0.1, 1, "spec", False, 0.1)  # the objective chose plain decoding
+    assert guard.plan() == "probe"
+    guard.observe(0.1, 2, "probe", True, 0.1)
+    assert guard.plan() == "spec"
+
+
+def test_policy_obeys_the_guard_and_explains_it():
+    policy = auto(CostModel(T_CPU, D_CPU), [0.9], guard_window=3, guard_cooldown=4, adapt_costs=False)
+    session = ConstSession([0.9, 0.05, 0.05])
+    modes, context = [], [3, 1, 4]
+    for _ in range(10):
+        calls = session.forwards
+        tree = policy.draft(ctx_for(session, context=context))
+        context.append(0)  # one committed token per step (the account resets when the context does not grow)
+        modes.append(policy._built.record["mode"])
+        if modes[-1] == "ar (guard)":
+            assert len(tree) == 1 and session.forwards == calls  # plain steps make no draft call
+        path = tree.path(len(tree) - 1)[1:] if len(tree) > 1 else []
+        policy.update(step_for(tree, path, t_draft=10.0 * (len(tree) > 1), t_verify=float(T_CPU(len(tree)))))
+        # (drafting measured far slower than profiled: speculation loses)
+    assert modes[:3] == ["spec"] * 3 and modes[3:7] == ["ar (guard)"] * 4 and modes[7] == "spec"
+    info = policy.explain()
+    assert [d["action"] for d in info["guard"]][:2] == ["fallback", "probe"]
+    assert "fallback" in info["summary"]
+    json.dumps(info)
+
+
+def test_a_policy_that_never_drafts_still_probes_and_no_room_steps_leave_the_guard_alone():
+    policy = auto(CostModel(flat(1.0), flat(2.0)), [0.5], guard_cooldown=3)
+    session = ConstSession([0.5] + [0.1] * 5)
+    modes, context = [], [3, 1, 4]
+    for _ in range(5):
+        tree = policy.draft(ctx_for(session, context=context))
+        context.append(0)
+        modes.append(policy._built.record["mode"])
+        policy.update(step_for(tree, [], t_draft=0.0, t_verify=1.0))
+    assert modes == ["ar (objective)"] * 3 + ["probe", "ar (objective)"]
+    assert session.forwards == 1 and policy.guard.decisions == []
+    tree = policy.draft(ctx_for(session, context=context, max_depth=0))  # the last token: no room for a tree
+    assert len(tree) == 1 and policy._built.record["mode"] == "ar (no room)"
+    policy.update(step_for(tree, [], t_draft=0.0, t_verify=1.0))
+    assert policy.guard.decisions == [] and policy.guard.ar_left == 0
+
+
+def test_cost_scales_follow_measured_times():
+    costs = CostModel(T_CPU, D_CPU)
+    policy = auto(costs, [0.9])
+    session = ConstSession([0.9, 0.05, 0.05])
+    for _ in range(40):
+        tree = policy.draft(ctx_for(session))
+        predicted_draft = policy._built.draft_raw
+        policy.update(step_for(tree, [], t_draft=2 * predicted_draft, t_verify=3 * T_CPU(len(tree)), t_other=0.01))
+    assert costs.draft_scale == pytest.approx(2.0, rel=0.02)
+    assert costs.verify_scale == pytest.approx(3.0, rel=0.02)
+    assert costs.overhead == pytest.approx(0.01, rel=0.02)
+    # after plain steps the draft's first call also catches up on the tokens it missed: predicted, not a slowdown
+    lagging = auto(CostModel(T_CPU, D_CPU), [0.9], max_layers=1)
+    session.cached = [3]  # the draft's cache holds 1 of the 9 committed tokens before the root
+    for _ in range(5):
+        tree = lagging.draft(ctx_for(session, context=[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]))
+        assert lagging._built.record["catch_up"] == 8
+        lagging.update(step_for(tree, [], t_draft=float(D_CPU(1 + 8)), t_verify=float(T_CPU(len(tree)))))
+    assert lagging.costs.draft_scale == pytest.approx(1.0) and lagging.costs.verify_scale == pytest.approx(1.0)
+    frozen = CostModel(T_CPU, D_CPU)
+    policy = auto(frozen, [0.9], adapt_costs=False, guard=False)
+    tree = policy.draft(ctx_for(session))
+    policy.update(step_for(tree, [], t_draft=5.0, t_verify=5.0, t_other=1.0))
+    assert (frozen.draft_scale, frozen.verify_scale, frozen.overhead) == (1.0, 1.0, 0.0)
+
+
+# ---- end to end: exactness and stats --------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_matches_ar(arch, cheap_profile):
+    accepted = check_greedy_equivalence(make_pair(arch), "auto", {})
+    assert accepted > 0
+
+
+def test_budget_auto_on_dyspec_is_the_auto_policy(cheap_profile):
+    from arborspec.drafting.dyspec import DySpecOptions
+
+    assert DySpecOptions(budget="AUTO").budget == "auto" and DySpecOptions(budget="12").budget == 12
+    with pytest.raises(ValueError, match="'auto'"):
+        DySpecOptions(budget="many")
+    a = POLICIES["dyspec"](budget="auto")
+    a.auto.use_costs(CostModel(T_CPU, D_CPU))
+    b = auto(CostModel(T_CPU, D_CPU))
+    for seed in range(3):
+        ta = a.draft(fake_context(FakeSession(20, seed, 3.0), temperature=1.0, seed=seed))
+        tb = b.draft(fake_context(FakeSession(20, seed, 3.0), temperature=1.0, seed=seed))
+        assert ta.tokens == tb.tokens and ta.parents == tb.parents
+    target, draft = make_pair("llama")
+    dec = SpeculativeDecoder(target, draft, method="dyspec", budget="auto", temperature=1.0)
+    assert dec.verifier.name == "mbr"
+    res = dec.generate([5, 6, 7], max_new_tokens=12, seed=0, ignore_eos=True)
+    assert res.stats.policy["summary"].startswith("auto:")
+
+
+def test_stats_explain_the_choices(cheap_profile):
+    target, draft = make_pair("llama")
+    dec = SpeculativeDecoder(target, draft, method="auto")
+    assert dec.verifier.name == "greedy" and dec.policy.source["costs"] == "target measured, draft measured"
+    res = dec.generate([5, 6, 7, 8], max_new_tokens=30, ignore_eos=True)
+    info = res.stats.policy
+    assert len(info["steps"]) == res.stats.n_steps
+    assert [s["widths"] for s in info["steps"]] == [s.widths for s in res.stats.steps]
+    assert sum(s.tree_size for s in res.stats.steps) > 0
+    assert len(info["calibration"]) == len(Calibrator().centers) and info["costs"]["target_ms"]
+    assert sum(b["observed"] for b in info["calibration"]) > 0
+    data = res.stats.to_dict(per_step=True)
+    assert data["policy"]["summary"] == info["summary"] and "path" in data["per_step"][0]
+    json.dumps(data)
+    again = dec.generate([9, 9, 2], max_new_tokens=5, ignore_eos=True)  # a new generation: a new account
+    assert len(again.stats.policy["steps"]) == again.stats.n_steps
+    with pytest.raises(RuntimeError, match="cost profile"):
+        POLICIES["auto"]().draft(fake_context(FakeSession()))
+
+
+class LearningTableDecoder:
+    """The harness's TableDecoder loop plus what the engine adds for learning policies: `policy.update(StepStats)`
+    with the accepted path and random step times, so calibration, cost scales and the guard all move between (and
+    within) samples; the tree of a step still never sees that step's verdict."""
+
+    def __init__(self, table_decoder, seed: int = 0):
+        self.d = table_decoder
+        self.vocab = table_decoder.vocab
+        self.rng = random.Random(seed)
+        self.shapes: set[tuple[int, int]] = set()  # (depth, widest layer) of the trees drafted
+
+    def generate(self, prompt, max_new_tokens, seed=None, ignore_eos=True, generator=None):
+        from tests.verify.harness import TableResult
+
+        d = self.d
+        gen = generator if generator is not None else make_generator(seed)
+        horizon = max(d.horizon or 0, max_new_tokens)
+        target, draft = d.target.session(), d.draft.session()
+        context, out = list(prompt), TableResult([])
+        while len(out.token_ids) < max_new_tokens:
+            room = horizon - len(out.token_ids) - 1
+            tree = d.policy.draft(DraftContext(draft, context, d.draft_sampling, gen, max(room, 0)))
+            logits = target.forward(context, tree, list(range(len(tree))))
+            verdict = d.verifier.verify(tree, logits, d.sampling, gen)
+            self.shapes.add((tree.depth, max(tree.widths())))
+            kept = ([tree.tokens[i] for i in verdict.path] + [verdict.bonus])[: max_new_tokens - len(out.token_ids)]
+            target.commit([0] + verdict.path)
+            draft.commit([0] + verdict.path)
+            context += kept
+            out.token_ids += kept
+            slow = self.rng.random() < 0.3
+            d.policy.update(step_for(tree, verdict.path, t_draft=(3.0 if slow else 0.01) * (len(tree) > 1),
+                                     t_verify=0.1, committed=len(kept)))
+        return out
+
+
+def test_sampled_output_follows_the_target_distribution():
+    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
+                                      sample_outputs, samples_needed)
+    from tests.conftest import noisy_copy, tiny_model
+
+    vocab, k, horizon = 5, 2, 4
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    prompt = [1, 3]
+    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
+    dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="mbr", temperature=1.0,
+                                            horizon=horizon))
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)
+    actions = {g["action"] for g in policy.run["guard"]} | {a["action"] for a in policy.guard.decisions}
+    assert "fallback" in actions  # the guard did switch during sampling
+    assert (0, 1) in dec.shapes and any(depth >= 2 and width >= 2 for depth, width in dec.shapes)
+    assert policy.calibrator.trials.sum() > 100
+
+
+def test_bench_knows_auto():
+    from arborspec.bench.methods import options_for, resolve
+
+    spec, why = resolve("auto")
+    assert why is None and spec.policy == "auto" and spec.needs_draft
+    assert options_for(spec, 16) == ({}, None)
+
+
+def test_new_generation_resets_the_account_not_the_calibration():
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6])
+    session = ConstSession([0.6, 0.2, 0.1, 0.1])
+    tree = policy.draft(DraftContext(session, [1, 2, 3], SamplingConfig(0.0), None, 10))
+    policy.update(step_for(tree, []))
+    seen = policy.calibrator.trials.sum()
+    tree = policy.draft(DraftContext(session, [1, 2, 3, 7], SamplingConfig(0.0), None, 10))
+    policy.update(step_for(tree, []))
+    assert len(policy.explain()["steps"]) == 2
+    policy.draft(DraftContext(session, [1, 2], SamplingConfig(0.0), None, 10))  # shorter: another generation
+    assert policy.explain()["steps"] == [] and policy.calibrator.trials.sum() >= seen
