@@ -23,6 +23,13 @@ def _grid(plt, n: int, width: float = 6.5, height: float = 3.6, cols: int = 1):
     return fig, [ax for row in axes for ax in row]
 
 
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def throughput_plot(results: dict, path: Path) -> Path | None:
     from .report import tables
 
@@ -49,10 +56,7 @@ def throughput_plot(results: dict, path: Path) -> Path | None:
         ax.set_ylabel("x ar")
         for a in axes[2 * i: 2 * i + 2]:
             a.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
@@ -83,10 +87,7 @@ def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
         ax.set_title(f"{dataset}, T={temp:g}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path | None:
@@ -111,10 +112,7 @@ def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path |
         ax.set_title(f"acceptance vs draft probability, T={temp:g}")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
@@ -137,10 +135,7 @@ def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
         ax.set_title(f"SpS vs ASpS, T={temp:g}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(results: dict, directory: Path) -> list[Path]:
