@@ -43,13 +43,7 @@ class TreeSession:
 
         Every ancestor of a node must be in the region already or among `nodes` (listed parents first).
         """
-        if not nodes:
-            raise ValueError("forward needs at least one node")
-        if self.tree is not tree:
-            if self.slot:
-                raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")
-            self.tree = tree
-        pending = self._pending(context, tree)
+        pending = begin_forward(self, context, tree, nodes)
         q = len(pending) + len(nodes)
         past = len(self.cached) + self.region_len
         kv_len = past + q
@@ -98,9 +92,6 @@ class TreeSession:
         self.tree = None
 
     # ---- internals --------------------------------------------------------------------------------------------
-    def _pending(self, context: list[int], tree: TokenTree) -> list[int]:
-        return pending_tokens(self, context, tree)
-
     @torch.inference_mode()
     def _run(self, ids: list[int], positions: list[int], allowed: torch.Tensor, keep: int) -> torch.Tensor:
         dtype = self.model.dtype
@@ -122,12 +113,19 @@ class TreeSession:
         return logits
 
 
-def pending_tokens(session, context: list[int], tree: TokenTree) -> list[int]:
-    """Committed tokens before the tree's root that `session` (attention or SSM) has not processed yet.
+def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]) -> list[int]:
+    """Start a forward of `nodes` on `session` (attention or SSM): check the call, bind the tree to the region, and
+    return the committed tokens before the tree's root that the session has not processed yet.
 
-    Only the first forward of a step carries them; later forwards of the same step (the region is not empty) add
-    tree nodes only.
+    Only the first forward of a step carries such pending tokens; later forwards of the same step (the region is not
+    empty) add tree nodes only.
     """
+    if not nodes:
+        raise ValueError("forward needs at least one node")
+    if session.tree is not tree:
+        if session.slot:
+            raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")
+        session.tree = tree
     if tree.tokens[0] != context[-1]:
         raise ValueError("the tree's root must be the last committed token")
     if session.slot:

@@ -42,7 +42,7 @@ import torch
 
 from ..sampling import check_finite
 from ..tree import TokenTree
-from .hf import pending_tokens
+from .hf import begin_forward
 from .ssm_scan import chain_states, conv_taps, discretize, new_conv_tail, replay_state, tree_conv, tree_ssd
 
 SSM_MODEL_TYPES = ("mamba2", "bamba", "nemotron_h")
@@ -254,13 +254,7 @@ class SSMTreeSession:
     # ---- TreeSession's interface -----------------------------------------------------------------------------------
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1] (parents before children)."""
-        if not nodes:
-            raise ValueError("forward needs at least one node")
-        if self.tree is not tree:
-            if self.slot:
-                raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")
-            self.tree = tree
-        pending = self._pending(context, tree)
+        pending = begin_forward(self, context, tree, nodes)
         if len(pending) > self.max_ride:  # a long catch-up goes through the chunked prefill first
             head = pending[: len(pending) - self.max_ride]
             self.prefill(head)
@@ -319,9 +313,6 @@ class SSMTreeSession:
         self.tree = None
 
     # ---- internals -------------------------------------------------------------------------------------------------
-    def _pending(self, context: list[int], tree: TokenTree) -> list[int]:
-        return pending_tokens(self, context, tree)
-
     def _commit_rows(self, rows: list[int]) -> None:
         """Fold the chain of `rows` into the committed states (activation replay) and clear this step's rows."""
         if not rows and not self._parent:
