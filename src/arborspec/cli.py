@@ -8,6 +8,7 @@ import os
 import sys
 
 from .drafting import POLICIES
+from .drafting.base import option_parser
 from .verify import VERIFIERS
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -29,19 +30,15 @@ def _method_option_fields() -> dict[str, dataclasses.Field]:
     return fields
 
 
-def _parse_bool(text: str) -> bool:
-    value = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
-    if text.lower() not in value:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value[text.lower()]
-
-
-def _int_or_text(text: str):
-    """An integer option that also takes a word (dyspec's --budget auto)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
+def _argtype(parse):
+    """Wrap an option parser so argparse reports its ValueError as a usage error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -70,9 +67,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     levers.add_argument("--ngram-len", type=int, default=8, help="tokens per prompt-lookup branch")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
-        kind = {"int": int, "float": float, "str": str, "bool": _parse_bool,
-                "int | str": _int_or_text}.get(getattr(f.type, "__name__", f.type), str)
-        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=kind, default=None,
+        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=_argtype(option_parser(f)),
+                           default=None,
                            help=f"{f.metadata.get('help', '')} (default {f.default!r})")
 
 

@@ -1,6 +1,8 @@
 """The interleaved loop: a failing method is recorded and skipped, not fatal; budgets map to method options."""
 import json
 
+import torch
+
 import pytest
 
 from arborspec.bench import methods, runner
@@ -68,3 +70,50 @@ def test_unregistered_policy_is_skipped_with_a_warning(monkeypatch):
     warnings = []
     configs = runner._configs(BenchSettings(target="t", draft="d", methods=["ar", "future"]), warnings)
     assert [c.label for c in configs] == ["ar"] and "not registered" in warnings[0]
+
+
+def test_method_names_carry_options_budget_and_levers():
+    spec, why = methods.resolve("dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram")
+    assert why is None and spec.name == "dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram"
+    assert spec.policy == "dynatree" and dict(spec.fixed) == {"adapt": False, "window": 4}
+    assert (spec.budget, spec.quant, spec.vocab, spec.ngram) == (16, "int8", 2048, methods.NGRAM_DEFAULT)
+    assert methods.options_for(spec, 16) == ({"budget": 16, "adapt": False, "window": 4}, None)
+    spec, _ = methods.resolve("hf-assisted+int4")
+    assert spec.hf and spec.quant == "int4" and spec.draft_key == ("int4", 0)
+    for bad, words in [("dynatree(nope=1)", "not option=value"), ("dynatree(window=x)", "invalid literal"),
+                       ("ar@4", "no size option"), ("chain+fp8", "unknown lever"), ("hf-assisted+ngram", "baselines"),
+                       ("ar+int8", "without a draft"), ("chain@", "does not read"), ("hf-ar(k=1)", "no (option")]:
+        spec, why = methods.resolve(bad)
+        assert spec is None and words in why, (bad, why)
+    assert methods.split_methods("ar, wetap(gamma=0.8,alpha=0.3)@16,chain@5+int8") == \
+        ["ar", "wetap(gamma=0.8,alpha=0.3)@16", "chain@5+int8"]
+
+
+def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():
+    warnings = []
+    settings = BenchSettings(target="t", draft="d", methods=["chain@5", "dyspec", "dyspec(batch=false)"],
+                             budgets=[8, 16])
+    labels = [c.label for c in runner._configs(settings, warnings)]
+    assert labels == ["chain@5", "dyspec@8", "dyspec@16", "dyspec(batch=false)@8", "dyspec(batch=false)@16"]
+    assert not warnings
+
+
+def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, monkeypatch):
+    from arborspec.models import draft_levers
+
+    monkeypatch.setattr(draft_levers, "corpus_counts",  # no ShareGPT download: count a line of code instead
+                        lambda tok, vocab, **kw: draft_levers.token_counts(tok, ["def f(x): return x + 1"], vocab))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+    settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
+                             methods=["ar", "chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"],
+                             max_new_tokens=12, out=str(tmp_path / "out"), progress=False, ignore_eos=True,
+                             threads=1, warmup=False)
+    results = json.loads(run_bench(settings, models=models).read_text())
+    runs = {r["label"]: r for r in results["runs"]}
+    assert all(r["error"] is None for r in runs.values()), [r["error"] for r in runs.values()]
+    assert runs["chain@3+int8"]["draft_quant"] == "int8" and runs["dyspec@8+vocab40+ngram2"]["ngram"] == 2
+    for label in ("chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"):
+        assert runs[label]["token_ids"] == runs["ar"]["token_ids"], label  # greedy: levers keep the output
+    assert not hasattr(models[1].model.get_output_embeddings(), "keep")  # the shared draft was not pruned
+    assert type(models[1].model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # nor quantized

@@ -15,18 +15,31 @@
 
 Without `--budgets` every method runs with its own defaults. A method whose policy is not registered (yet) is skipped
 with a warning, and so is a size option its policy does not take.
+
+A method name can carry its own settings, so one run can hold variants side by side:
+
+    NAME[(option=value,...)][@BUDGET][+LEVER...]
+
+- `(option=value,...)`: policy options, e.g. `dynatree(adapt=false)`, `wetap(gamma=0.8,alpha=0.3)`;
+- `@BUDGET`: this method runs at this budget only, whatever `--budgets` says, e.g. `chain@5`;
+- levers (arborspec.models.draft_levers), on the draft this method uses: `+int8`, `+int4` (quantized draft),
+  `+vocab32768` (or `+vocab32k`: a draft head over the 32768 most frequent tokens), and `+ngram` / `+ngram3`
+  (prompt-lookup branches grafted into the tree; arborspec policies only), e.g. `auto+int8+ngram`,
+  `hf-assisted+int8` (transformers' assisted generation given the same quantized draft).
 """
 from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from ..drafting import POLICIES
+from ..drafting.base import option_parser
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,16 @@ class MethodSpec:
     allow_lossy: bool = False
     size: Callable[[int], dict] | None = None  # budget -> policy options
     hf: dict | None = None  # transformers generate() kwargs (besides sampling); "assistant" means the draft model
+    fixed: tuple = ()  # (option, value) pairs given in the method name
+    budget: int | None = None  # a budget pinned in the method name (@B)
+    quant: str = "none"  # draft levers given in the method name
+    vocab: int = 0
+    ngram: int = 0
+
+    @property
+    def draft_key(self) -> tuple[str, int]:
+        """Which prepared draft this method runs with."""
+        return self.quant, self.vocab
 
     @property
     def needs_draft(self) -> bool:
@@ -77,7 +100,77 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in [
 ]}
 
 
+_NAME = re.compile(r"^(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(?P<budget>\d+))?"
+                   r"(?P<levers>(?:\+[a-z0-9]+)*)$")
+NGRAM_DEFAULT = 3
+
+
+def split_methods(text: str) -> list[str]:
+    """Split --methods at the commas that are not inside a method's (option=value,...) list."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [m for m in out if m]
+
+
+def _lever(spec: MethodSpec, lever: str) -> MethodSpec:
+    if lever in ("int8", "int4"):
+        return replace(spec, quant=lever)
+    if m := re.fullmatch(r"vocab(\d+)(k?)", lever):
+        return replace(spec, vocab=int(m[1]) * (1024 if m[2] else 1))
+    if m := re.fullmatch(r"ngram(\d*)", lever):
+        if spec.hf is not None:
+            raise ValueError("+ngram grafts branches into arborspec trees; transformers baselines do not take it")
+        return replace(spec, ngram=int(m[1] or NGRAM_DEFAULT))
+    raise ValueError(f"unknown lever +{lever} (levers: +int8, +int4, +vocabK, +ngram[N])")
+
+
+def _fixed_options(spec: MethodSpec, text: str) -> tuple:
+    if spec.policy is None:
+        raise ValueError("transformers baselines take no (option=value) list")
+    known = {f.name: f for f in fields(POLICIES[spec.policy].Options)}
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in known:
+            raise ValueError(f"{item!r} is not option=value for policy {spec.policy!r} "
+                             f"(options: {', '.join(known) or 'none'})")
+        out.append((key, option_parser(known[key])(value.strip())))
+    return tuple(out)
+
+
 def resolve(name: str) -> tuple[MethodSpec | None, str | None]:
+    """(spec, None), or (None, why it is skipped), for a method name with its optional settings (see above)."""
+    m = _NAME.match(name)
+    if m is None:
+        return None, f"method {name!r} does not read as NAME[(option=value,...)][@BUDGET][+LEVER...]; skipped"
+    spec, why = _resolve_base(m["base"])
+    if spec is None:
+        return None, why
+    try:
+        if m["opts"] is not None:
+            spec = replace(spec, fixed=_fixed_options(spec, m["opts"]))
+        if m["budget"] is not None:
+            if spec.size is None:
+                raise ValueError(f"{m['base']} has no size option for @{m['budget']}")
+            spec = replace(spec, budget=int(m["budget"]))
+        for lever in filter(None, m["levers"].split("+")):
+            spec = _lever(spec, lever)
+    except ValueError as err:
+        return None, f"method {name!r}: {err}; skipped"
+    if (spec.quant != "none" or spec.vocab) and not spec.needs_draft:
+        return None, f"method {name!r}: draft levers on a method without a draft; skipped"
+    return replace(spec, name=name), None
+
+
+def _resolve_base(name: str) -> tuple[MethodSpec | None, str | None]:
     """(spec, None), or (None, why it is skipped). A registered policy missing from the table runs with defaults."""
     spec = METHODS.get(name)
     if spec is None:
@@ -95,15 +188,17 @@ def _option_names(policy: str) -> set[str]:
 
 
 def options_for(spec: MethodSpec, budget: int | None) -> tuple[dict, str | None]:
-    """Policy options for `budget` (None: the defaults), and a warning if the policy lacks a size option."""
+    """Policy options for `budget` (None: the defaults) plus those fixed in the method name, and a warning if the
+    policy lacks a size option."""
+    fixed = dict(spec.fixed)
     if budget is None or spec.size is None or spec.policy is None:
-        return {}, None
+        return fixed, None
     opts = spec.size(budget)
     unknown = sorted(set(opts) - _option_names(spec.policy))
     if unknown:
-        return {k: v for k, v in opts.items() if k not in unknown}, \
+        return {k: v for k, v in opts.items() if k not in unknown} | fixed, \
             f"method {spec.name!r}: policy {spec.policy!r} takes no option {', '.join(unknown)}; budget not applied"
-    return opts, None
+    return opts | fixed, None
 
 
 # ------------------------------------------------------------------------------------- transformers baselines

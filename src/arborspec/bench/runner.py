@@ -15,6 +15,7 @@ the RSS change over the run, the target's perplexity of the output, the lossy fl
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -29,7 +30,7 @@ import torch
 
 from . import metrics
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
-from .methods import MethodSpec, hf_generate, options_for, resolve
+from .methods import MethodSpec, hf_generate, options_for, resolve, split_methods
 
 SCHEMA = 1
 WARMUP_TOKENS = 8
@@ -73,7 +74,9 @@ class Config:
 
     @property
     def label(self) -> str:
-        return f"{self.method}@{self.budget}" if self.budget is not None else self.method
+        if self.budget is None or self.spec.budget is not None:  # a pinned budget is already in the name
+            return self.method
+        return f"{self.method}@{self.budget}"
 
 
 # ---------------------------------------------------------------------------------------------- measurement
@@ -143,20 +146,35 @@ class Bench:
 
         self.eos = [] if settings.ignore_eos else sorted(_eos_ids(target.model, self.tokenizer))
         self._ppl: dict[tuple, float | None] = {}
+        self.drafts = {("none", 0): draft}  # (quant, vocab) -> prepared draft
+
+    def draft_for(self, spec: MethodSpec):
+        """The draft this method runs with: the loaded one, or a copy of it with the method's levers applied."""
+        if not spec.needs_draft:
+            return None
+        if spec.draft_key not in self.drafts:
+            from ..models.draft_levers import prepare_draft
+
+            print(f"[arborspec] preparing a draft with quant={spec.quant}, vocab={spec.vocab or 'full'} ...",
+                  file=sys.stderr)
+            self.drafts[spec.draft_key] = prepare_draft(copy.deepcopy(self.draft), spec.quant, spec.vocab,
+                                                        progress=self.s.progress)
+        return self.drafts[spec.draft_key]
 
     def decoder(self, cfg: Config):
         from ..engine import SpeculativeDecoder
 
         spec = cfg.spec
         return SpeculativeDecoder(
-            self.target, self.draft if spec.needs_draft else None, method=spec.policy, temperature=cfg.temperature,
+            self.target, self.draft_for(spec), method=spec.policy, temperature=cfg.temperature,
             top_k=self.s.top_k, top_p=self.s.top_p, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
-            record_trees=True, **cfg.options)
+            record_trees=True, ngram=spec.ngram, **cfg.options)
 
     def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Generate once; return the measured fields (no perplexity, no memory)."""
         if cfg.spec.hf is not None:
-            out = hf_generate(cfg.spec, self.target.model, self.draft.model if self.draft else None, ids,
+            draft = self.draft_for(cfg.spec)
+            out = hf_generate(cfg.spec, self.target.model, draft.model if draft else None, ids,
                               max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
             out.update(verifier="hf", lossy=False, t_prefill=None, t_draft=None, t_verify=None, node_outcomes=None)
             return out
@@ -180,7 +198,8 @@ class Bench:
                    temperature=cfg.temperature, top_k=self.s.top_k, top_p=self.s.top_p, seed=seed,
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
-                   lossy=cfg.spec.allow_lossy, error=None)
+                   lossy=cfg.spec.allow_lossy, draft_quant=cfg.spec.quant, draft_vocab=cfg.spec.vocab,
+                   ngram=cfg.spec.ngram, error=None)
         rss0 = current_rss_mb()
         try:
             out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
@@ -223,7 +242,10 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
                 if why not in warnings:
                     warnings.append(why)
                 continue
-            budgets = settings.budgets if (settings.budgets and spec.size is not None) else [None]
+            if spec.budget is not None:
+                budgets = [spec.budget]
+            else:
+                budgets = settings.budgets if (settings.budgets and spec.size is not None) else [None]
             for b in budgets:
                 options, warn = options_for(spec, b)
                 if warn and warn not in warnings:
@@ -373,7 +395,7 @@ def settings_from_args(args) -> BenchSettings:
         datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     return BenchSettings(
         target=args.target, draft=args.draft, dtype=args.dtype, datasets=datasets, prompt_file=args.prompt_file,
-        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        methods=split_methods(args.methods),
         temperatures=_floats(args.temperatures, "--temperatures"),
         budgets=_ints(args.budgets, "--budgets") if args.budgets else None, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=args.top_k, top_p=args.top_p,

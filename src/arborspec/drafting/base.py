@@ -96,6 +96,27 @@ def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(policy_cls.Options))
 
 
+def parse_bool(text: str) -> bool:
+    value = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+    if str(text).lower() not in value:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value[str(text).lower()]
+
+
+def int_or_text(text: str):
+    """An integer option that also takes a word (dyspec's budget=auto)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def option_parser(f: dataclasses.Field):
+    """The function turning a command-line string into the value of option field `f` (by its annotation)."""
+    kind = getattr(f.type, "__name__", f.type)
+    return {"int": int, "float": float, "str": str, "bool": parse_bool, "int | str": int_or_text}.get(kind, str)
+
+
 def opt(default, help: str):
     """A policy option: a dataclass field whose help text the CLI shows."""
     return dataclasses.field(default=default, metadata={"help": help})
