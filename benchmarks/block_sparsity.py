@@ -12,12 +12,13 @@ laid out in their original (creation) order, BFS, DFS and heavy-path order, for 
 and prefixes of 0 (Table 5 counts the tree part only) and 128 / 512 tokens (Fig. 9 varies the prefix; the paper's
 prompts are 128 tokens). Each cell is the mean over `--seeds` trees.
 
-    python benchmarks/block_sparsity.py [--sizes 256,512,768,1024] [--seeds 5] [--prefixes 0,128,512]
+    python benchmarks/block_sparsity.py [--sizes 256,512,768,1024] [--seeds 5] [--prefixes 0,128,512] [--json F]
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import random
 import statistics
 import time
@@ -73,12 +74,14 @@ def main(argv=None) -> None:
     ap.add_argument("--blocks", default="32,64")
     ap.add_argument("--prefixes", default="0,128,512")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the rows here (read by `arborspec report --reproduction`)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     prefixes = [int(x) for x in args.prefixes.split(",")]
     orders = {"original": original_order, **ORDERS}
     t0 = time.time()
+    rows = []
     print("| tree | nodes | depth | prefix | block | " + " | ".join(orders) + " | original/dfs | bfs/dfs |")
     print("|---|---:|---:|---:|---:|" + "---:|" * (len(orders) + 2))
     for kind, build in (("random", random_tree), ("dyspec", dyspec_tree)):
@@ -89,10 +92,14 @@ def main(argv=None) -> None:
             for prefix in prefixes:
                 for b in blocks:
                     mean = {name: statistics.mean(block_count(t, prefix, b) for t in ts) for name, ts in permuted.items()}
+                    rows.append(dict(tree=kind, nodes=n, depth=depth, prefix=prefix, block=b, tiles=mean))
                     cells = " | ".join(f"{mean[name]:.1f}" for name in orders)
                     print(f"| {kind} | {n} | {depth:.1f} | {prefix} | {b} | {cells} | "
                           f"{mean['original'] / mean['dfs']:.2f}x | {mean['bfs'] / mean['dfs']:.2f}x |", flush=True)
     print(f"\n({args.seeds} trees per row, {time.time() - t0:.0f}s)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(args=vars(args), rows=rows, seconds=time.time() - t0), fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -228,7 +228,10 @@ def test_cli_profile_pair_and_generate_auto(llama_dirs, tmp_path, monkeypatch, c
     assert main(args + ["--out", str(png)]) == 0
     out = capsys.readouterr().out
     assert "target:" in out and "measured profile" in out and "d(n)/d(1)" in out and png.stat().st_size > 1000
-    assert main(args) == 0 and "cache profile" in capsys.readouterr().out
+    assert "draft variants (measured" in out and "<- default" in out and "int8" in out
+    assert (tmp_path / "pair-draft-variants.png").stat().st_size > 1000
+    out = capsys.readouterr().out if main(args) == 0 else ""
+    assert "cache profile" in out and "draft variants (cache" in out
     assert main(["profile", "--dtype", "fp32"]) == 2  # neither --model nor --pair
     for extra in (["--method", "auto"], ["--method", "dyspec", "--budget", "auto"]):
         code = main(["generate", "--target", llama_dirs["target"], "--draft", llama_dirs["draft"], "--dtype", "fp32",

@@ -4,12 +4,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
-from .drafting import POLICIES
-from .drafting.base import option_parser
-from .verify import VERIFIERS
+# torchao (the optional int4 backend) logs, when merely imported on a CPU machine, that its CUDA kernels and triton
+# are missing, and torch warns about its enum registrations: four lines of noise before every command
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+from .drafting import POLICIES  # noqa: E402  (after the logging setup: importing it may import torchao)
+from .drafting.base import option_parser  # noqa: E402
+from .verify import VERIFIERS  # noqa: E402
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -58,8 +64,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
                    help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
     levers = p.add_argument_group("cheaper drafting (any method; the output stays exact)")
-    levers.add_argument("--draft-quant", default="none", choices=["none", "int8", "int4"],
-                        help="quantize the draft's linear layers (int4 needs torchao)")
+    levers.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
+                        help="quantize the draft's linear layers (int4 needs torchao); auto (default): the variant "
+                             "measured fastest for this pair on this machine (cached; see `arborspec profile --pair`)")
     levers.add_argument("--draft-vocab", type=int, default=0,
                         help="draft head over the K most frequent tokens only (0 = full vocabulary)")
     levers.add_argument("--ngram", type=int, default=0,
@@ -123,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--target", default=DEFAULT_TARGET, help="with --pair: the target model")
     prof.add_argument("--draft", default=DEFAULT_DRAFT, help="with --pair: the draft model")
     prof.add_argument("--refresh", action="store_true", help="with --pair: measure even if a cached profile exists")
+    prof.add_argument("--no-variants", action="store_true",
+                      help="with --pair: skip the draft variants (bf16 / int8 / int4: cost curves and agreement)")
     prof.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
@@ -161,6 +170,23 @@ def _method_options(args) -> dict:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
+def _prepare_draft(args, target, draft) -> None:
+    """Apply --draft-quant (auto: the measured best variant) and --draft-vocab to the loaded draft, in place."""
+    from .models.draft_levers import prepare_draft
+
+    quant = getattr(args, "draft_quant", "none")
+    if quant == "auto":
+        from .models.draft_choice import choose_draft_quant
+
+        quant, record, source = choose_draft_quant(target, draft)
+        best = record["variants"][quant]
+        print(f"[arborspec] draft: {quant} ({source}: top-1 agreement {best['agreement']:.2f}, "
+              f"{best['draft_times'][0] * 1e3:.0f} ms per draft token; --draft-quant to override)", file=sys.stderr)
+    if quant != "none" or getattr(args, "draft_vocab", 0):
+        print("[arborspec] preparing the draft (quantization / vocabulary) ...", file=sys.stderr)
+        prepare_draft(draft, quant, getattr(args, "draft_vocab", 0))
+
+
 def make_decoder(args, method: str | None = None, options: dict | None = None, baseline: bool = False):
     """Load the models named on the command line and build a decoder (models are loaded once and reused).
 
@@ -178,11 +204,7 @@ def make_decoder(args, method: str | None = None, options: dict | None = None, b
             from .models.loading import check_tokenizers_compatible
 
             check_tokenizers_compatible(target, draft)
-            if getattr(args, "draft_quant", "none") != "none" or getattr(args, "draft_vocab", 0):
-                from .models.draft_levers import prepare_draft
-
-                print("[arborspec] preparing the draft (quantization / vocabulary) ...", file=sys.stderr)
-                prepare_draft(draft, getattr(args, "draft_quant", "none"), getattr(args, "draft_vocab", 0))
+            _prepare_draft(args, target, draft)
         args._models = (target, draft)
     target, draft = args._models
     return SpeculativeDecoder(
@@ -348,8 +370,8 @@ def _profile_pair(args, sizes: list[int]) -> int:
     """The two cost curves `--method auto` sizes its trees with: the target's t(n) and the draft's d(w)."""
     from .budget import plot_pair, profile_model, profile_path
 
-    target = _load(args.target, args.dtype, "target").model
-    draft = _load(args.draft, args.dtype, "draft").model
+    target_loaded, draft_loaded = _load(args.target, args.dtype, "target"), _load(args.draft, args.dtype, "draft")
+    target, draft = target_loaded.model, draft_loaded.model
     curves = {}
     for role, model in (("target", target), ("draft", draft)):
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
@@ -372,6 +394,19 @@ def _profile_pair(args, sizes: list[int]) -> int:
               f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
     if args.out:
         print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
+    if args.no_variants:
+        return 0
+    from .models.draft_choice import choose_draft_quant, describe, plot_variants
+
+    quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
+                                               prefix=args.prefix, repeats=args.repeats)
+    print(f"\ndraft variants ({source}; agreement over {record['positions']} teacher-forced positions; est. tok/s = "
+          "the best chain's predicted speed, see arborspec/models/draft_choice.py):")
+    print("\n".join(describe(record)))
+    if args.out:
+        root, dot, ext = args.out.rpartition(".")
+        print(plot_variants(record, f"{root}-draft-variants.{ext}" if dot else f"{args.out}-draft-variants.png",
+                            title=f"{args.draft} variants ({args.dtype})"))
     return 0
 
 

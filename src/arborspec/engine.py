@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from .drafting import POLICIES, DraftContext
+from .drafting.budget_tuner import make_policy
 from .models import check_session_support, make_session
 from .sampling import SamplingConfig, make_generator
 from .drafting.ngram import add_ngram_branch
@@ -178,7 +179,7 @@ class SpeculativeDecoder:
             check_tokenizers_compatible(target, draft)
         if method not in POLICIES:
             raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(POLICIES))}")
-        self.policy = POLICIES[method](**method_options)
+        self.policy = make_policy(POLICIES[method], method_options)
         self.sampling = SamplingConfig(temperature, top_k, top_p)
         dt = temperature if draft_temperature is None else draft_temperature
         self.draft_sampling = SamplingConfig(dt, top_k, top_p) if not self.sampling.greedy else SamplingConfig(0.0)

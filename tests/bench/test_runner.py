@@ -85,6 +85,8 @@ def test_method_names_carry_options_budget_and_levers():
                        ("ar+int8", "without a draft"), ("chain@", "does not read"), ("hf-ar(k=1)", "no (option")]:
         spec, why = methods.resolve(bad)
         assert spec is None and words in why, (bad, why)
+    spec, _ = methods.resolve("static(widths=3,3,3,3,depth=2)")
+    assert dict(spec.fixed) == {"widths": "3,3,3,3", "depth": 2}  # a value may hold commas
     assert methods.split_methods("ar, wetap(gamma=0.8,alpha=0.3)@16,chain@5+int8") == \
         ["ar", "wetap(gamma=0.8,alpha=0.3)@16", "chain@5+int8"]
 

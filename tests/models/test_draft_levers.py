@@ -82,3 +82,28 @@ def test_cheaper_draft_keeps_the_target_distribution(lever):
                        depth=2, branch=2)
     counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
     assert_same_distribution(counts, probs, tv=0.05)
+
+
+def test_an_int8_draft_is_prepared_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    from arborspec.models import draft_levers
+    from arborspec.models.loading import LoadedModel
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    calls = []
+    real = draft_levers.quantize
+    monkeypatch.setattr(draft_levers, "quantize", lambda m, mode: calls.append(mode) or real(m, mode))
+    base = tiny_model("qwen2", seed=3)
+    x = torch.tensor([[5, 9, 2, 7]])
+
+    def prepared():
+        return draft_levers.prepare_draft(LoadedModel(noisy_copy(base, 0.0), None, "d", "memory"), "int8").model
+
+    first, second = prepared(), prepared()
+    assert calls == ["int8"]  # the second came from the cache
+    assert type(second.model.layers[0].mlp.up_proj) is torch.ao.nn.quantized.dynamic.Linear
+    assert torch.equal(first(x).logits, second(x).logits)
+    other = draft_levers.prepare_draft(LoadedModel(noisy_copy(base, 0.3), None, "d", "memory"), "int8").model
+    assert calls == ["int8", "int8"] and not torch.equal(other(x).logits, first(x).logits)  # other weights: a new key
+    for path in (tmp_path / "drafts").glob("*.pt"):
+        path.write_bytes(b"truncated")
+    assert torch.equal(prepared()(x).logits, first(x).logits) and len(calls) == 3  # a broken file is re-made

@@ -40,5 +40,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", help="directory with results.json (or the file itself)")
+    p.add_argument("--reproduction", default=None, metavar="FILE",
+                   help="RESULTS is the results root (one directory per experiment): write the paper-by-paper "
+                        "reproduction report to FILE (e.g. docs/reproduction.md)")
     p.add_argument("--check-equal", action="store_true",
                    help="check that every exact method's greedy (T=0) output equals ar's, run by run; exit 1 if not")

@@ -31,6 +31,7 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 def throughput_plot(results: dict, path: Path) -> Path | None:
+    from .methods import split_label
     from .report import tables
 
     groups = tables(results)
@@ -67,9 +68,9 @@ def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
     for (dataset, temp), rows in tables(results).items():
         by_method = defaultdict(list)
         for label, s in rows.items():
-            name, _, budget = label.partition("@")
-            if budget and s["mat"] is not None and s["tree_size"] is not None:
-                by_method[name].append((int(budget), s["tree_size"], s["mat"]))
+            name, budget = split_label(label)
+            if budget is not None and s["mat"] is not None and s["tree_size"] is not None:
+                by_method[name].append((budget, s["tree_size"], s["mat"]))
         lines = {m: sorted(pts) for m, pts in by_method.items() if len(pts) >= 2}
         if lines:
             series[(dataset, temp)] = lines

@@ -105,6 +105,12 @@ _NAME = re.compile(r"^(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(
 NGRAM_DEFAULT = 3
 
 
+def split_label(label: str) -> tuple[str, int | None]:
+    """('dyspec', 16) from a report label 'dyspec@16'; ('auto+int8', None) from 'auto+int8'."""
+    m = re.search(r"@(\d+)", label)
+    return (label[: m.start()] + label[m.end():], int(m[1])) if m else (label, None)
+
+
 def split_methods(text: str) -> list[str]:
     """Split --methods at the commas that are not inside a method's (option=value,...) list."""
     out, depth, cur = [], 0, ""
@@ -136,7 +142,7 @@ def _fixed_options(spec: MethodSpec, text: str) -> tuple:
         raise ValueError("transformers baselines take no (option=value) list")
     known = {f.name: f for f in fields(POLICIES[spec.policy].Options)}
     out = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
+    for item in filter(None, (x.strip() for x in re.split(r",(?=\s*[a-z_-]+\s*=)", text))):  # values may hold commas
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in known:

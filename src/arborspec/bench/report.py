@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import metrics
+from .methods import split_label
 
 BASELINES = ("ar", "hf-assisted")
 
@@ -43,8 +44,9 @@ def _label_order(results: dict, labels) -> list[str]:
     methods = results.get("settings", {}).get("methods", [])
 
     def key(label: str):
-        name, _, budget = label.partition("@")
-        return (methods.index(name) if name in methods else len(methods), name, int(budget) if budget else -1)
+        stem, budget = split_label(label)
+        index = next((i for i, m in enumerate(methods) if m in (label, stem)), len(methods))
+        return (index, stem, -1 if budget is None else budget)
 
     return sorted(set(labels), key=key)
 
@@ -235,6 +237,13 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
 
 
 def report_from_args(args) -> int:
+    if getattr(args, "reproduction", None):
+        from .reproduction import write_reproduction
+
+        if not Path(args.results).is_dir():
+            raise FileNotFoundError(f"--reproduction needs a results directory, got {args.results!r}")
+        print(write_reproduction(args.results, args.reproduction))
+        return 0
     if args.check_equal:
         results, _ = load_results(args.results)
         ok, lines = check_equal(results)

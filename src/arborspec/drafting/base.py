@@ -113,6 +113,8 @@ def int_or_text(text: str):
 
 def option_parser(f: dataclasses.Field):
     """The function turning a command-line string into the value of option field `f` (by its annotation)."""
+    if f.name == "budget":  # every policy's budget also takes "auto" (drafting/budget_tuner.py)
+        return int_or_text
     kind = getattr(f.type, "__name__", f.type)
     return {"int": int, "float": float, "str": str, "bool": parse_bool, "int | str": int_or_text}.get(kind, str)
 

@@ -77,7 +77,8 @@ def parse_budget(value, what: str = "budget"):
 @dataclass
 class DySpecOptions:
     budget: int | str = opt(64, "drafted tokens per step (m in DySpec Alg. 1; the paper's guess length is 64), or "
-                                "'auto' (dyspec/auto only): size each tree from measured costs, like --method auto")
+                                "'auto': size each tree from measured costs (dyspec: like --method auto; other policies: "
+                                "the budget is tuned from measured step rates, drafting/budget_tuner.py)")
     batch: bool = opt(True, "batch the draft calls (same tree as Alg. 1, fewer calls); false: one call per node")
 
     def __post_init__(self):
@@ -89,6 +90,7 @@ class DySpecPolicy(Policy):
     name = "dyspec"
     summary = "DySpec Alg. 1: grow the tree greedily from a heap of draws valued by draft probability (--budget)"
     Options = DySpecOptions
+    handles_auto_budget = True  # budget="auto" is the auto policy, not drafting/budget_tuner.py
     sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # verified exactly by mbr
 
     def __init__(self, **options):

@@ -146,12 +146,26 @@ class SequoiaPolicy(Policy):
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.shape = sequoia_shape(self.options.vector, self.options.budget)
-        depth = [0] * len(self.shape)
-        for node, kids in enumerate(self.shape):
-            for c in kids:
-                depth[c] = depth[node] + 1
-        self.shape_depth = max(depth)
+        self._shapes: dict[int, tuple[list[list[int]], int]] = {}  # budget -> (shape, depth): budget="auto" varies it
+
+    def _shape(self) -> tuple[list[list[int]], int]:
+        budget = self.options.budget
+        if budget not in self._shapes:
+            shape = sequoia_shape(self.options.vector, budget)
+            depth = [0] * len(shape)
+            for node, kids in enumerate(shape):
+                for c in kids:
+                    depth[c] = depth[node] + 1
+            self._shapes[budget] = shape, max(depth)
+        return self._shapes[budget]
+
+    @property
+    def shape(self) -> list[list[int]]:
+        return self._shape()[0]
+
+    @property
+    def shape_depth(self) -> int:
+        return self._shape()[1]
 
     @property
     def max_tree_depth(self) -> int:
@@ -159,15 +173,16 @@ class SequoiaPolicy(Policy):
 
 
     def draft(self, ctx: DraftContext) -> TokenTree:
+        shape, shape_depth = self._shape()
         tree = TokenTree.root(ctx.context[-1])
         frontier = [(0, 0)]  # (shape node, tree node)
-        for _ in range(min(self.shape_depth, ctx.max_depth)):
-            expand = [(s, n) for s, n in frontier if self.shape[s]]
+        for _ in range(min(shape_depth, ctx.max_depth)):
+            expand = [(s, n) for s, n in frontier if shape[s]]
             if not expand:
                 break
             warped, plain = layer_probs(ctx, tree, [n for _, n in expand])
             frontier = []
             for i, (s, n) in enumerate(expand):
-                children = draw_children(ctx, tree, n, warped[i], plain[i], min(len(self.shape[s]), plain.shape[-1]))
-                frontier.extend(zip(self.shape[s], children))
+                children = draw_children(ctx, tree, n, warped[i], plain[i], min(len(shape[s]), plain.shape[-1]))
+                frontier.extend(zip(shape[s], children))
         return tree

@@ -119,8 +119,21 @@ def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, pro
     return counts
 
 
-def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True):
-    """Apply the draft levers to a LoadedModel in place: a K-token head (vocab > 0), then quantization."""
+def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True, cache: bool = True):
+    """Apply the draft levers to a LoadedModel in place: a K-token head (vocab > 0), then quantization.
+
+    An int8 draft (about 13 s to quantize a 0.5B model) is kept in the cache directory after the first time and
+    loaded from there (a second or so); see `_cached_draft_path` for what invalidates it.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {quant!r}; choose one of: {', '.join(QUANT_MODES)}")
+    path = _cached_draft_path(loaded.model, quant, vocab) if cache and quant == "int8" else None
+    if path is not None and path.exists():
+        try:
+            loaded.model = torch.load(path, weights_only=False)  # written by this function, below
+            return loaded
+        except Exception:  # unreadable (truncated, other library build): prepare it again
+            path.unlink(missing_ok=True)
     if vocab:
         tok = loaded.tokenizer
         counts = corpus_counts(tok, loaded.model.config.vocab_size, progress=progress)
@@ -128,4 +141,26 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
                   if isinstance(i, int)]
         prune_head(loaded.model, frequent_tokens(counts, vocab, always))
     loaded.model = quantize(loaded.model, quant)
+    if path is not None:
+        import os
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(loaded.model, tmp)
+        tmp.replace(path)
     return loaded
+
+
+def _cached_draft_path(model, quant: str, vocab: int):
+    """Cache file of `model` prepared with these levers: keyed by the unprepared model's fingerprint (architecture,
+    config, dtypes, sampled weights), the levers, and the library versions (a pickled quantized module is only
+    readable by the torch / transformers that wrote it)."""
+    import hashlib
+    import json
+
+    from ..budget import library_versions, model_fingerprint
+    from .loading import cache_dir
+
+    key = dict(model=model_fingerprint(model), quant=quant, vocab=vocab, versions=library_versions())
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "drafts" / f"{quant}-v{vocab}-{digest}.pt"

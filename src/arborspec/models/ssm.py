@@ -437,9 +437,16 @@ class SSMTreeSession:
     @torch.inference_mode()
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.arch.lm_head
-        logits = head(self.arch.final_norm(hidden).to(head.weight.dtype))[0].float()
+        logits = head(self.arch.final_norm(hidden).to(_input_dtype(head)))[0].float()
         check_finite(logits, self.role)
         return logits
+
+
+def _input_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype `module` takes: its first float parameter's (a pruned head's projection, a plain linear), float32
+    for a dynamically quantized linear (it has no float parameters and quantizes float32 inputs itself)."""
+    p = next((p for p in module.parameters() if p.is_floating_point()), None)
+    return p.dtype if p is not None else torch.float32
 
 
 def check_ssm_support(model) -> None:

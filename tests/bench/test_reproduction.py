@@ -1,0 +1,89 @@
+"""docs/reproduction.md is computed from measurement files: verdicts follow the numbers, missing runs are named."""
+import json
+
+import pytest
+
+from arborspec.bench import reproduction
+from arborspec.cli import main
+
+
+def run(label, temperature, committed, tps, prompt="p0", t_draft=0.2, t_verify=0.1, ppl=None, lossy=False):
+    """A recorded run as `arborspec bench` writes it (only the fields the report reads)."""
+    new = sum(committed)
+    return dict(label=label, method=label.split("@")[0], temperature=temperature, dataset="humaneval",
+                prompt_key=f"humaneval/{prompt}", category=None, error=None, verifier="greedy", lossy=lossy,
+                committed_per_step=committed, accepted_per_step=[c - 1 for c in committed],
+                drafted_per_step=[8] * len(committed), tokens_per_s=tps, new_tokens=new, wall=new / tps,
+                steps=len(committed), t_draft=t_draft, t_verify=t_verify, ttft=0.1, tpot=0.05, perplexity=ppl,
+                peak_rss_mb=100.0, rss_delta_mb=0.0)
+
+
+def grid(dyspec_mat: int, dyspec_tps: float) -> dict:
+    runs = []
+    for temp in (0.0, 0.6):
+        runs += [run("ar", temp, [1] * 8, 5.0), run("dyspec@64", temp, [dyspec_mat] * 2, dyspec_tps),
+                 run("sequoia@64", temp, [3] * 3, 8.0), run("static@64", temp, [2] * 4, 7.0),
+                 run("chain@5", temp, [2] * 4, 6.0), run("dynatree@64", temp, [4] * 2, 9.0),
+                 run("dynatree(adapt=false)@64", temp, [4] * 2, 8.5)]
+    return dict(command="arborspec bench ...", target="t", draft="d", env={"cpu": "test cpu", "dtype": "bf16"},
+                settings={"datasets": ["humaneval"], "max_new_tokens": 8, "methods": []}, prompts=[{}],
+                finished="now", runs=runs)
+
+
+def write(root, name, data):
+    path = root / reproduction.SOURCES[name][0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def section(text: str, title: str) -> str:
+    start = text.index(title)
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end > 0 else None]
+
+
+def test_verdicts_follow_the_numbers(tmp_path):
+    write(tmp_path, "grid", grid(dyspec_mat=8, dyspec_tps=12.0))
+    dyspec = section(reproduction.render(tmp_path), "## DySpec")
+    assert dyspec.count("**holds**") >= 4 and "does not hold" not in dyspec.split("### DySpec App. C")[0]
+    assert "| T=0 | 64 | 8.00 | 3.00 | 2.00 | 5.25 / 4.99 / 3.32 |" in dyspec  # ours beside the paper's
+    assert "| 100 + 50 |" in dyspec  # draft + verify ms per step: 0.2 s and 0.1 s over 2 steps
+    write(tmp_path, "grid", grid(dyspec_mat=8, dyspec_tps=7.5))  # more tokens per step, but slower than sequoia
+    dyspec = section(reproduction.render(tmp_path), "## DySpec")
+    assert "more tokens per step than Sequoia and static trees: **holds**; faster (tokens/s): **does not hold**" \
+        in dyspec
+    dynatree = section(reproduction.render(tmp_path), "## DynaTree")
+    assert "faster than linear speculation and the fixed tree: **holds**" in dynatree
+    assert "History adaptation adds speed (dynatree@64 vs dynatree(adapt=false)@64): **holds**" in dynatree
+
+
+def test_missing_experiments_name_their_command(tmp_path):
+    text = reproduction.render(tmp_path)
+    for name, (rel, command) in reproduction.SOURCES.items():
+        assert rel in text and command in text
+    assert text.count("## ") >= 5
+
+
+def test_asps_and_block_sparsity_sections(tmp_path):
+    rows = [dict(n=1, steps=10, sps_tokens=1.8, asps_tokens=1.8, gain_tokens_pct=0.0, gain_tokens_se=0.01),
+            dict(n=10, steps=10, sps_tokens=4.0, asps_tokens=4.3, gain_tokens_pct=7.5, gain_tokens_se=1.0)]
+    write(tmp_path, "asps", dict(args={"target": "t", "prompts": 2}, rows=rows))
+    tiles = dict(original=40.0, bfs=30.0, dfs=20.0, heavy=19.0)
+    write(tmp_path, "blocks", dict(args={"seeds": 1}, rows=[dict(tree="random", nodes=256, depth=9.0, prefix=0,
+                                                                 block=32, tiles=tiles)]))
+    text = reproduction.render(tmp_path)
+    assert "| 10 | 10 | 4.000 | 4.300 | +7.50% ± 1.00 |" in text
+    assert "No gain at n = 1 (|gain| < 0.5%): **holds**; a gain at n = 10" in text
+    assert "| random | 256 | 32 | 40.0 | 30.0 | 20.0 | 19.0 | 2.00x | 36 -> 22.5 |" in text
+
+
+def test_cli_writes_the_report_and_refuses_a_file(tmp_path, capsys):
+    write(tmp_path, "grid", grid(dyspec_mat=8, dyspec_tps=12.0))
+    out = tmp_path / "docs" / "reproduction.md"
+    assert main(["report", str(tmp_path), "--reproduction", str(out)]) == 0
+    assert out.read_text().startswith("# Reproducing the five papers")
+    assert main(["report", str(tmp_path / "policies-grid" / "results.json"), "--reproduction", str(out)]) == 2
+    assert "needs a results directory" in capsys.readouterr().err
+    (tmp_path / "policies-grid" / "results.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        reproduction.load_sources(tmp_path)
