@@ -75,3 +75,4 @@ def test_default_cli_job_runs_end_to_end():
     data = json.loads(proc.stdout)
     assert data["stats"]["new_tokens"] == len(data["token_ids"]) > 0
     assert data["stats"]["method"] == "static" and data["text"].strip()
+    assert "[arborspec] draft: " in proc.stderr  # --draft-quant auto: the measured (or cached) choice is named

@@ -87,3 +87,32 @@ def test_cli_writes_the_report_and_refuses_a_file(tmp_path, capsys):
     (tmp_path / "policies-grid" / "results.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
         reproduction.load_sources(tmp_path)
+
+
+def test_wetap_and_stree_hybrid_sections(tmp_path):
+    wetap = grid(8, 12.0)
+    wetap["runs"] = [run("ar", 1.0, [1] * 8, 5.0, ppl=1.20), run("static@64", 1.0, [2] * 4, 6.0, ppl=1.21),
+                     run("wetap@64", 1.0, [4] * 2, 7.0, ppl=1.40, lossy=True)]
+    write(tmp_path, "wetap", wetap)
+    hybrid = grid(8, 12.0)
+    hybrid["runs"] = [run("ar", 0.0, [1] * 8, 5.0), run("sps@4", 0.0, [2] * 4, 4.0),
+                      run("static(widths=3,3,3,3)", 0.0, [4] * 2, 3.5)]
+    write(tmp_path, "stree_hybrid", hybrid)
+    text = reproduction.render(tmp_path)
+    wetap_text = section(text, "## WETAP")
+    assert "| wetap@64 LOSSY | 4.00 | 7.00 | " in wetap_text
+    assert "longer per step than the static (SpecInfer-style) tree: **holds**; faster: **holds**" in wetap_text
+    assert "within 5% of plain sampling's: **does not hold**" in wetap_text  # 1.40 vs 1.20: the lossy drift shows
+    stree = section(text, "## STree")
+    assert "T = 0: the tree accepts more per step than the chain: **holds**; and is faster: **does not hold**" in stree
+
+
+def test_beyond_the_papers_checks_the_issue_targets(tmp_path):
+    auto = grid(8, 12.0)
+    auto["runs"] = [run("ar", 0.0, [1] * 8, 5.0), run("hf-assisted", 0.0, [2] * 4, 7.5),
+                    run("auto", 0.0, [4] * 2, 12.0), run("dynatree", 0.0, [2] * 4, 4.5)]
+    write(tmp_path, "auto", auto)
+    text = section(reproduction.render(tmp_path), "## Beyond the papers")
+    assert "- auto: >= 2.2x ar: **holds** (2.40x); >= 1.5x hf-assisted: **holds** (1.60x)." in text
+    assert "- every exact method at >= 0.95x ar: **does not hold** (below: dynatree)." in text
+    assert "results/levers/results.json" in text  # not run yet: named with its command

@@ -40,10 +40,11 @@ def check_greedy_equivalence(pair, method: str, options: dict, orders=ORDERS, pr
     return accepted
 
 
-def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5, k: int = 2, horizon: int = 4,
-                       temperature: float = 1.0, tv: float = 0.05, seed: int = 0, arch: str = "llama"):
-    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
-                                      sample_outputs, samples_needed)
+def table_pair(vocab: int = 5, k: int = 2, horizon: int = 4, temperature: float = 1.0, seed: int = 0,
+               arch: str = "llama"):
+    """(target table, draft table, prompt, exact distribution of the first k tokens) for distribution tests: a tiny
+    target, a noisy copy as draft, both enumerated into tables (tests/verify/harness.py)."""
+    from tests.verify.harness import TableModel, exact_target_distribution
     from arborspec.sampling import SamplingConfig
 
     target = tiny_model(arch, seed=seed, vocab=vocab, scale=1.0)
@@ -51,7 +52,14 @@ def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5
     prompt = [1, 3]
     t_table = TableModel.from_model(target, prompt, horizon - 1)
     d_table = TableModel.from_model(draft, prompt, horizon - 1)
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(temperature))
+    return t_table, d_table, prompt, exact_target_distribution(t_table, prompt, k, SamplingConfig(temperature))
+
+
+def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5, k: int = 2, horizon: int = 4,
+                       temperature: float = 1.0, tv: float = 0.05, seed: int = 0, arch: str = "llama"):
+    from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
+
+    t_table, d_table, prompt, probs = table_pair(vocab, k, horizon, temperature, seed, arch)
     dec = TableDecoder(t_table, d_table, method=method, verifier=verifier, temperature=temperature, horizon=horizon,
                        **options)
     n = samples_needed(vocab**k - 1, tv)

@@ -508,16 +508,11 @@ class LearningTableDecoder:
 
 
 def test_sampled_output_follows_the_target_distribution():
-    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
-                                      sample_outputs, samples_needed)
-    from tests.conftest import noisy_copy, tiny_model
+    from tests.drafting.equivalence import table_pair
+    from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
 
     vocab, k, horizon = 5, 2, 4
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    draft = noisy_copy(target, noise=0.8, seed=7)
-    prompt = [1, 3]
-    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    t_table, d_table, prompt, probs = table_pair(vocab, k, horizon)
     policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
     dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="mbr", temperature=1.0,
                                             horizon=horizon))

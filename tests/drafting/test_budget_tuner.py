@@ -70,18 +70,12 @@ def test_the_engine_reports_the_chosen_budgets(pair):
 
 
 def test_sampled_output_follows_the_target_distribution():
-    from arborspec.sampling import SamplingConfig
-    from tests.conftest import noisy_copy, tiny_model
+    from tests.drafting.equivalence import table_pair
     from tests.drafting.test_auto import LearningTableDecoder
-    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
-                                      sample_outputs, samples_needed)
+    from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
 
     vocab, k, horizon = 5, 2, 4
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    draft = noisy_copy(target, noise=0.8, seed=7)
-    prompt = [1, 3]
-    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    t_table, d_table, prompt, probs = table_pair(vocab, k, horizon)
     policy = TunedBudget(POLICIES["sequoia"](budget=8), BudgetTuner(candidates=(0, 1, 2, 4, 8), start=2, window=2,
                                                                       probe_every=2))
     dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="mbr", temperature=1.0,

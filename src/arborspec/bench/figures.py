@@ -31,7 +31,6 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 def throughput_plot(results: dict, path: Path) -> Path | None:
-    from .methods import split_label
     from .report import tables
 
     groups = tables(results)
@@ -62,6 +61,7 @@ def throughput_plot(results: dict, path: Path) -> Path | None:
 
 def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
     """DySpec Fig. 5: MAT against the mean drafted tree size, a line per method that ran with several budgets."""
+    from .methods import split_label
     from .report import tables
 
     series = {}
