@@ -347,6 +347,10 @@ def cmd_profile(args) -> int:
         raise CliError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
     if not sizes or min(sizes) < 1 or args.repeats < 1 or args.prefix < 2:
         raise CliError("--sizes must be positive, --repeats at least 1 and --prefix at least 2")
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.pair:
         return _profile_pair(args, sizes)
     if not args.model:

@@ -102,7 +102,8 @@ def test_wetap_and_stree_hybrid_sections(tmp_path):
     wetap_text = section(text, "## WETAP")
     assert "| wetap@64 LOSSY | 4.00 | 7.00 | " in wetap_text
     assert "longer per step than the static (SpecInfer-style) tree: **holds**; faster: **holds**" in wetap_text
-    assert "within 5% of plain sampling's: **does not hold**" in wetap_text  # 1.40 vs 1.20: the lossy drift shows
+    assert "no higher than the static tree's: **does not hold**" in wetap_text  # 1.40 vs 1.21
+    assert "differs from plain sampling's by +16.7%" in wetap_text  # 1.40 / 1.20: the lossy drift shows
     stree = section(text, "## STree")
     assert "T = 0: the tree accepts more per step than the chain: **holds**; and is faster: **does not hold**" in stree
 
