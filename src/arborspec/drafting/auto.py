@@ -84,8 +84,8 @@ import torch
 
 from ..budget import CostModel, best_prefix
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int, parse_bool
+from .base import DraftContext, Policy, opt, parse_bool
+from .dyspec import check_int
 
 EDGES = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 PRIOR_STRENGTH = 2.0

@@ -96,11 +96,16 @@ def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(policy_cls.Options))
 
 
-def parse_bool(text: str) -> bool:
-    value = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
-    if str(text).lower() not in value:
-        raise ValueError(f"expected true or false, got {text!r}")
-    return value[str(text).lower()]
+def parse_bool(value, what: str) -> bool:
+    """Options arrive as Python bools or, from the command line, as text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{what} must be true or false, got {value!r}")
 
 
 def int_or_text(text: str):
@@ -116,7 +121,9 @@ def option_parser(f: dataclasses.Field):
     if f.name == "budget":  # every policy's budget also takes "auto" (drafting/budget_tuner.py)
         return int_or_text
     kind = getattr(f.type, "__name__", f.type)
-    return {"int": int, "float": float, "str": str, "bool": parse_bool, "int | str": int_or_text}.get(kind, str)
+    if kind == "bool":
+        return lambda text: parse_bool(text, f.name)
+    return {"int": int, "float": float, "str": str, "int | str": int_or_text}.get(kind, str)
 
 
 def opt(default, help: str):

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int, parse_bool
+from .base import DraftContext, Policy, opt, parse_bool
+from .dyspec import check_int
 
 
 @dataclass

@@ -40,19 +40,7 @@ import torch
 
 from ..sampling import sample
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-
-
-def parse_bool(value, what: str) -> bool:
-    """Options arrive as Python bools or, from the command line, as text."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in {"1", "true", "yes", "on"}:
-        return True
-    if text in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{what} must be true or false, got {value!r}")
+from .base import DraftContext, Policy, opt, parse_bool
 
 
 def check_int(value, what: str, low: int = 1) -> None:
