@@ -119,3 +119,49 @@ def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, mon
         assert runs[label]["token_ids"] == runs["ar"]["token_ids"], label  # greedy: levers keep the output
     assert not hasattr(models[1].model.get_output_embeddings(), "keep")  # the shared draft was not pruned
     assert type(models[1].model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # nor quantized
+
+
+def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models, tmp_path, monkeypatch):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
+    settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
+                    methods=["ar", "chain"], max_new_tokens=6, progress=False, ignore_eos=True, threads=1)
+    whole = json.loads(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings), models=models).read_text())
+
+    real = runner.Bench.run
+
+    def dies_on_the_third_prompt(self, cfg, prompt, ids, index, position, env):
+        if index == 2:
+            raise KeyboardInterrupt
+        return real(self, cfg, prompt, ids, index, position, env)
+
+    out = str(tmp_path / "cut")
+    monkeypatch.setattr(runner.Bench, "run", dies_on_the_third_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(BenchSettings(out=out, **settings), models=models)
+    monkeypatch.setattr(runner.Bench, "run", real)
+    cut = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert cut["finished"] is None and {r["prompt_key"] for r in cut["runs"]} == {"p/0", "p/1"}
+
+    with pytest.raises(ValueError, match="other settings .*max_new_tokens"):
+        run_bench(BenchSettings(out=out, resume=True, **{**settings, "max_new_tokens": 7}), models=models)
+    done = json.loads(run_bench(BenchSettings(out=out, resume=True, **settings), models=models).read_text())
+    assert done["finished"] and done["resumed"][0]["prompts_done"] == 2
+    from arborspec.bench.report import render
+
+    assert f"Resumed {done['resumed'][0]['at']} after 2 prompts" in render(done, [])
+    key = lambda r: (r["prompt_key"], r["label"], r["temperature"])  # noqa: E731
+    assert sorted(map(key, done["runs"])) == sorted(map(key, whole["runs"]))  # each run once, none lost
+    # greedy with the same seeds: the resumed run's outputs are the uninterrupted run's
+    assert {key(r): r["token_ids"] for r in done["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
+    with pytest.raises(ValueError, match="finished run"):
+        run_bench(BenchSettings(out=out, resume=True, **settings), models=models)
+    # a finished run grows with a larger --prompts: the old prompts come first and keep their seeds
+    small = str(tmp_path / "small")
+    run_bench(BenchSettings(out=small, **{**settings, "prompts": 2}), models=models)
+    grown = json.loads(run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 3}),
+                                 models=models).read_text())
+    assert grown["settings"]["prompts"] == 3 and len(grown["prompts"]) == 3 and grown["finished"]
+    assert {key(r): r["token_ids"] for r in grown["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
+    with pytest.raises(ValueError, match="other prompts"):
+        run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 1}), models=models)

@@ -36,6 +36,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
     p.add_argument("--no-perplexity", action="store_true", help="skip the extra target forward per run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true",
+                   help="carry on an interrupted run in --out (same command; finished prompts are kept)")
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:

@@ -142,6 +142,13 @@ HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | tree | 
           "speed-up vs hf-assisted | TTFT s | TPOT ms | ppl | peak RSS MB | ΔRSS MB |\n" + "|---" * 15 + "|")
 
 
+def resumed_lines(results: dict) -> list[str]:
+    """One line per `--resume`: when, how many prompts were kept, and on which machine (a changed CPU shows here)."""
+    out = [f"Resumed {r.get('at')} after {r.get('prompts_done')} prompts, on {r.get('env', {}).get('cpu', '?')} "
+           f"({r.get('env', {}).get('threads', '?')} torch threads)." for r in results.get("resumed", [])]
+    return out + [""] if out else []
+
+
 def render(results: dict, plots: list[str]) -> str:
     env, st = results.get("env", {}), results.get("settings", {})
     lines = ["# arborspec benchmark", "",
@@ -153,6 +160,7 @@ def render(results: dict, plots: list[str]) -> str:
              f"max new tokens {st.get('max_new_tokens')}, {'EOS ignored' if st.get('ignore_eos') else 'stops at EOS'}; "
              f"{len(results.get('prompts', []))} prompts; {len(results['runs'])} runs; "
              f"started {results.get('started')}, finished {results.get('finished') or '(not finished)'}.", ""]
+    lines += resumed_lines(results)
     if st.get("budgets"):
         lines += [f"Budgets (drafted tokens per step): {', '.join(map(str, st['budgets']))}; `method@B` is a method at "
                   "budget B (see docs/benchmarks.md for how B maps to each method's options).", ""]

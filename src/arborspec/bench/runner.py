@@ -4,8 +4,10 @@ Interleaving: for each prompt, every configuration (method x budget x temperatur
 one per prompt, so slow drift of the machine (other load, thermal state) hits all methods alike. Before timing, each
 configuration runs one short warm-up generation (excluded); a configuration whose warm-up fails is skipped with its
 error recorded. A failing timed run is recorded with its error and the benchmark goes on. results.json is rewritten
-after every prompt, so an interrupted run keeps what it measured; `arborspec report DIR` turns it into report.md and
-plots (see report.py), and is run automatically at the end.
+after every prompt, so an interrupted run keeps what it measured, and `--resume` carries it on: the same command with
+`--resume` keeps every prompt that all configurations finished and runs the rest; with a larger --prompts it extends a
+finished run (datasets take turns, so the old prompts come first). Any other difference in settings is refused.
+`arborspec report DIR` turns results.json into report.md and plots (see report.py), and is run automatically at the end.
 
 What one run records (results.json "runs"): the method, its policy/verifier/options/budget, the prompt, the generated
 token ids, per step the committed / accepted / drafted token counts, (draft probability, accepted?) of every drafted
@@ -24,6 +26,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -59,7 +62,11 @@ class BenchSettings:
     threads: int | None = None
     out: str = "results"
     progress: bool = True
+    resume: bool = False
     command: str = ""
+
+
+UNRECORDED = ("progress", "command", "resume")  # settings that do not change what is measured
 
 
 @dataclass
@@ -271,10 +278,10 @@ def _load_models(settings: BenchSettings, need_draft: bool):
 
 
 def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
-    prompts = []
-    for name in settings.datasets:
-        prompts += load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
-                                progress=settings.progress)
+    per_dataset = [load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
+                                progress=settings.progress) for name in settings.datasets]
+    # datasets in turn, so a run cut short (or the first prompts of a --resume'd one) covers every dataset
+    prompts = [p for group in zip_longest(*per_dataset) for p in group if p is not None]
     if settings.prompt_file:
         prompts += load_prompt_file(settings.prompt_file, tokenizer, settings.prompts, settings.max_prompt_tokens)
     if not prompts:
@@ -316,7 +323,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     prompts = _prompts(settings, bench.tokenizer)
     env = environment(settings)
     results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
-                   settings={k: v for k, v in asdict(settings).items() if k not in ("progress", "command")},
+                   settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED},
                    target=settings.target, draft=settings.draft, started=time.strftime("%Y-%m-%d %H:%M:%S"),
                    finished=None, warnings=warnings, skipped=[],
                    prompts=[dict(key=f"{p.dataset}/{p.id}", dataset=p.dataset, id=p.id, category=p.category,
@@ -325,6 +332,10 @@ def _run_bench(settings: BenchSettings, models) -> Path:
                    runs=[])
     path = out_dir / "results.json"
     ids_of = [prompt_ids(bench.tokenizer, p) for p in prompts]
+    first = 0  # index of the first prompt still to run
+    if settings.resume and path.exists():
+        results, first = _resumed(path, results, configs)
+        print(f"[arborspec] resuming {path}: {first} of {len(prompts)} prompts already done", file=sys.stderr)
 
     if settings.warmup:  # one short generation per configuration, not timed, not recorded
         for cfg in list(configs):
@@ -339,9 +350,11 @@ def _run_bench(settings: BenchSettings, models) -> Path:
         write_json(path, results)
         raise ValueError("every method failed its warm-up; see skipped in " + str(path))
 
-    bar = tqdm(total=len(prompts) * len(configs), desc="bench", unit="run", file=sys.stderr,
-               disable=not settings.progress)
+    bar = tqdm(total=len(prompts) * len(configs), initial=first * len(configs), desc="bench", unit="run",
+               file=sys.stderr, disable=not settings.progress)
     for i, (prompt, ids) in enumerate(zip(prompts, ids_of)):
+        if i < first:
+            continue
         shift = i % len(configs)
         for position, cfg in enumerate(configs[shift:] + configs[:shift]):
             bar.set_postfix_str(f"{prompt.dataset}/{prompt.id} {cfg.label} T={cfg.temperature}")
@@ -352,6 +365,48 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(path, results)
     return path
+
+
+def _resumed(path: Path, fresh: dict, configs: list[Config]) -> tuple[dict, int]:
+    """The interrupted (or smaller) run at `path`, cut back to the prompts every configuration finished, and how many
+    those are.
+
+    A run is carried on when nothing but --prompts differs and its prompts are the first of the new list (datasets
+    take turns, so a larger --prompts only appends). Anything else is refused (ValueError): mixing two different
+    benchmarks in one table would be a silent wrong answer."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--resume: cannot read {path}: {err}") from None
+    before = old.get("settings", {})
+    differ = sorted(k for k in set(fresh["settings"]) | set(before)
+                    if k != "prompts" and fresh["settings"].get(k) != before.get(k))
+    if differ:
+        raise ValueError(f"--resume: {path} was run with other settings ({', '.join(differ)}); "
+                         "resume with the same command, or use another --out")
+    keys = [p["key"] for p in fresh["prompts"]]
+    old_keys = [p.get("key") for p in old.get("prompts", [])]
+    if old_keys != keys[:len(old_keys)]:
+        raise ValueError(f"--resume: {path} was run on other prompts (a dataset changed, or fewer --prompts); "
+                         "use another --out")
+    if old.get("finished") and len(old_keys) == len(keys):
+        raise ValueError(f"--resume: {path} is a finished run; raise --prompts to extend it, or use another --out")
+    wanted = {(c.label, c.temperature) for c in configs}
+    done = 0
+    for key in keys:  # prompts run in order, so the finished ones are a prefix
+        have = {(r["label"], r["temperature"]) for r in old["runs"] if r["prompt_key"] == key}
+        if not wanted <= have:
+            break
+        done += 1
+    kept = set(keys[:done])
+    old["runs"] = [r for r in old["runs"] if r["prompt_key"] in kept]
+    old.setdefault("resumed", []).append(dict(at=time.strftime("%Y-%m-%d %H:%M:%S"), prompts_done=done,
+                                              env=fresh["env"]))
+    for field_ in ("settings", "prompts", "command"):  # the command that reproduces the whole run
+        old[field_] = fresh[field_]
+    old["finished"] = None
+    old["warnings"] = sorted(set(old.get("warnings", [])) | set(fresh["warnings"]))
+    return old, done
 
 
 # ------------------------------------------------------------------------------------------------- the CLI
@@ -379,7 +434,7 @@ def command_line(args) -> str:
     """The bench command line, rebuilt from the parsed arguments (so it reads the same however it was invoked)."""
     parts = ["arborspec", "bench"]
     for key, value in vars(args).items():
-        if key in ("command", "func") or key.startswith("_") or value is None or value is False:
+        if key in ("command", "func", "resume") or key.startswith("_") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
         parts += [flag] if value is True else [flag, str(value)]
@@ -401,7 +456,7 @@ def settings_from_args(args) -> BenchSettings:
         max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
         ignore_eos=args.ignore_eos, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
         max_prompt_tokens=args.max_prompt_tokens, text_tokens=args.text_tokens, threads=args.threads, out=args.out,
-        progress=not args.no_progress, command=command_line(args),
+        progress=not args.no_progress, resume=args.resume, command=command_line(args),
     )
 
 
