@@ -70,22 +70,34 @@ def _bench_setup(results: dict) -> list[str]:
             f"{len(results.get('prompts', []))} prompts, {st.get('max_new_tokens')} new tokens; top-k "
             f"{st.get('top_k') or 'off'}, top-p {st.get('top_p')}. Machine: {env.get('cpu')}, {env.get('threads')} "
             f"torch threads; torch {env.get('torch')}, transformers {env.get('transformers')}; "
-            f"{'finished ' + results['finished'] if results.get('finished') else 'NOT FINISHED (partial results)'}.",
+            f"{'finished ' + results['finished'] if results.get('finished') else _partial(results)}.",
             ""] + resumed_lines(results)
 
 
-def _step_split(results: dict, label: str, temperature: float, dataset: str | None = None) -> str:
-    """'draft + verify + other' ms per step for one configuration: where the time of a step goes. `other` is the
-    engine's bookkeeping (tree building, sampling, cache commits): wall time less prefill, drafting and verifying."""
+def _time_split(results: dict, label: str, temperature: float, dataset: str | None = None) -> dict | None:
+    """Where one configuration's time goes, summed over its runs: seconds of prefill / draft / verify / other (the
+    engine's bookkeeping: tree building, sampling, cache commits), wall seconds, new tokens and steps."""
     runs = [r for r in results["runs"] if r["label"] == label and r["temperature"] == temperature
             and not r.get("error") and r.get("t_draft") is not None and (dataset is None or r["dataset"] == dataset)]
-    steps = sum(r["steps"] for r in runs)
-    if not steps:
+    if not runs or not sum(r["steps"] for r in runs):
+        return None
+    out = {k: sum(r[k] for r in runs) for k in ("t_draft", "t_verify", "wall", "new_tokens", "steps")}
+    out["t_prefill"] = sum(r.get("t_prefill") or 0.0 for r in runs)
+    out["t_other"] = out["wall"] - out["t_prefill"] - out["t_draft"] - out["t_verify"]
+    return out
+
+
+def _partial(results: dict) -> str:
+    done = len({r["prompt_key"] for r in results.get("runs", [])})
+    return f"NOT FINISHED (partial results: {done} of {len(results.get('prompts', []))} prompts)"
+
+
+def _step_split(results: dict, label: str, temperature: float, dataset: str | None = None) -> str:
+    """'draft + verify + other' ms per step for one configuration: where the time of a step goes."""
+    t = _time_split(results, label, temperature, dataset)
+    if t is None:
         return "–"
-    draft = sum(r["t_draft"] for r in runs) / steps * 1e3
-    verify = sum(r["t_verify"] for r in runs) / steps * 1e3
-    other = sum(r["wall"] - (r.get("t_prefill") or 0.0) - r["t_draft"] - r["t_verify"] for r in runs) / steps * 1e3
-    return f"{draft:.0f} + {verify:.0f} + {other:.0f}"
+    return " + ".join(f"{t[k] / t['steps'] * 1e3:.0f}" for k in ("t_draft", "t_verify", "t_other"))
 
 
 def _verdict(ok: bool | None) -> str:
@@ -348,6 +360,28 @@ LEVER_TARGET = {0.0: (3.0, 2.0), 1.0: (2.0, 1.5)}  # issue #8: the best lever co
 FLOOR = 0.95
 
 
+def _ceilings(res: dict, t: dict, temp: float, dataset: str, labels: list[str]) -> list[str]:
+    """Where a method's step time goes, beside a plain decoding step, and what it would gain if drafting took no
+    time (the same runs with their drafting seconds taken out): the ceiling any cheaper draft can reach."""
+    ar = _time_split(res, "ar", temp, dataset)
+    if ar is None:
+        return []
+    ar_rate = ar["new_tokens"] / ar["wall"]
+    lines = []
+    for label in labels:
+        s = _time_split(res, label, temp, dataset)
+        if s is None:
+            continue
+        per = {k: s[k] / s["steps"] * 1e3 for k in ("t_draft", "t_verify", "t_other")}
+        ar_step = ar["t_verify"] / ar["steps"]  # one plain decoding step: the target on one token
+        free_draft = s["new_tokens"] / (s["wall"] - s["t_draft"]) / ar_rate
+        lines.append(f"- where {label}'s time goes: a step ({s['new_tokens'] / s['steps']:.2f} tokens) spends "
+                     f"{per['t_draft']:.0f} ms drafting, {per['t_verify']:.0f} ms verifying (a plain decoding step: "
+                     f"{ar_step * 1e3:.0f} ms) and {per['t_other']:.0f} ms in bookkeeping; with free drafting it "
+                     f"would run at {free_draft:.2f}x ar.")
+    return lines
+
+
 def beyond_section(src: dict) -> list[str]:
     lines = ["## Beyond the papers: trees sized for this machine, cheaper drafts", "",
              "Targets set for arborspec on this CPU (not paper claims): `auto` at T = 0 >= 2.2x `ar` and >= 1.5x "
@@ -366,18 +400,18 @@ def beyond_section(src: dict) -> list[str]:
                  _step_split(res, label, temp, dataset)] for label, s in t.items()]
         lines += [f"{dataset}, T = {temp:g}:", ""] + _md_table(
             ["method", "MAT", "tok/s", "x ar", "x hf-assisted", "ms/step draft + verify + other"], rows)
-        lines += _target_lines(t, temp) + [""]
+        lines += _target_lines(res, t, temp, dataset) + [""]
     return lines
 
 
-def _target_lines(t: dict, temp: float) -> list[str]:
-    """The verdicts on one table: `auto` (#7), the best lever combination (#8), and the 0.95x floor for both."""
+def _target_lines(res: dict, t: dict, temp: float, dataset: str) -> list[str]:
+    """The verdicts on one table: `auto` (#7), the best lever combination (#8), the 0.95x floor for both, and where
+    their time goes."""
     ours = {label: s for label, s in t.items() if label.startswith("auto") and not s["lossy"]}
     levers = {label: s for label, s in ours.items() if "+" in label}
+    best = max(levers, key=lambda lb: levers[lb]["speedup"].get("ar") or 0, default=None)
     lines = []
-    for label, goal in (("auto", AUTO_TARGET.get(temp)),
-                        (max(levers, key=lambda lb: levers[lb]["speedup"].get("ar") or 0, default=None),
-                         LEVER_TARGET.get(temp))):
+    for label, goal in (("auto", AUTO_TARGET.get(temp)), (best, LEVER_TARGET.get(temp))):
         if label is None or label not in ours or goal is None:
             continue
         x_ar, x_hf = ours[label]["speedup"].get("ar"), ours[label]["speedup"].get("hf-assisted")
@@ -385,6 +419,7 @@ def _target_lines(t: dict, temp: float) -> list[str]:
         lines.append(f"- {what}: >= {goal[0]}x ar: {_verdict(None if x_ar is None else x_ar >= goal[0])} "
                      f"({_fmt(x_ar)}x); >= {goal[1]}x hf-assisted: "
                      f"{_verdict(None if x_hf is None else x_hf >= goal[1])} ({_fmt(x_hf)}x).")
+    lines += _ceilings(res, t, temp, dataset, [lb for lb in ("auto", best) if lb in ours])
     if ours:
         slow = [lb for lb, s in ours.items() if (s["speedup"].get("ar") or 1.0) < FLOOR]
         lines.append(f"- `auto` and every lever combination at >= {FLOOR}x ar: {_verdict(not slow)}"
