@@ -75,8 +75,9 @@ def _bench_setup(results: dict) -> list[str]:
 
 
 def _time_split(results: dict, label: str, temperature: float, dataset: str | None = None) -> dict | None:
-    """Where one configuration's time goes, summed over its runs: seconds of prefill / draft / verify / other (the
-    engine's bookkeeping: tree building, sampling, cache commits), wall seconds, new tokens and steps."""
+    """Where one configuration's time goes, summed over its runs: seconds of prefill / draft (building the tree) /
+    verify (the target's forward and the verifier) / other (the engine's bookkeeping: cache compaction, stop checks,
+    statistics), wall seconds, new tokens and steps."""
     runs = [r for r in results["runs"] if r["label"] == label and r["temperature"] == temperature
             and not r.get("error") and r.get("t_draft") is not None and (dataset is None or r["dataset"] == dataset)]
     if not runs or not sum(r["steps"] for r in runs):
@@ -161,7 +162,8 @@ def dyspec_section(src: dict) -> list[str]:
                      f"{_verdict(mat_ok)}; faster (tokens/s): {_verdict(speed_ok)}.")
     lines += ["", "Why speed can disagree with tokens per step here: the paper's draft (68M) costs ~1/20 of its target "
               "on a GPU; on this CPU the 0.5B draft costs about a third of the 1.5B target per call, and DySpec "
-              "drafts one layer per call, so deep budget-64 trees pay many draft calls (column *draft + verify + other*).", ""]
+              "drafts one layer per call, so deep budget-64 trees pay many draft calls (column *draft + verify + "
+              "other*).", ""]
     return lines + _block_lines(src)
 
 
@@ -216,8 +218,8 @@ def dynatree_section(src: dict) -> list[str]:
                  _fmt(t[label]["mat"]) if label in t else "–", _fmt(t[label]["acceptance_rate"]) if label in t else "–",
                  _step_split(res, label, temp), paper] for label, name, paper in DYNATREE_ROWS]
         lines += [f"Table 1 / 3 analogue ({dataset}, T = 0):", ""]
-        lines += _md_table(["method", "tok/s", "speed-up vs ar", "L (MAT)", "acc. rate", "ms/step draft + verify + other",
-                            "paper"], rows)
+        lines += _md_table(["method", "tok/s", "speed-up vs ar", "L (MAT)", "acc. rate",
+                            "ms/step draft + verify + other", "paper"], rows)
         rows = [[name, _fmt(_tps(t.get(label))), _fmt(t[label]["speedup"].get("ar")) if label in t else "–",
                  _fmt(t[label]["mat"]) if label in t else "–", paper] for label, name, paper in DYNATREE_ABLATION]
         lines += ["Table 4 analogue (ablation at N_max = 64; the paper's fixed tree is D0 = 5, B = 2, ours the "
@@ -360,20 +362,20 @@ LEVER_TARGET = {0.0: (3.0, 2.0), 1.0: (2.0, 1.5)}  # issue #8: the best lever co
 FLOOR = 0.95
 
 
-def _ceilings(res: dict, t: dict, temp: float, dataset: str, labels: list[str]) -> list[str]:
+def _ceilings(res: dict, temp: float, dataset: str, labels: list[str]) -> list[str]:
     """Where a method's step time goes, beside a plain decoding step, and what it would gain if drafting took no
     time (the same runs with their drafting seconds taken out): the ceiling any cheaper draft can reach."""
     ar = _time_split(res, "ar", temp, dataset)
     if ar is None:
         return []
     ar_rate = ar["new_tokens"] / ar["wall"]
+    ar_step = ar["t_verify"] / ar["steps"]  # one plain decoding step: the target on one token
     lines = []
     for label in labels:
         s = _time_split(res, label, temp, dataset)
         if s is None:
             continue
         per = {k: s[k] / s["steps"] * 1e3 for k in ("t_draft", "t_verify", "t_other")}
-        ar_step = ar["t_verify"] / ar["steps"]  # one plain decoding step: the target on one token
         free_draft = s["new_tokens"] / (s["wall"] - s["t_draft"]) / ar_rate
         lines.append(f"- where {label}'s time goes: a step ({s['new_tokens'] / s['steps']:.2f} tokens) spends "
                      f"{per['t_draft']:.0f} ms drafting, {per['t_verify']:.0f} ms verifying (a plain decoding step: "
@@ -389,7 +391,8 @@ def beyond_section(src: dict) -> list[str]:
              "`+vocabK`, `+ngram`) at T = 0 >= 3x `ar` and >= 2x `hf-assisted` (bf16 draft), at T = 1 >= 2x and "
              ">= 1.5x; neither `auto` nor a lever combination below 0.95x `ar`. One run holds both, so every method "
              "shares the prompts, the seeds and the machine's drift. `ms/step` splits a step into draft + verify + "
-             "other (bookkeeping: tree building, sampling, cache commits; prefill excluded).", ""]
+             "other (drafting builds the tree; verifying is the target's forward and the verifier; other is bookkeeping: "
+             "cache compaction, stop checks, statistics; prefill excluded).", ""]
     if "beyond" not in src:
         return lines + _missing("beyond")
     res = src["beyond"]
@@ -419,7 +422,7 @@ def _target_lines(res: dict, t: dict, temp: float, dataset: str) -> list[str]:
         lines.append(f"- {what}: >= {goal[0]}x ar: {_verdict(None if x_ar is None else x_ar >= goal[0])} "
                      f"({_fmt(x_ar)}x); >= {goal[1]}x hf-assisted: "
                      f"{_verdict(None if x_hf is None else x_hf >= goal[1])} ({_fmt(x_hf)}x).")
-    lines += _ceilings(res, t, temp, dataset, [lb for lb in ("auto", best) if lb in ours])
+    lines += _ceilings(res, temp, dataset, [lb for lb in ("auto", best) if lb in ours])
     if ours:
         slow = [lb for lb, s in ours.items() if (s["speedup"].get("ar") or 1.0) < FLOOR]
         lines.append(f"- `auto` and every lever combination at >= {FLOOR}x ar: {_verdict(not slow)}"
