@@ -120,6 +120,7 @@ def test_beyond_the_papers_checks_the_issue_targets(tmp_path):
     assert "- auto: >= 2.2x ar: **holds** (2.40x); >= 1.5x hf-assisted: **holds** (1.60x)." in text
     assert ("- best lever combination (auto+int8): >= 3.0x ar: **holds** (3.20x); >= 2.0x hf-assisted: "
             "**holds** (2.13x).") in text
+    assert "- auto against the fastest fixed-budget policy (dynatree, 0.90x ar): faster: **holds** (2.40x)." in text
     # the floor is arborspec's own promise: a slow seed method (dynatree here) does not break it, a slow lever does
     assert "at >= 0.95x ar: **does not hold** (below: auto+int4+ngram)." in text
     # where a step's time goes: draft 0.2 s + verify 0.1 s over 2 steps; other = 8 / 12 s wall less both

@@ -422,12 +422,26 @@ def _target_lines(res: dict, t: dict, temp: float, dataset: str) -> list[str]:
         lines.append(f"- {what}: >= {goal[0]}x ar: {_verdict(None if x_ar is None else x_ar >= goal[0])} "
                      f"({_fmt(x_ar)}x); >= {goal[1]}x hf-assisted: "
                      f"{_verdict(None if x_hf is None else x_hf >= goal[1])} ({_fmt(x_hf)}x).")
+    lines += _against_fixed(t)
     lines += _ceilings(res, temp, dataset, [lb for lb in ("auto", best) if lb in ours])
     if ours:
         slow = [lb for lb, s in ours.items() if (s["speedup"].get("ar") or 1.0) < FLOOR]
         lines.append(f"- `auto` and every lever combination at >= {FLOOR}x ar: {_verdict(not slow)}"
                      + (f" (below: {', '.join(slow)})" if slow else "") + ".")
     return lines
+
+
+def _against_fixed(t: dict) -> list[str]:
+    """`auto` beside the fastest fixed-budget tree policy of the same table (the seed methods at their papers'
+    budgets; plain decoding, HF's baselines, lossy rules and auto's lever variants excluded): sizing the tree from
+    measured costs should beat any one budget picked in advance."""
+    fixed = {label: s for label, s in t.items() if not label.startswith(("auto", "ar", "hf-")) and not s["lossy"]}
+    best = max(fixed, key=lambda lb: fixed[lb]["speedup"].get("ar") or 0, default=None)
+    if best is None or "auto" not in t:
+        return []
+    x_auto, x_best = t["auto"]["speedup"].get("ar"), fixed[best]["speedup"].get("ar")
+    return [f"- auto against the fastest fixed-budget policy ({best}, {_fmt(x_best)}x ar): faster: "
+            f"{_verdict(_gt(x_auto, x_best))} ({_fmt(x_auto)}x)."]
 
 
 SECTIONS: list[Callable[[dict], list[str]]] = [dyspec_section, dynatree_section, wetap_section, asps_section,
