@@ -88,6 +88,11 @@ def _time_split(results: dict, label: str, temperature: float, dataset: str | No
     return out
 
 
+def _ms_per_step(split: dict) -> dict[str, float]:
+    """A `_time_split` as milliseconds per step: {"t_draft", "t_verify", "t_other"}."""
+    return {k: split[k] / split["steps"] * 1e3 for k in ("t_draft", "t_verify", "t_other")}
+
+
 def _partial(results: dict) -> str:
     done = len({r["prompt_key"] for r in results.get("runs", [])})
     return f"NOT FINISHED (partial results: {done} of {len(results.get('prompts', []))} prompts)"
@@ -98,7 +103,7 @@ def _step_split(results: dict, label: str, temperature: float, dataset: str | No
     t = _time_split(results, label, temperature, dataset)
     if t is None:
         return "–"
-    return " + ".join(f"{t[k] / t['steps'] * 1e3:.0f}" for k in ("t_draft", "t_verify", "t_other"))
+    return " + ".join(f"{ms:.0f}" for ms in _ms_per_step(t).values())
 
 
 def _verdict(ok: bool | None) -> str:
@@ -375,7 +380,7 @@ def _ceilings(res: dict, temp: float, dataset: str, labels: list[str]) -> list[s
         s = _time_split(res, label, temp, dataset)
         if s is None:
             continue
-        per = {k: s[k] / s["steps"] * 1e3 for k in ("t_draft", "t_verify", "t_other")}
+        per = _ms_per_step(s)
         free_draft = s["new_tokens"] / (s["wall"] - s["t_draft"]) / ar_rate
         lines.append(f"- where {label}'s time goes: a step ({s['new_tokens'] / s['steps']:.2f} tokens) spends "
                      f"{per['t_draft']:.0f} ms drafting, {per['t_verify']:.0f} ms verifying (a plain decoding step: "
@@ -407,12 +412,17 @@ def beyond_section(src: dict) -> list[str]:
     return lines
 
 
+def _fastest(rows: dict) -> str | None:
+    """The label of the row with the highest speed-up over `ar` (None for no rows)."""
+    return max(rows, key=lambda lb: rows[lb]["speedup"].get("ar") or 0, default=None)
+
+
 def _target_lines(res: dict, t: dict, temp: float, dataset: str) -> list[str]:
     """The verdicts on one table: `auto` (#7), the best lever combination (#8), the 0.95x floor for both, and where
     their time goes."""
     ours = {label: s for label, s in t.items() if label.startswith("auto") and not s["lossy"]}
     levers = {label: s for label, s in ours.items() if "+" in label}
-    best = max(levers, key=lambda lb: levers[lb]["speedup"].get("ar") or 0, default=None)
+    best = _fastest(levers)
     lines = []
     for label, goal in (("auto", AUTO_TARGET.get(temp)), (best, LEVER_TARGET.get(temp))):
         if label is None or label not in ours or goal is None:
@@ -436,7 +446,7 @@ def _against_fixed(t: dict) -> list[str]:
     budgets; plain decoding, HF's baselines, lossy rules and auto's lever variants excluded): sizing the tree from
     measured costs should beat any one budget picked in advance."""
     fixed = {label: s for label, s in t.items() if not label.startswith(("auto", "ar", "hf-")) and not s["lossy"]}
-    best = max(fixed, key=lambda lb: fixed[lb]["speedup"].get("ar") or 0, default=None)
+    best = _fastest(fixed)
     if best is None or "auto" not in t:
         return []
     x_auto, x_best = t["auto"]["speedup"].get("ar"), fixed[best]["speedup"].get("ar")
