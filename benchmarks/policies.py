@@ -3,8 +3,10 @@
 Every method decodes the same prompts greedily (T=0) and must reproduce `ar`'s tokens exactly (checked). The
 defaults are sized for a 2-core CPU (WETAP's paper widths, 16-128 per layer over 8 layers, draft ~900 tokens per
 step; here 4-16 over 6 layers); pass --methods to change the line-up and --max-new-tokens / --prompts to run larger.
+Methods are named as for `arborspec bench` (arborspec/spec.py); the draft runs unquantized unless a name says
+otherwise (`+int8`).
 
-    python benchmarks/policies.py [--max-new-tokens 64] [--methods 'dyspec:budget=16;beam:steps=4,beams=3']
+    python benchmarks/policies.py [--max-new-tokens 64] [--methods 'dyspec@16,beam(steps=4,beams=3)']
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import torch
 
 from arborspec import SpeculativeDecoder
-from arborspec.models.loading import load_model
+from arborspec.spec import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, build_decoder, load_pair, parse, split_methods
 
 PROMPTS = [
     'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',
@@ -24,57 +26,27 @@ PROMPTS = [
     "class LinkedList:\n    def __init__(self):\n        self.head = None\n\n    def append(self, value):\n",
 ]
 
-METHODS = ("ar; chain:k=5; static:depth=4,branch=2; dyspec:budget=16; dyspec:budget=32; dyspec:budget=32,batch=false; "
-           "dyspec-threshold:budget=32; dynatree; wetap:budget=32,w_min=4,w_max=16,length=6; beam:steps=4,beams=3; "
-           "sequoia:budget=32")
-
-
-def parse_methods(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for item in text.split(";"):
-        item = item.strip()
-        if not item:
-            continue
-        name, _, opts = item.partition(":")
-        options = {}
-        for kv in filter(None, opts.split(",")):
-            k, _, v = kv.partition("=")
-            options[k.strip()] = _value(v.strip())
-        out.append((name.strip(), options))
-    return out
-
-
-def _value(v: str):
-    for kind in (int, float):
-        try:
-            return kind(v)
-        except ValueError:
-            pass
-    return v
-
-
-def label(name: str, options: dict) -> str:
-    return name + (" " + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
+METHODS = ("ar,chain(k=5),static(depth=4,branch=2),dyspec@16,dyspec@32,dyspec(batch=false)@32,dyspec-threshold@32,"
+           "dynatree,wetap(w_min=4,w_max=16,length=6)@32,beam(steps=4,beams=3),sequoia@32")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} built-in prompts")
-    ap.add_argument("--methods", default=METHODS, help="'name:opt=v,opt=v; name; ...'")
+    ap.add_argument("--methods", default=METHODS, help="comma-separated method names, as for `arborspec bench`")
     ap.add_argument("--token-order", default="bfs")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_model(args.target, dtype=args.dtype)
-    draft = load_model(args.draft, dtype=args.dtype)
+    target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype)
     prompts = PROMPTS[: args.prompts]
-    methods = parse_methods(args.methods)
+    methods = [parse(name, draft_quant="none") for name in split_methods(args.methods)]
     # warm-up (first calls allocate)
     SpeculativeDecoder(target, draft, method="chain", k=2).generate(prompts[0], max_new_tokens=4)
     reference: dict[int, list[int]] = {}
@@ -82,13 +54,12 @@ def main(argv=None) -> None:
     print(f"| method | tokens/step | tokens/s | speed-up | tree size | draft calls/step | t_draft | t_verify | same as ar |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     ar_tps = None
-    for name, options in methods:
+    for method in methods:
         per = []
         for i, prompt in enumerate(prompts):
-            dec = SpeculativeDecoder(target, draft if name != "ar" else None, method=name,
-                                     token_order=args.token_order, **options)
+            dec = build_decoder(method, target, draft, token_order=args.token_order)
             res = dec.generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
-            if name == "ar":
+            if method.policy == "ar":
                 reference[i] = res.token_ids
             per.append(res)
         st = [r.stats for r in per]
@@ -96,7 +67,7 @@ def main(argv=None) -> None:
         steps = sum(s.n_steps for s in st)
         decode = sum(s.decode_time for s in st)
         row = dict(
-            method=label(name, options),
+            method=method.name,
             tokens_per_step=new / steps,
             tokens_per_s=new / decode,
             tree_size=statistics.mean(x.tree_size for s in st for x in s.steps),
@@ -105,7 +76,7 @@ def main(argv=None) -> None:
             t_verify=sum(x.t_verify for s in st for x in s.steps),
             same=all(r.token_ids == reference.get(i) for i, r in enumerate(per)) if reference else None,
         )
-        if name == "ar":
+        if method.policy == "ar":
             ar_tps = row["tokens_per_s"]
         row["speedup"] = row["tokens_per_s"] / ar_tps if ar_tps else float("nan")
         rows.append(row)

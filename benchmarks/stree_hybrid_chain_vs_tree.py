@@ -18,6 +18,7 @@ draft is a 2-layer model).
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import string
 import sys
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, BambaConfig, PreTrainedTokenizerFast
 
 from arborspec.bench.report import write_report
@@ -35,8 +37,6 @@ CHARS = string.ascii_lowercase + string.digits + " .,:;()[]=+-*/_\n"
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
@@ -63,8 +63,6 @@ def hybrid(vocab: int, seed: int, hidden: int, layers: int) -> torch.nn.Module:
 
 
 def noisy_copy(model, noise: float, seed: int):
-    import copy
-
     torch.manual_seed(seed)
     draft = copy.deepcopy(model)
     with torch.no_grad():
@@ -101,10 +99,10 @@ def main(argv=None) -> int:
             target="synthetic 8-layer Bamba (50% attention)", draft=f"noisy copy (noise {args.noise})", dtype="fp32",
             datasets=[], prompt_file=str(prompts), methods=["ar", "sps@4", "static(widths=3,3,3,3)"],
             temperatures=[0.0, 1.0], prompts=args.prompts, max_new_tokens=args.max_new_tokens, ignore_eos=True,
-            perplexity=False, threads=args.threads, out=args.out,
+            perplexity=False, threads=args.threads, out=args.out, draft_quant="none",
             command="python benchmarks/stree_hybrid_chain_vs_tree.py " + " ".join(sys.argv[1:] if argv is None else argv))
-        models = (load_model(str(root / "target"), dtype="fp32"), load_model(str(root / "draft"), dtype="fp32"))
-        path = run_bench(settings, models=models)
+        pair = (load_model(str(root / "target"), dtype="fp32"), load_model(str(root / "draft"), dtype="fp32"))
+        path = run_bench(settings, models=pair)
     for f in write_report(path.parent):
         print(f)
     return 0

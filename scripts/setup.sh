@@ -14,3 +14,12 @@ extra=${1:-}
 spec="."
 [ -n "$extra" ] && spec=".[$extra]"
 .venv/bin/python -m pip install -q -c constraints.txt -e "$spec"
+# llama.cpp's CPU kernels (the `llamacpp` backend): llama-cpp-python ships as source only and compiles llama.cpp on
+# install, with this CPU's native instruction set (AVX-512/VNNI where present). The first install takes ~10-30 min on
+# 2 cores; pip keeps the built wheel in its cache, so later installs take seconds.
+if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36')" 2>/dev/null; then
+    echo "[arborspec] building llama-cpp-python (llama.cpp, native CPU flags; first time only: 10-30 min) ..." >&2
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        .venv/bin/python -m pip install -q -c constraints.txt "llama-cpp-python==0.3.36"
+fi

@@ -1,20 +1,15 @@
-"""STree's runtime model (eqs. 7-8): least-squares fits of t(N), the tree-size rule, and `arborspec profile`."""
+"""Cost profiles and STree's runtime model (eqs. 7-8): measuring t(N), least-squares fits, the tree-size rule, the
+profile cache, and `arborspec profile` (arborspec.profile, arborspec.runtime_model)."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from arborspec.budget import (
-    RuntimeModel,
-    default_kind,
-    fit_runtime,
-    full_tree,
-    larger_tree_pays,
-    measure_forward_cost,
-    required_tau_ratio,
-)
+from arborspec import cache, profile
 from arborspec.cli import main
+from arborspec.profile import full_tree, measure_forward_cost
+from arborspec.runtime_model import RuntimeModel, default_kind, fit_runtime, larger_tree_pays, required_tau_ratio
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 from tests.models.tiny_ssm import ssm_model
 
@@ -114,12 +109,10 @@ def test_cli_generate_with_ssm_models_matches_ar(ssm_dirs, capsys, mode):
     assert code == 0 and data["baseline_ar"]["identical"] is True and len(data["token_ids"]) == 16
 
 
-# ---- cached profiles and calibrations (drafting/auto.py) -------------------------------------------------------------
+# ---- cached profiles and calibrations (drafting/auto/) ---------------------------------------------------------------
 @pytest.fixture
 def counted_measure(monkeypatch, tmp_path):
     """A private cache directory and a fake measurement that counts its calls (t(n) = 1 ms + 0.1 ms per token)."""
-    from arborspec import budget
-
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     calls = []
 
@@ -127,24 +120,22 @@ def counted_measure(monkeypatch, tmp_path):
         calls.append((model, tuple(sizes), prefix))
         return [0.001 + 1e-4 * n for n in sizes]
 
-    monkeypatch.setattr(budget, "measure_forward_cost", fake)
+    monkeypatch.setattr(profile, "measure_forward_cost", fake)
     return calls
 
 
 def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_path):
-    from arborspec import budget
-
     model = tiny_model("llama", seed=0)
-    curve, source = budget.profile_model(model)
+    curve, source = profile.profile_model(model)
     assert source == "measured" and len(counted_measure) == 1 and curve(8) == pytest.approx(0.0018)
-    path = budget.profile_path(model)
+    path = profile.profile_path(model)
     assert path.parent == tmp_path / "cache" / "profiles" and path.exists()
-    assert json.loads(path.read_text())["versions"] == budget.library_versions()
-    assert budget.profile_model(model)[1] == "cache" and len(counted_measure) == 1
-    assert budget.profile_model(tiny_model("llama", seed=0))[1] == "cache"  # the same model, loaded again
+    assert json.loads(path.read_text())["versions"] == cache.library_versions()
+    assert profile.profile_model(model)[1] == "cache" and len(counted_measure) == 1
+    assert profile.profile_model(tiny_model("llama", seed=0))[1] == "cache"  # the same model, loaded again
 
     def source_of(m):
-        return budget.profile_model(m)[1]
+        return profile.profile_model(m)[1]
 
     assert source_of(tiny_model("llama", seed=1)) == "measured"  # other weights
     assert source_of(tiny_model("llama", seed=0, layers=3)) == "measured"  # other architecture
@@ -156,32 +147,30 @@ def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_p
     finally:
         torch.set_num_threads(threads)
     assert source_of(model) == "cache"
-    versions = budget.library_versions()
-    monkeypatch.setattr(budget, "library_versions", lambda: dict(versions, transformers="0.0.1"))
+    versions = cache.library_versions()
+    monkeypatch.setattr(cache, "library_versions", lambda: dict(versions, transformers="0.0.1"))
     assert source_of(model) == "measured"  # another library version
-    monkeypatch.setattr(budget, "library_versions", lambda: versions)
+    monkeypatch.setattr(cache, "library_versions", lambda: versions)
     assert source_of(model) == "measured"  # the file now holds the other version's record
     path.write_text("{not json")
     assert source_of(model) == "measured"  # unreadable
-    assert budget.profile_model(model, refresh=True)[1] == "measured"
-    monkeypatch.setattr(budget, "machine_id", lambda: "another cpu")
+    assert profile.profile_model(model, refresh=True)[1] == "measured"
+    monkeypatch.setattr(profile, "machine_id", lambda: "another cpu")
     assert source_of(model) == "measured"  # another machine
     assert counted_measure[-1][2] == 200  # the prefix fits the tiny model's 512-token window
 
 
 def test_profile_measures_a_tiny_model_for_real(tmp_path, monkeypatch):
-    from arborspec import budget
-
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
     model = tiny_model("llama", seed=0, context=64)  # a short window: the prefix shrinks to fit
-    curve, source = budget.profile_model(model, sizes=(1, 2, 4), repeats=1)
+    curve, source = profile.profile_model(model, sizes=(1, 2, 4), repeats=1)
     assert source == "measured" and all(t > 0 for t in curve.times)
-    record = json.loads(budget.profile_path(model).read_text())
+    record = json.loads(profile.profile_path(model).read_text())
     assert record["prefix"] < 64 and record["sizes"] == [1, 2, 4]
 
 
 def test_calibration_is_saved_and_reloaded(counted_measure, monkeypatch):
-    from arborspec import SpeculativeDecoder, budget
+    from arborspec import SpeculativeDecoder
 
     target = tiny_model("llama", seed=0)
     draft = noisy_copy(target, 0.3)
@@ -202,8 +191,8 @@ def test_calibration_is_saved_and_reloaded(counted_measure, monkeypatch):
         assert SpeculativeDecoder(target, draft, method="auto").policy.source["calibration"] == "new"
     finally:
         torch.set_num_threads(threads)
-    versions = budget.library_versions()
-    monkeypatch.setattr(budget, "library_versions", lambda: dict(versions, arborspec="9.9"))
+    versions = cache.library_versions()
+    monkeypatch.setattr(cache, "library_versions", lambda: dict(versions, arborspec="9.9"))
     assert SpeculativeDecoder(target, draft, method="auto").policy.source["calibration"] == "new"
 
 

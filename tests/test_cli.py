@@ -2,11 +2,21 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
+from arborspec import cli
 from arborspec.cli import main
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """The default method (auto) and --draft-quant auto measure the tiny pair once and cache it: not in ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +136,45 @@ def test_method_options_are_typed_from_the_registry():
     assert args.opt_batch is False and args.opt_budget == 8 and args.opt_widths == "2,2"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--batch", "maybe"])
+
+
+def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dirs, capsys):
+    base = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32",
+            "--prompt", "abcabc", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    code, out, _ = run_cli(capsys, *base, "--compare-ar")
+    data = json.loads(out)
+    assert code == 0 and data["stats"]["method"] == "auto" and data["baseline_ar"]["identical"]
+    code, out, _ = run_cli(capsys, *base, "--method", "dynatree(adapt=false)@6+noquant+ngram2", "--compare-ar")
+    data = json.loads(out)
+    assert code == 0 and data["stats"]["method"] == "dynatree" and data["baseline_ar"]["identical"]
+
+
+@pytest.mark.parametrize("method,extra,message", [
+    ("hf-assisted", [], "transformers baseline"),
+    ("wetap-lossy", [], "--allow-lossy"),
+    ("wetap", ["--verifier", "wetap"], "--allow-lossy"),
+    ("chain(k=3)+fp8", [], "unknown lever"),
+    ("chain(k=3)", ["--depth", "2"], "takes no option --depth"),
+])
+def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
+    code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--method", method, *extra)
+    assert code == 2 and message in err and "not found" not in err
+
+
+def test_torch_deprecation_noise_is_hidden_in_the_cli_only(monkeypatch):
+    def noisy(args):
+        warnings.warn("TypedStorage is deprecated. It will be removed in the future", UserWarning)
+        warnings.warn("torch.quantize_per_tensor, torch.quantize_per_channel and other quantized tensor creation "
+                      "functions ... are deprecated", UserWarning)
+        warnings.warn("a warning the user can act on", UserWarning)
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "methods", noisy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["methods"]) == 0
+        inside = [str(w.message) for w in seen]
+        noisy(None)  # outside the command line the same warnings show
+        outside = [str(w.message) for w in seen][len(inside):]
+    assert inside == ["a warning the user can act on"]
+    assert len(outside) == 3

@@ -152,3 +152,18 @@ def test_api_refuses_draft_with_another_tokenizer(tokenizer):
     draft = SimpleNamespace(model=tiny_model("llama", seed=3), tokenizer=other, name="d")
     with pytest.raises(ValueError, match="tokenizers differ"):
         SpeculativeDecoder(target, draft, method="chain")
+
+
+def test_per_position_acceptance_and_zero_accept_share():
+    target = tiny_model("qwen2", seed=2)
+    perfect = SpeculativeDecoder(target, noisy_copy(target, 0.0), method="chain", k=4).generate(
+        [7, 8, 9], max_new_tokens=25, ignore_eos=True).stats
+    assert perfect.accepted_at_depth[:4] == [1.0, 1.0, 1.0, 1.0]
+    assert perfect.zero_accept_share == 0.0
+    noisy = SpeculativeDecoder(target, noisy_copy(target, 3.0), method="chain", k=4).generate(
+        [7, 8, 9], max_new_tokens=25, ignore_eos=True).stats
+    shares = noisy.accepted_at_depth
+    assert shares == sorted(shares, reverse=True)  # accepting depth d needs depth d-1 accepted too
+    steps = [s for s in noisy.steps if s.tree_size]
+    assert 0 < noisy.zero_accept_share == sum(s.accepted == 0 for s in steps) / len(steps)
+    assert noisy.to_dict()["accepted_at_depth"] == shares

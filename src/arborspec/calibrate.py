@@ -8,24 +8,17 @@ disjoint, so the vector sums to at most 1). `arborspec calibrate` writes it as J
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
-DEFAULT_PROMPTS = [
-    'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',
-    "import json\n\n\ndef load_config(path):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "def is_prime(n: int) -> bool:\n",
-]
+from .cache import write_json
+from .engine import SpeculativeDecoder, _unwrap
+from .models.corpus import DEFAULT_PROMPTS  # noqa: F401  (the prompts `arborspec calibrate` uses by default)
 
 
 @torch.inference_mode()
 def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
               ranks: int = 16, seed: int | None = 0) -> dict:
     """The acceptance vector of `draft` against `target` on `prompts` (text or token-id lists)."""
-    from .engine import SpeculativeDecoder, _unwrap
-
     target_model, tokenizer = _unwrap(target, tokenizer)
     draft_model, _ = _unwrap(draft)
     if ranks < 1:
@@ -54,6 +47,4 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
 
 
 def write_acceptance_file(path: str, result: dict) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-        fh.write("\n")
+    write_json(path, result)

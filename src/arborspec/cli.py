@@ -1,4 +1,7 @@
-"""The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code."""
+"""The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code;
+what a method name and the flags mean (and every default) is arborspec/spec.py, shared with `arborspec bench` and the
+Python API.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,19 +10,39 @@ import json
 import logging
 import os
 import sys
+import warnings
+from dataclasses import replace
+from pathlib import Path
 
 # torchao (the optional int4 backend) logs, when merely imported on a CPU machine, that its CUDA kernels and triton
-# are missing, and torch warns about its enum registrations: four lines of noise before every command
+# are missing, and torch warns about its enum registrations: four lines of noise before every command. So the logging
+# setup comes first, then the imports (any of them may import torchao).
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from .drafting import POLICIES  # noqa: E402  (after the logging setup: importing it may import torchao)
-from .drafting.base import option_parser  # noqa: E402
+from .bench.args import add_bench_arguments, add_report_arguments  # noqa: E402
+from .bench.report import report_from_args  # noqa: E402
+from .bench.runner import run_from_args  # noqa: E402
+from .server import add_serve_arguments, run_serve  # noqa: E402
+from .profile import measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path  # noqa: E402
+from .runtime_model import default_kind, fit_runtime, required_tau_ratio  # noqa: E402
+from .calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file  # noqa: E402
+from .drafting import POLICIES  # noqa: E402
+from .drafting.base import option_parser, parse_int_list  # noqa: E402
+from .models import loading  # noqa: E402
+from .models.draft_choice import choose_draft_quant, describe, plot_variants  # noqa: E402
+from .plots import draw_trees  # noqa: E402
+from .spec import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_TARGET, GRAMMAR, NGRAM_LEN,  # noqa: E402
+                   RunSpec, add_backend_arguments, add_pair_arguments, build_decoder, check_lossy, check_verifier,
+                   load_pair, option_names, parse)
 from .verify import VERIFIERS  # noqa: E402
 
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
+
+# torch's own int8 modules create quantized tensors and TypedStorage, both deprecated in torch, whenever an int8 draft
+# is made or loaded: warnings the user can do nothing about. Hidden here only; library users and tests see them.
+TORCH_NOISE = (r"TypedStorage is deprecated",
+               r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation")
 
 
 class CliError(Exception):
@@ -36,22 +59,22 @@ def _method_option_fields() -> dict[str, dataclasses.Field]:
     return fields
 
 
-def _argtype(parse):
+def _argtype(parse_value):
     """Wrap an option parser so argparse reports its ValueError as a usage error."""
     def convert(text: str):
         try:
-            return parse(text)
+            return parse_value(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-    convert.__name__ = getattr(parse, "__name__", "value")
+    convert.__name__ = getattr(parse_value, "__name__", "value")
     return convert
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
-    p.add_argument("--method", default="static", help=f"tree policy: {', '.join(POLICIES)}")
+    add_pair_arguments(p)
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"{GRAMMAR}, e.g. dynatree(adapt=false)@32+int8 (default {DEFAULT_METHOD}; see "
+                        f"docs/benchmarks.md); policies: {', '.join(POLICIES)}")
     p.add_argument("--verifier", default=None, help=f"verification rule (default: the method's): {', '.join(VERIFIERS)}")
     p.add_argument("--allow-lossy", action="store_true", help="permit a verifier that changes the output distribution")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -63,15 +86,15 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
     p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
                    help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
-    levers = p.add_argument_group("cheaper drafting (any method; the output stays exact)")
-    levers.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4"],
-                        help="quantize the draft's linear layers (int4 needs torchao); auto (default): the variant "
-                             "measured fastest for this pair on this machine (cached; see `arborspec profile --pair`)")
+    levers = p.add_argument_group("cheaper drafting (any method; the output stays exact; --draft-quant above)")
     levers.add_argument("--draft-vocab", type=int, default=0,
                         help="draft head over the K most frequent tokens only (0 = full vocabulary)")
     levers.add_argument("--ngram", type=int, default=0,
                         help="graft prompt-lookup branches matching up to N-token n-grams of the context (0 = off)")
-    levers.add_argument("--ngram-len", type=int, default=8, help="tokens per prompt-lookup branch")
+    levers.add_argument("--ngram-len", type=int, default=NGRAM_LEN, help="tokens per prompt-lookup branch")
+    levers.add_argument("--suffix", type=int, default=0,
+                        help="graft up to N suffix-tree nodes a step: the most frequent earlier continuations of the "
+                             "text's suffix (0 = off; `--method suffix` drafts with them alone, no draft model)")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
         group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=_argtype(option_parser(f)),
@@ -110,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     trees.add_argument("--num-trees", type=int, default=3, help="how many steps to draw")
     trees.add_argument("--max-new-tokens", type=int, default=64)
     trees.add_argument("--out", default="trees.png", help="PNG file to write")
-    trees.set_defaults(compare_ar=False)
 
     cal = sub.add_parser("calibrate", help="measure the draft's positional acceptance rates (for sequoia)")
     _add_generation_args(cal)
@@ -119,7 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens the target generates per prompt")
     cal.add_argument("--ranks", type=int, default=16, help="length of the acceptance vector")
     cal.add_argument("--out", default="acceptance.json", help="JSON file for `sequoia --acceptance-file`")
-    cal.set_defaults(compare_ar=False)
 
     prof = sub.add_parser("profile", help="measure a model's tree-forward cost t(N) and fit STree's runtime model; "
                                           "--pair: the target's t(n) and the draft's per-layer cost that auto uses")
@@ -129,10 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "machine and library versions; --refresh measures again)")
     prof.add_argument("--target", default=DEFAULT_TARGET, help="with --pair: the target model")
     prof.add_argument("--draft", default=DEFAULT_DRAFT, help="with --pair: the draft model")
+    prof.add_argument("--dtype", default=DEFAULT_DTYPE, help="bf16 (default), fp32 or fp16")
+    add_backend_arguments(prof)
     prof.add_argument("--refresh", action="store_true", help="with --pair: measure even if a cached profile exists")
     prof.add_argument("--no-variants", action="store_true",
                       help="with --pair: skip the draft variants (bf16 / int8 / int4: cost curves and agreement)")
-    prof.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
     prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
     prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")
@@ -141,11 +163,40 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"])
     prof.add_argument("--out", default=None, help="PNG plot of the fit and the tau-ratio rule")
 
-    from .bench.args import add_bench_arguments, add_report_arguments
-
     add_bench_arguments(sub.add_parser("bench", help="benchmark methods on prompt sets: results.json, report.md, plots"))
     add_report_arguments(sub.add_parser("report", help="report.md and plots from a bench results.json; --check-equal"))
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server, streaming (docs/serve.md)"))
     return parser
+
+
+# ---- the run spec and the models ----------------------------------------------------------------------------
+def run_spec(args) -> RunSpec:
+    """What `generate` / `trees` run: --method (the whole NAME[(option=value,...)][@BUDGET][+LEVER...] grammar) with
+    the option flags (--k, --budget, ...), --verifier and the lever flags on top."""
+    spec = parse(args.method, draft_quant=args.draft_quant, allow_lossy=True)  # lossy: checked once the flags are in
+    if spec.policy is None:
+        raise CliError(f"{args.method!r} is a transformers baseline: `arborspec bench` runs it, `generate` does not")
+    flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    for name in flags:
+        if name not in option_names(spec.policy):
+            raise CliError(f"method {spec.policy!r} takes no option --{name.replace('_', '-')}")
+    spec = replace(spec, options=spec.options + tuple(flags.items()), allow_lossy=args.allow_lossy,
+                   verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
+                   vocab=args.draft_vocab or spec.vocab, ngram=args.ngram or spec.ngram, ngram_len=args.ngram_len,
+                   suffix=args.suffix or spec.suffix)
+    return check_lossy(spec)
+
+
+def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):
+    return build_decoder(spec, target, draft, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         draft_temperature=args.draft_temperature, token_order=args.token_order,
+                         record_trees=record_trees, ssm_tree=args.ssm_tree)
+
+
+def _load_for(args, spec: RunSpec):
+    """(target, draft prepared for `spec`, or None when the method drafts nothing)."""
+    return load_pair(args.target, args.draft if spec.needs_draft else None, spec.quant, args.dtype, spec.vocab,
+                     backend=args.backend, draft_backend=args.draft_backend)
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -157,64 +208,6 @@ def _read_prompt(args) -> str:
         except OSError as err:
             raise CliError(f"cannot read prompt file {args.prompt_file!r}: {err.strerror}") from None
     return DEFAULT_PROMPT if args.prompt is None else args.prompt
-
-
-def _load(spec: str, dtype: str, role: str):
-    from .models.loading import load_model
-
-    print(f"[arborspec] loading {role} {spec} ...", file=sys.stderr)
-    return load_model(spec, dtype=dtype)
-
-
-def _method_options(args) -> dict:
-    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-
-
-def _prepare_draft(args, target, draft) -> None:
-    """Apply --draft-quant (auto: the measured best variant) and --draft-vocab to the loaded draft, in place."""
-    from .models.draft_levers import prepare_draft
-
-    quant = getattr(args, "draft_quant", "none")
-    if quant == "auto":
-        from .models.draft_choice import choose_draft_quant
-
-        quant, record, source = choose_draft_quant(target, draft)
-        best = record["variants"][quant]
-        print(f"[arborspec] draft: {quant} ({source}: top-1 agreement {best['agreement']:.2f}, "
-              f"{best['draft_times'][0] * 1e3:.0f} ms per draft token; --draft-quant to override)", file=sys.stderr)
-    if quant != "none" or getattr(args, "draft_vocab", 0):
-        print("[arborspec] preparing the draft (quantization / vocabulary) ...", file=sys.stderr)
-        prepare_draft(draft, quant, getattr(args, "draft_vocab", 0))
-
-
-def make_decoder(args, method: str | None = None, options: dict | None = None, baseline: bool = False):
-    """Load the models named on the command line and build a decoder (models are loaded once and reused).
-
-    `baseline`: plain decoding for --compare-ar, without the n-gram lever.
-    """
-    from .engine import SpeculativeDecoder
-
-    method = method or args.method
-    if method not in POLICIES:
-        raise CliError(f"unknown method {method!r}; choose one of: {', '.join(POLICIES)}")
-    if not hasattr(args, "_models"):
-        target = _load(args.target, args.dtype, "target")
-        draft = _load(args.draft, args.dtype, "draft") if POLICIES[method].needs_draft or args.compare_ar else None
-        if draft is not None:
-            from .models.loading import check_tokenizers_compatible
-
-            check_tokenizers_compatible(target, draft)
-            _prepare_draft(args, target, draft)
-        args._models = (target, draft)
-    target, draft = args._models
-    return SpeculativeDecoder(
-        target, draft if POLICIES[method].needs_draft else None, method=method, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, draft_temperature=args.draft_temperature, verifier=args.verifier,
-        allow_lossy=args.allow_lossy, token_order=getattr(args, "token_order", "bfs"),
-        record_trees=getattr(args, "record_trees", False) or getattr(args, "per_step", False),
-        ssm_tree=getattr(args, "ssm_tree", "packed"), ngram=0 if baseline else getattr(args, "ngram", 0),
-        ngram_len=getattr(args, "ngram_len", 8), **(_method_options(args) if options is None else options),
-    )
 
 
 def _summary(stats) -> str:
@@ -232,12 +225,9 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
-    if args.method not in POLICIES:
-        raise CliError(f"unknown method {args.method!r}; choose one of: {', '.join(POLICIES)}")
-    for name in _method_options(args):
-        if name not in {f.name for f in dataclasses.fields(POLICIES[args.method].Options)}:
-            raise CliError(f"method {args.method!r} takes no option --{name.replace('_', '-')}")
-    dec = make_decoder(args)
+    spec = run_spec(args)
+    target, draft = _load_for(args, spec)
+    dec = _decoder(args, spec, target, draft, record_trees=args.per_step)
     if args.chat:
         prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
@@ -251,7 +241,7 @@ def cmd_generate(args) -> int:
         result = dec.last_result
     out = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats.to_dict(per_step=args.per_step)}
     if args.compare_ar:
-        base = make_decoder(args, method="ar", options={}, baseline=True).generate(prompt, **kw)
+        base = _decoder(args, parse("ar"), target, None).generate(prompt, **kw)
         speedup = result.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
         out["baseline_ar"] = {"tokens_per_s": base.stats.tokens_per_s, "token_ids": base.token_ids,
                               "speedup": speedup, "identical": base.token_ids == result.token_ids}
@@ -268,12 +258,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from .models import loading
-
     if args.action == "list":
-        for name, spec in loading.ALIASES.items():
+        for name, alias in loading.ALIASES.items():
             state = "fetched" if loading.is_fetched(name) else "not fetched"
-            print(f"{name:24s} {state:12s} {getattr(spec, 'description', '')}")
+            print(f"{name:24s} {state:12s} {getattr(alias, 'description', '')}")
         return 0
     if not args.alias:
         raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(loading.ALIASES)}")
@@ -298,27 +286,21 @@ def cmd_methods(args) -> int:
 
 
 def cmd_trees(args) -> int:
-    from .plots import draw_trees
-
     if args.num_trees < 1 or args.max_new_tokens < 1:
         raise CliError("--num-trees and --max-new-tokens must be at least 1")
     prompt = _read_prompt(args)
-    for name in _method_options(args):
-        if name not in {f.name for f in dataclasses.fields(POLICIES.get(args.method, POLICIES['ar']).Options)}:
-            raise CliError(f"method {args.method!r} takes no option --{name.replace('_', '-')}")
-    args.record_trees = True
-    dec = make_decoder(args)
+    spec = run_spec(args)
+    target, draft = _load_for(args, spec)
+    dec = _decoder(args, spec, target, draft, record_trees=True)
     result = dec.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
     trees = [s.tree for s in result.stats.steps[: args.num_trees]]
-    title = (f"{args.method} ({', '.join(f'{k}={v}' for k, v in _method_options(args).items()) or 'defaults'}), "
+    title = (f"{spec.policy} ({', '.join(f'{k}={v}' for k, v in spec.options) or 'defaults'}), "
              f"T={args.temperature}: {result.stats.tokens_per_step:.2f} tokens/step over {result.stats.n_steps} steps")
     print(draw_trees(trees, dec.tokenizer, args.out, title=title))
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
-
     prompts = list(args.prompt or [])
     for path in args.prompt_file or []:
         try:
@@ -327,8 +309,8 @@ def cmd_calibrate(args) -> int:
         except OSError as err:
             raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
     prompts = prompts or DEFAULT_PROMPTS
-    target = _load(args.target, args.dtype, "target")
-    draft = _load(args.draft, args.dtype, "draft")
+    target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype, backend=args.backend,
+                              draft_backend=args.draft_backend)
     result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        ranks=args.ranks, seed=args.seed)
     result.update(target=args.target, draft=args.draft)
@@ -339,23 +321,16 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .budget import default_kind, fit_runtime, measure_forward_cost, plot_profile, required_tau_ratio
-
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    except ValueError:
-        raise CliError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
-    if not sizes or min(sizes) < 1 or args.repeats < 1 or args.prefix < 2:
-        raise CliError("--sizes must be positive, --repeats at least 1 and --prefix at least 2")
+    sizes = list(parse_int_list(args.sizes, "--sizes"))
+    if args.repeats < 1 or args.prefix < 2:
+        raise CliError("--repeats must be at least 1 and --prefix at least 2")
     if args.out:
-        from pathlib import Path
-
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.pair:
         return _profile_pair(args, sizes)
     if not args.model:
         raise CliError("`arborspec profile` needs --model SPEC, or --pair (with --target/--draft)")
-    model = _load(args.model, args.dtype, "model").model
+    model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend).model
     kind = args.kind or default_kind(model)
     times = measure_forward_cost(model, sizes, prefix=args.prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
     fit = fit_runtime(sizes, times, kind)
@@ -372,12 +347,10 @@ def cmd_profile(args) -> int:
 
 def _profile_pair(args, sizes: list[int]) -> int:
     """The two cost curves `--method auto` sizes its trees with: the target's t(n) and the draft's d(w)."""
-    from .budget import plot_pair, profile_model, profile_path
-
-    target_loaded, draft_loaded = _load(args.target, args.dtype, "target"), _load(args.draft, args.dtype, "draft")
-    target, draft = target_loaded.model, draft_loaded.model
+    target_loaded, draft_loaded = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype,
+                                            backend=args.backend, draft_backend=args.draft_backend)
     curves = {}
-    for role, model in (("target", target), ("draft", draft)):
+    for role, model in (("target", target_loaded.model), ("draft", draft_loaded.model)):
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
                                       repeats=args.repeats, progress=True)
         curves[role] = curve
@@ -391,8 +364,6 @@ def _profile_pair(args, sizes: list[int]) -> int:
     print(f"plain decoding: {1 / t1:.2f} tokens/s predicted; one draft layer of 1 node costs {d(1) / t1:.2f} target "
           "tokens (t(n) = target forward over n tree tokens, root included; d(n) = one draft call over n nodes)")
     if len(t.sizes) >= 3 and len(d.sizes) >= 3:
-        from .budget import fit_runtime
-
         print(f"quadratic fits (auto interpolates the measurements instead): target "
               f"{fit_runtime(t.sizes, t.times, 'quadratic').describe()}; draft "
               f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
@@ -400,8 +371,6 @@ def _profile_pair(args, sizes: list[int]) -> int:
         print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
     if args.no_variants:
         return 0
-    from .models.draft_choice import choose_draft_quant, describe, plot_variants
-
     quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
                                                prefix=args.prefix, repeats=args.repeats)
     print(f"\ndraft variants ({source}; agreement over {record['positions']} teacher-forced positions; est. tok/s = "
@@ -414,29 +383,19 @@ def _profile_pair(args, sizes: list[int]) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from .bench.runner import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_report(args) -> int:
-    from .bench.report import report_from_args
-
-    return report_from_args(args)
-
-
 COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods, "trees": cmd_trees,
-            "calibrate": cmd_calibrate, "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile}
+            "calibrate": cmd_calibrate, "bench": run_from_args, "report": report_from_args, "profile": cmd_profile,
+            "serve": run_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .models.loading import ModelLoadError
-
     try:
-        return COMMANDS[args.command](args)
-    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
+        with warnings.catch_warnings():
+            for message in TORCH_NOISE:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            return COMMANDS[args.command](args)
+    except (CliError, ValueError, loading.ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
         if os.environ.get("ARBORSPEC_DEBUG"):
             raise
         print(f"arborspec: error: {err}", file=sys.stderr)

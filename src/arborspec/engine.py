@@ -12,10 +12,14 @@ from typing import Iterator
 import torch
 
 from .drafting import POLICIES, DraftContext
+from .drafting.base import check_int
 from .drafting.budget_tuner import make_policy
-from .models import check_session_support, make_session
-from .sampling import SamplingConfig, make_generator
 from .drafting.ngram import add_ngram_branch
+from .drafting.suffix import graft_suffix_branches
+from .drafting.suffix_index import SuffixIndex
+from .models import check_session_support, make_session
+from .models.model_info import check_pair, context_window, eos_ids, pair_names
+from .sampling import SamplingConfig, make_generator
 from .tree import ORDERS, DrawRule
 from .verify import VERIFIERS, fits
 
@@ -70,6 +74,23 @@ class GenerationStats:
         return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
 
     @property
+    def accepted_at_depth(self) -> list[float]:
+        """Per-position acceptance: entry d-1 is the share of the steps whose tree reached depth d that accepted at
+        least d drafted tokens (how far into its trees the target follows the draft)."""
+        deepest = max((s.depth for s in self.steps), default=0)
+        shares = []
+        for d in range(1, deepest + 1):
+            reached = [s for s in self.steps if s.depth >= d]
+            shares.append(sum(s.accepted >= d for s in reached) / len(reached))
+        return shares
+
+    @property
+    def zero_accept_share(self) -> float:
+        """Among steps that drafted anything, the share whose drafted tokens were all rejected."""
+        drafted = [s for s in self.steps if s.tree_size > 0]
+        return sum(s.accepted == 0 for s in drafted) / len(drafted) if drafted else 0.0
+
+    @property
     def decode_time(self) -> float:
         return self.t_total - self.t_prefill
 
@@ -90,6 +111,8 @@ class GenerationStats:
             tokens_per_step=self.tokens_per_step,
             mean_accepted=self.mean_accepted,
             acceptance_rate=self.acceptance_rate,
+            accepted_at_depth=self.accepted_at_depth,
+            zero_accept_share=self.zero_accept_share,
             tokens_per_s=self.tokens_per_s,
             tpot=self.tpot,
             t_draft=sum(s.t_draft for s in self.steps),
@@ -117,25 +140,12 @@ def _unwrap(model_or_loaded, tokenizer=None):
     return model_or_loaded, tokenizer
 
 
-def _context_window(model) -> int:
-    cfg = model.config
-    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2**31)
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return ids
 
 
 class SpeculativeDecoder:
     """Tree speculative decoding of `target`, drafted by `draft`, with one policy and one verifier.
 
-    >>> dec = SpeculativeDecoder(target, draft, method="static", temperature=0.0, depth=4, branch=2)
+    >>> dec = SpeculativeDecoder(target, draft)  # method "auto": trees sized from this machine's measured costs
     >>> dec.generate("def fib(n):", max_new_tokens=64).text
     """
 
@@ -143,7 +153,7 @@ class SpeculativeDecoder:
         self,
         target,
         draft=None,
-        method: str = "static",
+        method: str = "auto",
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
@@ -156,6 +166,8 @@ class SpeculativeDecoder:
         ssm_tree: str = "packed",
         ngram: int = 0,
         ngram_len: int = 8,
+        suffix: int = 0,
+        suffix_store: int = 0,
         **method_options,
     ):
         if token_order not in ORDERS:
@@ -165,18 +177,20 @@ class SpeculativeDecoder:
         if ssm_tree not in ("packed", "unrolled"):
             raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
         self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
-        for name, value in (("ngram", ngram), ("ngram_len", ngram_len)):
-            if int(value) != value or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
+                            ("suffix_store", suffix_store)):
+            check_int(value, name, 0)
         self.ngram, self.ngram_len = int(ngram), int(ngram_len)  # prompt-lookup branches (drafting/ngram.py)
+        # suffix branches (drafting/suffix.py): up to `suffix` nodes a step; the index (and its store of earlier
+        # outputs) lives as long as the decoder, so later requests can draft from earlier ones
+        self.suffix = int(suffix)
+        self.suffix_index = SuffixIndex(store=int(suffix_store)) if suffix else None
         self.target, self.tokenizer = _unwrap(target, tokenizer)
         self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
             self.tokenizer = draft_tok
-        elif draft_tok is not None and draft_tok is not self.tokenizer:
-            from .models.loading import check_tokenizers_compatible
-
-            check_tokenizers_compatible(target, draft)
+        if self.draft is not None:  # the draft's token ids must mean what the target's do
+            check_pair(self.target, self.draft, self.tokenizer, draft_tok, pair_names(target, draft))
         if method not in POLICIES:
             raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(sorted(POLICIES))}")
         self.policy = make_policy(POLICIES[method], method_options)
@@ -189,15 +203,15 @@ class SpeculativeDecoder:
         check_session_support(self.target)
         if self.draft is not None and self.policy.needs_draft:
             check_session_support(self.draft)
-            self._check_vocab()
-        self.policy.bind(self)  # e.g. auto: load or measure the models' cost profiles
+        # e.g. auto: load or measure the models' cost profiles
+        self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling)
 
     # ---- construction checks ---------------------------------------------------------------------------------
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
         rules = self.policy.draw_rules(self.draft_sampling)
         chain = self.policy.draws_chains
-        if self.ngram:  # grafted n-gram branches are deterministic children, and make chains into trees
+        if self.ngram or self.suffix:  # grafted branches are deterministic children, and make chains into trees
             rules, chain = rules | {DrawRule.DETERMINISTIC}, False
         if name is None:
             name = self.policy.default_verifier(self.sampling)
@@ -230,13 +244,6 @@ class SpeculativeDecoder:
             )
         return cls()
 
-    def _check_vocab(self) -> None:
-        """The draft's logits index the same token ids as the target's; padding rows may differ in number."""
-        tv, dv = self.target.config.vocab_size, self.draft.config.vocab_size
-        n_tok = len(self.tokenizer) if self.tokenizer is not None else min(tv, dv)
-        if min(tv, dv) < n_tok:
-            raise ValueError(f"draft vocabulary ({dv}) and target vocabulary ({tv}) do not cover the tokenizer ({n_tok})")
-
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -249,7 +256,7 @@ class SpeculativeDecoder:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        window = _context_window(self.target)
+        window = context_window(self.target)
         if len(ids) >= window:
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
         return ids
@@ -257,7 +264,7 @@ class SpeculativeDecoder:
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False) -> GenerationResult:
         result = None
-        for result in self._run(prompt, max_new_tokens, stop, seed, ignore_eos):
+        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos):
             pass
         return result
 
@@ -265,7 +272,7 @@ class SpeculativeDecoder:
                ignore_eos: bool = False) -> Iterator[str]:
         """Yield the generated text incrementally, one chunk per step."""
         shown = ""
-        for result in self._run(prompt, max_new_tokens, stop, seed, ignore_eos):
+        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos):
             if result.text.endswith("\ufffd") and result.stats.finish_reason == "":
                 continue  # a multi-byte character is split across steps; wait for the rest
             if len(result.text) > len(shown):
@@ -274,14 +281,17 @@ class SpeculativeDecoder:
         self.last_result = result
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _run(self, prompt, max_new_tokens, stop, seed, ignore_eos) -> Iterator[GenerationResult]:
+    def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
+              ignore_eos: bool = False) -> Iterator[GenerationResult]:
+        """Generate step by step: the result so far after every draft -> verify -> commit step (the server advances
+        many requests this way, one step each in turn)."""
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         gen = make_generator(seed)
-        eos = set() if ignore_eos else _eos_ids(self.target, self.tokenizer)
-        window = _context_window(self.target)
+        eos = set() if ignore_eos else eos_ids(self.target, self.tokenizer)
+        window = context_window(self.target)
         stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
         target = make_session(self.target, "target", ssm_tree=self.ssm_tree)
         draft = make_session(self.draft, "draft", ssm_tree=self.ssm_tree) if self.policy.needs_draft else None
@@ -297,6 +307,8 @@ class SpeculativeDecoder:
             tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
             if self.ngram:
                 add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
+            if self.suffix:
+                graft_suffix_branches(tree, self.suffix_index, context, self.suffix, max(room, 0))
             t1 = time.perf_counter()
             # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
             # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
@@ -311,8 +323,8 @@ class SpeculativeDecoder:
             proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
             kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
             target.commit([0] + [int(at[n]) for n in verdict.path])
-            if draft is not None:
-                draft.commit([n for n in [0] + verdict.path if n in draft.slot])
+            if draft is not None:  # the draft keeps the accepted nodes it has forwarded (leaves never were)
+                draft.commit([n for n in [0] + verdict.path if draft.has(n)])
             context += kept
             new += kept
             step = StepStats(

@@ -7,6 +7,8 @@ The accepted path is green, the target's bonus token orange (dashed edge); rejec
 """
 from __future__ import annotations
 
+from .plotting import pyplot
+
 ACCEPTED, REJECTED, BONUS, ROOT = "#2e9d48", "#c9c9c9", "#f08c1a", "#5b8bd9"
 
 
@@ -46,11 +48,7 @@ def tree_layout(parents: list[int]) -> tuple[list[float], int]:
 
 def draw_trees(trees: list[dict], tokenizer, path: str, title: str = "", max_nodes: int = 400) -> str:
     """Draw the recorded trees (one panel each) into a PNG at `path`; returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not trees:
         raise ValueError("no trees to draw")
     layouts = []

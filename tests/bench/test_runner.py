@@ -1,11 +1,13 @@
-"""The interleaved loop: a failing method is recorded and skipped, not fatal; budgets map to method options."""
+"""The interleaved loop: a failing method is recorded and skipped, not fatal; names and budgets become configurations;
+each method runs on its own draft variant. (The method-name grammar itself: tests/test_spec.py.)"""
 import json
 
 import torch
 
 import pytest
 
-from arborspec.bench import methods, runner
+from arborspec import spec
+from arborspec.bench import runner
 from arborspec.bench.runner import BenchSettings, run_bench
 from arborspec.models.loading import LoadedModel
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
@@ -33,7 +35,7 @@ def test_failures_are_recorded_and_the_run_goes_on(models, tmp_path, monkeypatch
     monkeypatch.setattr(runner.Bench, "generate", flaky)
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                              methods=["ar", "static", "dyspec", "chain"], max_new_tokens=10, out=str(tmp_path / "out"),
-                             progress=False, ignore_eos=True, threads=1)
+                             progress=False, ignore_eos=True, threads=1, draft_quant="none")
     results = json.loads(run_bench(settings, models=models).read_text())
     assert [s["label"] for s in results["skipped"]] == ["dyspec"]
     assert "cannot even warm up" in results["skipped"][0]["reason"]
@@ -50,45 +52,17 @@ def test_failures_are_recorded_and_the_run_goes_on(models, tmp_path, monkeypatch
     assert "static broke" in render(results, [])
 
 
-def test_budgets_map_to_each_methods_size_option():
-    assert methods.options_for(methods.METHODS["chain"], 8) == ({"k": 8}, None)
-    assert methods.options_for(methods.METHODS["dyspec"], 32) == ({"budget": 32}, None)
-    assert methods.options_for(methods.METHODS["ar"], 32) == ({}, None)
-    assert methods.options_for(methods.METHODS["static"], None) == ({}, None)
-    for b in (1, 2, 5, 16, 32, 64):
-        widths = [int(w) for w in methods.static_widths(b)["widths"].split(",")]
-        assert sum(widths) == b and widths == sorted(widths, reverse=True)
-    assert methods.static_widths(16) == {"widths": "4,4,4,4"}
-    spec, why = methods.resolve("no-such-method")
-    assert spec is None and "skipped" in why
-    spec, _ = methods.resolve("wetap")
-    assert spec.verifier == "wetap" and spec.allow_lossy
-
-
-def test_unregistered_policy_is_skipped_with_a_warning(monkeypatch):
-    monkeypatch.setitem(methods.METHODS, "future", methods.MethodSpec("future", "not-yet-written"))
+def test_bad_names_are_skipped_with_a_warning(monkeypatch):
+    monkeypatch.setitem(spec.METHODS, "future", spec.RunSpec("future", "not-yet-written"))
     warnings = []
-    configs = runner._configs(BenchSettings(target="t", draft="d", methods=["ar", "future"]), warnings)
-    assert [c.label for c in configs] == ["ar"] and "not registered" in warnings[0]
-
-
-def test_method_names_carry_options_budget_and_levers():
-    spec, why = methods.resolve("dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram")
-    assert why is None and spec.name == "dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram"
-    assert spec.policy == "dynatree" and dict(spec.fixed) == {"adapt": False, "window": 4}
-    assert (spec.budget, spec.quant, spec.vocab, spec.ngram) == (16, "int8", 2048, methods.NGRAM_DEFAULT)
-    assert methods.options_for(spec, 16) == ({"budget": 16, "adapt": False, "window": 4}, None)
-    spec, _ = methods.resolve("hf-assisted+int4")
-    assert spec.hf and spec.quant == "int4" and spec.draft_key == ("int4", 0)
-    for bad, words in [("dynatree(nope=1)", "not option=value"), ("dynatree(window=x)", "invalid literal"),
-                       ("ar@4", "no size option"), ("chain+fp8", "unknown lever"), ("hf-assisted+ngram", "baselines"),
-                       ("ar+int8", "without a draft"), ("chain@", "does not read"), ("hf-ar(k=1)", "no (option")]:
-        spec, why = methods.resolve(bad)
-        assert spec is None and words in why, (bad, why)
-    spec, _ = methods.resolve("static(widths=3,3,3,3,depth=2)")
-    assert dict(spec.fixed) == {"widths": "3,3,3,3", "depth": 2}  # a value may hold commas
-    assert methods.split_methods("ar, wetap(gamma=0.8,alpha=0.3)@16,chain@5+int8") == \
-        ["ar", "wetap(gamma=0.8,alpha=0.3)@16", "chain@5+int8"]
+    settings = BenchSettings(target="t", draft="d", methods=["ar", "future", "no-such-method", "chain+fp8",
+                                                             "wetap-lossy@64"])
+    assert [c.label for c in runner._configs(settings, warnings)] == ["ar"]
+    assert len(warnings) == 4 and all(w.endswith("; skipped") for w in warnings)
+    assert "not registered" in warnings[0] and "unknown lever" in warnings[2] and "--allow-lossy" in warnings[3]
+    settings.allow_lossy = True
+    labels = [c.label for c in runner._configs(settings, [])]
+    assert labels == ["ar", "wetap-lossy@64"]
 
 
 def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():
@@ -103,6 +77,7 @@ def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():
 def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, monkeypatch):
     from arborspec.models import draft_levers
 
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # the int8 draft is cached on disk
     monkeypatch.setattr(draft_levers, "corpus_counts",  # no ShareGPT download: count a line of code instead
                         lambda tok, vocab, **kw: draft_levers.token_counts(tok, ["def f(x): return x + 1"], vocab))
     prompts = tmp_path / "p.jsonl"
@@ -110,7 +85,7 @@ def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, mon
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                              methods=["ar", "chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"],
                              max_new_tokens=12, out=str(tmp_path / "out"), progress=False, ignore_eos=True,
-                             threads=1, warmup=False)
+                             threads=1, warmup=False, draft_quant="none")
     results = json.loads(run_bench(settings, models=models).read_text())
     runs = {r["label"]: r for r in results["runs"]}
     assert all(r["error"] is None for r in runs.values()), [r["error"] for r in runs.values()]
@@ -125,7 +100,8 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
     settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
-                    methods=["ar", "chain"], max_new_tokens=6, progress=False, ignore_eos=True, threads=1)
+                    methods=["ar", "chain"], max_new_tokens=6, progress=False, ignore_eos=True, threads=1,
+                    draft_quant="none")
     whole = json.loads(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings), models=models).read_text())
 
     real = runner.Bench.run
@@ -165,3 +141,46 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models
     assert {key(r): r["token_ids"] for r in grown["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
     with pytest.raises(ValueError, match="other prompts"):
         run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 1}), models=models)
+
+
+def test_methods_take_the_runs_draft_quant_measured_once(models, tmp_path, monkeypatch):
+    """`--draft-quant auto` (the default, as for `generate`): methods without a quantization lever run the variant
+    measured fastest, resolved once per benchmark and recorded per run; `+noquant` pins the draft as loaded."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def measured(target, draft, progress=True):
+        calls.append(draft)
+        return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "measured"
+
+    monkeypatch.setattr(spec, "choose_draft_quant", measured)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+    settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
+                             methods=["ar", "chain@3", "chain@3+noquant", "hf-assisted"], max_new_tokens=10,
+                             out=str(tmp_path / "out"), progress=False, ignore_eos=True, threads=1,
+                             draft_temperature=0.5)
+    assert settings.draft_quant == "auto"
+    results = json.loads(run_bench(settings, models=models).read_text())
+    runs = {r["label"]: r for r in results["runs"]}
+    assert len(calls) == 1 and calls[0] is models[1]
+    assert {label: r["draft_quant"] for label, r in runs.items()} == \
+        {"ar": "none", "chain@3": "int8", "chain@3+noquant": "none", "hf-assisted": "int8"}
+    assert results["settings"]["draft_quant"] == "auto" and results["settings"]["draft_temperature"] == 0.5
+    for label in ("chain@3", "chain@3+noquant", "hf-assisted"):
+        assert runs[label]["error"] is None and runs[label]["token_ids"] == runs["ar"]["token_ids"], label
+
+
+def test_the_bench_passes_the_draft_temperature(models, monkeypatch):
+    seen = []
+    real = runner.build_decoder
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["draft_temperature"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "build_decoder", spy)
+    bench = runner.Bench(BenchSettings(target="t", draft="d", draft_temperature=0.3, draft_quant="none"), *models)
+    cfg = runner._configs(BenchSettings(target="t", draft="d", methods=["chain"], temperatures=[1.0],
+                                        draft_quant="none"), [])[0]
+    assert bench.decoder(cfg).draft_sampling.temperature == 0.3 and seen == [0.3]

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from arborspec import SpeculativeDecoder
+from arborspec.sampling import SamplingConfig
 from tests.conftest import noisy_copy, tiny_model
+from tests.verify.harness import (
+    TableDecoder,
+    TableModel,
+    TableSession,
+    assert_same_distribution,
+    exact_target_distribution,
+    sample_outputs,
+    samples_needed,
+)
 
 ORDERS = ("bfs", "dfs", "heavy")
 
@@ -44,9 +52,6 @@ def table_pair(vocab: int = 5, k: int = 2, horizon: int = 4, temperature: float 
                arch: str = "llama"):
     """(target table, draft table, prompt, exact distribution of the first k tokens) for distribution tests: a tiny
     target, a noisy copy as draft, both enumerated into tables (tests/verify/harness.py)."""
-    from tests.verify.harness import TableModel, exact_target_distribution
-    from arborspec.sampling import SamplingConfig
-
     target = tiny_model(arch, seed=seed, vocab=vocab, scale=1.0)
     draft = noisy_copy(target, noise=0.8, seed=seed + 7)
     prompt = [1, 3]
@@ -57,11 +62,22 @@ def table_pair(vocab: int = 5, k: int = 2, horizon: int = 4, temperature: float 
 
 def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5, k: int = 2, horizon: int = 4,
                        temperature: float = 1.0, tv: float = 0.05, seed: int = 0, arch: str = "llama"):
-    from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
-
     t_table, d_table, prompt, probs = table_pair(vocab, k, horizon, temperature, seed, arch)
+    d_table.session = lambda: RenumberingTableSession(d_table)  # WETAP renumbers the draft's session after pruning
     dec = TableDecoder(t_table, d_table, method=method, verifier=verifier, temperature=temperature, horizon=horizon,
                        **options)
     n = samples_needed(vocab**k - 1, tv)
     counts = sample_outputs(dec, prompt, k, n, seed=seed + 100)
     return assert_same_distribution(counts, probs, tv=tv)
+
+
+class RenumberingTableSession(TableSession):
+    """The table harness's session (tests/verify/harness.py) plus the `Session` protocol's `has` and `renumber`,
+    which a policy that prunes after drafting calls (a table session keys its rows by node number)."""
+
+    def has(self, node: int) -> bool:
+        return node in self.slot
+
+    def renumber(self, kept: list[int]) -> None:
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        self._keys = {new: self._keys[old] for new, old in enumerate(kept) if old in self._keys}

@@ -1,8 +1,8 @@
-"""A stand-in for the draft's TreeSession: logits are a seeded random function of (context + path), no model.
+"""A stand-in for the draft's session: logits are a seeded random function of (context + path), no model.
 
-Same interface as `models.hf.TreeSession.forward(context, tree, nodes)`, and it enforces the same contract: every
-ancestor of a node must have been forwarded in an earlier call of this step (same tree) or come earlier in `nodes`.
-It counts calls (`forwards`) and rows (`rows`).
+The drafting half of the `models.session.Session` protocol (`forward`, `has`, `renumber`), enforcing the same
+contract: every ancestor of a node must have been forwarded in an earlier call of this step (same tree) or come
+earlier in `nodes`. It counts calls (`forwards`) and rows (`rows`).
 """
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ class FakeSession:
         self.forwards += 1
         self.rows += len(nodes)
         return torch.stack(rows)
+
+    def has(self, node: int) -> bool:
+        return node in self.slot
+
+    def renumber(self, kept: list[int]) -> None:
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        self.tree = self.tree.select(kept) if self.tree is not None else None
 
 
 def fake_context(session: FakeSession, context=(3, 1, 4), temperature: float = 0.0, max_depth: int = 100,

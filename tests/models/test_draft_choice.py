@@ -1,9 +1,9 @@
 """`--draft-quant auto`: agreement, the chain score that ranks draft variants, and the cached choice."""
 import pytest
 
-from arborspec.budget import CostCurve
 from arborspec.models import draft_choice
 from arborspec.models.loading import LoadedModel
+from arborspec.profile import CostCurve
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 

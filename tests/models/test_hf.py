@@ -71,6 +71,23 @@ def test_commit_compacts_to_the_accepted_path(arch):
         context.append(rng.randrange(2, 56))
 
 
+def test_renumber_then_commit_keeps_exactly_the_path(arch):
+    """A policy that prunes after drafting (WETAP) renumbers the region; commit must still drop every other row,
+    including the pruned nodes' KV and when the kept path happens to sit in the region's first rows."""
+    model = tiny_model(arch)
+    context = [5, 9, 13, 2]
+    tree = TokenTree.from_parents([2, 7, 8, 11, 12], [-1, 0, 1, 0, 3])  # 0 -> 1 -> 2 and 0 -> 3 -> 4
+    session = TreeSession(model)
+    session.forward(context, tree, list(range(len(tree))))  # five rows in the region
+    session.renumber([0, 1, 2])  # the policy kept the chain 0 -> 1 -> 2 (the region's first three rows)
+    assert session.has(2) and not session.has(3) and session.tree.tokens == [2, 7, 8]
+    session.commit([0, 1, 2])
+    context = context + [7, 8, 30]
+    assert session.cached == context[:-1] and session.cache.get_seq_length() == len(context) - 1
+    nxt = session.forward(context, TokenTree.root(context[-1]), [0])[0]
+    torch.testing.assert_close(nxt, reference_logits(model, context), atol=2e-5, rtol=1e-4)
+
+
 def test_out_of_sync_context_is_refused():
     model = tiny_model("llama")
     session = TreeSession(model)

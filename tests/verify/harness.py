@@ -6,6 +6,8 @@ The pieces, usable from any test:
   up to `depth` tokens, computed once with one batched forward per length (tiny vocabularies make this cheap).
 - `TableSession`: serves those logits through the same `forward(context, tree, nodes)` / `prefill` / `commit`
   interface as `models.hf.TreeSession`, so the real policies and verifiers run thousands of times per second.
+- `IIDTreePolicy`, `GreedyDraftTreePolicy`: test-only policies for drawing rules no library policy uses yet (i.i.d.
+  children; k-1 top draft tokens plus one sample).
 - `TableDecoder`: the engine's draft -> verify -> commit loop on table sessions (no compatibility checks, so a
   deliberately wrong verifier can be tried). `SpeculativeDecoder` itself works with the same helpers, only slower.
 - `exact_target_distribution(model_or_table, prompt, k, sampling)`: the exact probability of each of the vocab^k
@@ -145,6 +147,64 @@ class IIDTreePolicy(Policy):
                 new += [tree.add(node, t, float(warped[i, t])) for t in tokens]
             frontier = new
         return tree
+
+
+# ---- greedy multi-draft (Hu et al., ICLR 2025): k-1 top draft tokens plus one sample from the rest -------------------
+@dataclass
+class GreedyDraftOptions:
+    depth: int = 3
+    branch: int = 2
+
+
+class GreedyDraftTreePolicy(Policy):
+    """k-ary tree whose children are the draft's `branch` - 1 most probable tokens, then one token sampled from the
+    draft restricted to the other tokens (DrawRule.GREEDY_TOPK_PLUS_ONE); what a library policy must do to draw so.
+
+    The recorded distribution is the warped draft q itself; the deterministic children come first, the sampled one
+    last. When q's support has no token left after the deterministic ones, the node gets only those.
+    """
+
+    name = "greedy_draft_tree"
+    summary = "test-only: k-1 top draft tokens plus one sample"
+    Options = GreedyDraftOptions
+
+    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
+        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.GREEDY_TOPK_PLUS_ONE}
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        return "greedy" if sampling.greedy else "greedy-draft"
+
+    @property
+    def max_tree_depth(self) -> int:
+        return self.options.depth
+
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.root(ctx.context[-1])
+        frontier = [0]
+        for _ in range(min(self.options.depth, ctx.max_depth)):
+            warped, plain = layer_probs(ctx, tree, frontier)
+            new = []
+            for i, node in enumerate(frontier):
+                if ctx.sampling.greedy:
+                    tokens = torch.topk(plain[i], self.options.branch).indices.tolist()
+                    tree.set_children_dist(node, warped[i], DrawRule.DETERMINISTIC)
+                else:
+                    tokens = greedy_children(warped[i], self.options.branch, ctx.generator)
+                    tree.set_children_dist(node, warped[i], DrawRule.GREEDY_TOPK_PLUS_ONE)
+                new += [tree.add(node, t, float(warped[i, t])) for t in tokens]
+            frontier = new
+        return tree
+
+
+def greedy_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
+    """The k-1 most probable tokens of q (among those q can draw), then one sample from q off them."""
+    support = int((q > 0).sum())
+    fixed = torch.topk(q, min(k - 1, support)).indices.tolist()
+    rest = q.clone()
+    rest[fixed] = 0
+    if rest.sum() <= 0:
+        return fixed
+    return fixed + sample(rest / rest.sum(), generator)
 
 
 # ---- the loop -----------------------------------------------------------------------------------------------------

@@ -47,13 +47,18 @@ def models():
     "kwargs,match",
     [
         # chain-only verifiers on branching trees
-        (dict(method="static", depth=2, branch=2, verifier="sps"), r"chains only.*exact alternatives: mbr, naive$"),
-        (dict(method="static", depth=2, branch=2, verifier="asps"), r"chains only.*exact alternatives: mbr, naive$"),
+        (dict(method="static", depth=2, branch=2, verifier="sps"), r"chains only.*exact alternatives: mbr, naive, traversal$"),
+        (dict(method="static", depth=2, branch=2, verifier="asps"), r"chains only.*alternatives: mbr, naive, traversal$"),
+        (dict(method="static", depth=2, branch=2, verifier="block"), r"chains only.*alternatives: mbr, naive, traversal$"),
         (dict(method="static", widths="1,1", verifier="sps"), r"chains only.*exact alternatives: naive$"),
         (dict(method="static", depth=2, branch=2, verifier="sps", temperature=0.0),
-         r"chains only.*exact alternatives: greedy, mbr, mss, naive$"),
+         r"chains only.*exact alternatives: greedy, greedy-draft, mbr, mss, naive, traversal$"),
         # multi-draft rules on the wrong drawing rule
-        (dict(method="static", depth=2, branch=2, verifier="mss"), r"drawn without_replacement.*alternatives: mbr, naive$"),
+        (dict(method="static", depth=2, branch=2, verifier="mss"),
+         r"drawn without_replacement.*alternatives: mbr, naive, traversal$"),
+        (dict(method="static", depth=2, branch=2, verifier="greedy-draft"),
+         r"drawn without_replacement.*alternatives: mbr, naive, traversal$"),
+        (dict(method="static", widths="3,2", verifier="traversal"), r"drawn deterministic.*alternatives: naive$"),
         (dict(method="static", widths="3,2", verifier="mbr"), r"drawn deterministic.*alternatives: naive$"),
         # a greedy draft under sampling draws deterministically: speculative sampling would not be exact
         (dict(method="chain", k=3, verifier="sps", draft_temperature=0.0), r"deterministic.*alternatives: naive$"),
@@ -71,9 +76,10 @@ def test_unfit_verifiers_are_refused(models, kwargs, match):
 @pytest.mark.parametrize(
     "method,options,verifiers",
     [
-        ("chain", {"k": 3}, ["sps", "asps", "mss", "mbr", "naive"]),  # a chain's single child fits both multi-draft rules
-        ("static", {"depth": 3, "branch": 1}, ["sps", "asps", "mss", "mbr", "naive"]),
-        ("static", {"depth": 2, "branch": 3}, ["mbr", "naive"]),
+        # a chain's single child fits every multi-draft rule
+        ("chain", {"k": 3}, ["sps", "asps", "block", "mss", "mbr", "traversal", "greedy-draft", "naive"]),
+        ("static", {"depth": 3, "branch": 1}, ["sps", "asps", "block", "mss", "mbr", "traversal", "greedy-draft", "naive"]),
+        ("static", {"depth": 2, "branch": 3}, ["mbr", "traversal", "naive"]),
         ("static", {"widths": "3,2"}, ["naive"]),
     ],
 )

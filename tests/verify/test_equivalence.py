@@ -7,8 +7,9 @@ trees reach up to 3 tokens deep (horizon 4), and compare with the exact distribu
 
 Each comparison is a chi-square test at level 1e-3 with enough samples that *any* distribution 0.02 away in total
 variation would fail it with probability >= 0.95 (`harness.assert_same_distribution` checks both). The same test fails
-deliberately wrong verifiers, and measures how far the lossy WETAP rule drifts. The sampled tests are marked `slow`
-(~3 CPU-minutes together; `-m "not slow"` skips them).
+deliberately wrong verifiers (including a block, a traversal and a greedy multi-draft verifier that skip their
+residual correction), and measures how far the lossy WETAP rule drifts. The sampled tests are marked `slow`
+(each ~30-90 CPU-seconds; `-m "not slow"` skips them).
 """
 import pytest
 import torch
@@ -17,11 +18,24 @@ from arborspec import SpeculativeDecoder
 from arborspec.drafting import POLICIES
 from arborspec.sampling import SamplingConfig
 from arborspec.verify import VERIFIERS
-from arborspec.verify.base import Verdict, chain_nodes, draft_dist, draw, target_probs
-from arborspec.verify.rules import accept_prob, asps_neighbor, expected_tokens, sps_neighbor
+from arborspec.verify.base import Verdict, chain_nodes, draft_dist, draw, multi_draft_walk, target_probs
+from arborspec.verify.block import BlockVerifier
+from arborspec.verify.greedy_draft import GreedyDraftVerifier
+from arborspec.verify.rules import (
+    accept_prob,
+    asps_neighbor,
+    block_neighbor,
+    block_plan,
+    expected_tokens,
+    reject_below,
+    sps_neighbor,
+    weight_step,
+)
 from arborspec.verify.sps import SpSVerifier
+from arborspec.verify.traversal import TraversalVerifier
 from tests.conftest import noisy_copy, tiny_model
 from tests.verify.harness import (
+    GreedyDraftTreePolicy,
     IIDTreePolicy,
     TableDecoder,
     TableModel,
@@ -32,6 +46,7 @@ from tests.verify.harness import (
     sample_outputs,
     single_thread,
 )
+from tests.verify.test_greedy_draft import residual_free_plan
 
 VOCAB, PROMPT, K, HORIZON = 8, [2, 5, 3, 7], 2, 4
 SETTINGS = {
@@ -75,12 +90,19 @@ EXACT = [
     ("mbr", ("static", dict(depth=2, branch=4)), "T0.7,k4"),  # branch = support: the draft runs out
     ("naive", ("static", dict(widths="3,2,2")), "p0.8"),  # deterministic
     ("naive", ("iid", dict(depth=2, branch=2)), "T1.3,k5,p0.9,dT0.8"),
+    ("block", ("chain", dict(k=3)), "T1.3,k5,p0.9,dT0.8"),
+    ("traversal", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # with replacement (the paper's setting)
+    ("traversal", ("static", dict(depth=3, branch=2)), "p0.8"),  # without replacement (our variant)
+    ("greedy-draft", ("greedy_draft", dict(depth=3, branch=2)), "T1"),  # top-1 plus one sample
 ]
+
+
+TEST_POLICIES = {"iid": IIDTreePolicy, "greedy_draft": GreedyDraftTreePolicy}
 
 
 def policy(drafting):
     method, options = drafting
-    return (IIDTreePolicy(**options), {}) if method == "iid" else (method, options)
+    return (TEST_POLICIES[method](**options), {}) if method in TEST_POLICIES else (method, options)
 
 
 @pytest.mark.slow
@@ -112,15 +134,68 @@ class ForgetfulSpS(SpSVerifier):
         return Verdict(path, draw(p[nodes[len(path)]], generator))
 
 
+class ResidualFreeBlock(BlockVerifier):
+    """Block verification that skips the residual correction: after a partial acceptance the bonus comes from p."""
+
+    name = "residual_free_block"
+
+    def verify(self, tree, target_logits, sampling, generator):
+        p = target_probs(target_logits, sampling)
+        nodes = chain_nodes(tree, self.name)
+        tokens = [tree.tokens[c] for c in nodes[1:]]
+        q = torch.stack([draft_dist(tree, node, self.name) for node in nodes[:-1]])
+        stop = block_plan(tokens, q, p[nodes[:-1]]).stop
+        kept = next(i for i in range(len(tokens), -1, -1)
+                    if float(torch.rand((), generator=generator, dtype=torch.float64)) < stop[i] or i == 0)
+        return Verdict(nodes[1 : kept + 1], draw(p[nodes[kept]], generator))
+
+
+class ResidualFreeTraversal(TraversalVerifier):
+    """Traversal verification that keeps testing a node's later children, and draws its bonus, against the unchanged
+    target after a rejection (only the weight is updated)."""
+
+    name = "residual_free_traversal"
+
+    def verify(self, tree, target_logits, sampling, generator):
+        p = target_probs(target_logits, sampling)
+        kids = tree.children_lists()
+
+        def visit(node, alpha):
+            for child in kids[node]:
+                q = draft_dist(tree, node, self.name)
+                y = tree.tokens[child]
+                yield from visit(child, weight_step(alpha, float(p[node, y]), float(q[y])))
+                alpha, _ = reject_below(alpha, p[node], q)
+            yield node, alpha
+
+        for node, alpha in visit(0, 1.0):
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < alpha or node == 0:
+                return Verdict(tree.path(node)[1:], draw(p[node], generator))
+
+
+class ResidualFreeGreedyDraft(GreedyDraftVerifier):
+    """Greedy multi-draft verification that, having rejected the sampled child, draws from p, not norm(max(p - q', 0))."""
+
+    name = "residual_free_greedy_draft"
+
+    def verify(self, tree, target_logits, sampling, generator):
+        return multi_draft_walk(tree, target_probs(target_logits, sampling), residual_free_plan, self.name, generator)
+
+
 WRONG = [
     (ForgetfulSpS(), ("chain", dict(k=3)), "T0.7,k4"),
     ("mbr", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # multi-branch rejection on children drawn WITH replacement
     ("sps", ("static", dict(widths="1,1,1")), "T0.7,k4"),  # speculative sampling on deterministic (argmax) children
+    (ResidualFreeBlock(), ("chain", dict(k=3)), "T0.7,k4"),
+    (ResidualFreeTraversal(), ("iid", dict(depth=2, branch=3)), "T0.7,k4"),
+    (ResidualFreeGreedyDraft(), ("greedy_draft", dict(depth=2, branch=3)), "T0.7,k4"),
 ]  # (mss on children drawn without replacement is caught exactly in test_rules)
+WRONG_IDS = ["forgetful_sps", "mbr_on_iid", "sps_on_argmax_chain", "residual_free_block", "residual_free_traversal",
+             "residual_free_greedy_draft"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("verifier,drafting,setting", WRONG, ids=["forgetful_sps", "mbr_on_iid", "sps_on_argmax_chain"])
+@pytest.mark.parametrize("verifier,drafting,setting", WRONG, ids=WRONG_IDS)
 def test_wrong_verifier_is_caught(tables, verifier, drafting, setting):
     method, options = policy(drafting)
     counts, probs = run(tables, method, verifier, setting, seed=1234, **options)
@@ -151,15 +226,15 @@ def test_engine_refuses_wetap_without_allow_lossy(models):
     assert dec.generate(PROMPT, max_new_tokens=6, seed=0, ignore_eos=True).stats.lossy
 
 
-# ---- ASpS accepts at least as much as SpS, on the same drafts -----------------------------------------------------------
+# ---- ASpS and block verification accept at least as much as SpS, on the same drafts --------------------------------------
 def exact_chain_expectations(tables, n, setting):
-    """E[tokens per step] of sps and asps for a chain of n drafted tokens from the prompt, exactly: every chain the
+    """E[tokens per step] of sps, asps and block for a chain of n drafted tokens from the prompt, exactly: every chain the
     draft can draw, weighted by its draft probability."""
     target, draft = tables
     cfg = SETTINGS[setting]
     sampling = SamplingConfig(cfg["temperature"], cfg.get("top_k", 0), cfg.get("top_p", 1.0))
     dsampling = SamplingConfig(cfg.get("draft_temperature", cfg["temperature"]), sampling.top_k, sampling.top_p)
-    totals = {"sps": 0.0, "asps": 0.0}
+    totals = {"sps": 0.0, "asps": 0.0, "block": 0.0}
     frontier = [((), 1.0)]
     for _ in range(n):  # all chains with positive draft probability
         frontier = [(c + (t,), w * float(dsampling.probs(draft.logits(c))[t]))
@@ -171,25 +246,27 @@ def exact_chain_expectations(tables, n, setting):
         p = torch.stack([sampling.probs(target.logits(s)) for s in prefixes])
         totals["sps"] += w * expected_tokens(sps_neighbor(list(chain), q, p), list(chain))
         totals["asps"] += w * expected_tokens(asps_neighbor(list(chain), q, p), list(chain))
+        totals["block"] += w * expected_tokens(block_neighbor(list(chain), q, p), list(chain))
     return totals
 
 
 @pytest.mark.parametrize("setting", ["T1", "p0.8", "T1.3,k5,p0.9,dT0.8"])
-def test_asps_accepts_at_least_as_many_tokens_as_sps(tables, setting):
+def test_asps_and_block_accept_at_least_as_many_tokens_as_sps(tables, setting):
     for n in (1, 2, 3):
         e = exact_chain_expectations(tables, n, setting)
-        print(f"\n{setting} n={n}: tokens/step sps {e['sps']:.4f} asps {e['asps']:.4f}")
+        print(f"\n{setting} n={n}: tokens/step sps {e['sps']:.4f} asps {e['asps']:.4f} block {e['block']:.4f}")
+        assert e["block"] == pytest.approx(e["asps"], abs=1e-6)  # the same coupling (float32 warps: rows sum to 1 +- 1e-7)
         if n == 1:
             assert e["asps"] == pytest.approx(e["sps"], abs=1e-6)  # float32 warps: rows sum to 1 +- 1e-7
         else:
             assert e["asps"] > e["sps"]
 
 
-def test_asps_simulated_acceptance_matches_expectation(tables):
+def test_simulated_acceptance_matches_expectation(tables):
     """The verifier, run, accepts what the exact expectation says (mean drafted tokens accepted per first step)."""
     target, draft = tables
     e = exact_chain_expectations(tables, 3, "T1")
-    for name in ("sps", "asps"):
+    for name in ("sps", "asps", "block"):
         dec = TableDecoder(target, draft, "chain", name, temperature=1.0, horizon=HORIZON, k=3)
         gen = torch.Generator().manual_seed(5)
         with single_thread():
@@ -219,6 +296,24 @@ def test_end_to_end_speculative_decoder(models, tables, monkeypatch, method, opt
     counts = sample_outputs(dec, PROMPT, K, n, seed=7, max_new_tokens=HORIZON)
     rep = assert_same_distribution(counts, probs, tv=0.15)
     print(f"\nengine {method}/{verifier} {setting}: n={rep.n} p={rep.p_value:.3f} TV={rep.empirical_tv:.4f}")
+
+
+# ---- temperature 0: the new rules are greedy, on the tables ----------------------------------------------------------------
+@pytest.mark.parametrize("verifier,drafting", [
+    ("block", ("chain", dict(k=3))),
+    ("traversal", ("static", dict(depth=3, branch=2))),
+    ("traversal", ("iid", dict(depth=2, branch=3))),
+    ("greedy-draft", ("greedy_draft", dict(depth=3, branch=3))),
+    ("greedy-draft", ("static", dict(widths="3,2,2"))),
+], ids=["block", "traversal_static", "traversal_iid", "greedy_draft", "greedy_draft_widths"])
+def test_new_verifiers_are_greedy_at_temperature_zero(tables, verifier, drafting):
+    method, options = policy(drafting)
+    target, draft = tables
+    ours = TableDecoder(target, draft, method, verifier, temperature=0.0, horizon=HORIZON, **options)
+    ref = TableDecoder(target, draft, method, "greedy", temperature=0.0, horizon=HORIZON, **options)
+    for new_tokens in (1, 2, 3):
+        a, b = ours.generate(PROMPT, new_tokens, seed=0), ref.generate(PROMPT, new_tokens, seed=1)
+        assert a.token_ids == b.token_ids and a.accepted == b.accepted  # (the engine test also checks acceptances)
 
 
 # ---- the harness itself ----------------------------------------------------------------------------------------------

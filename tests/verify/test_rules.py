@@ -8,7 +8,6 @@
   *wrong* for the other drawing rule (so the enumeration would notice a mix-up).
 """
 import itertools
-import math
 
 import pytest
 import torch
@@ -23,6 +22,15 @@ from arborspec.verify.rules import (
     mss_plan,
     residual,
     sps_neighbor,
+)
+from tests.verify.exact import (
+    chain_outcomes,
+    node_output,
+    random_dist,
+    random_tree_dists,
+    target_joint,
+    with_replacement_draws,
+    without_replacement_draws,
 )
 
 D = torch.float64
@@ -91,56 +99,6 @@ def test_toy_single_token_is_table_1():
 
 
 # ---- random tree distributions, enumerated exactly ---------------------------------------------------------------------
-def random_dist(gen, vocab, zeros=True):
-    x = torch.rand(vocab, generator=gen, dtype=D) ** 3
-    if zeros:
-        x[torch.rand(vocab, generator=gen) < 0.3] = 0
-    if x.sum() == 0:
-        x[int(torch.randint(vocab, (1,), generator=gen))] = 1
-    return x / x.sum()
-
-
-def random_tree_dists(seed, vocab, n, zeros=True, same=False):
-    """p[prefix] (target) for prefixes up to length n, q[prefix] (draft) up to n - 1."""
-    gen = torch.Generator().manual_seed(seed)
-    p, q = {}, {}
-    for length in range(n + 1):
-        for prefix in itertools.product(range(vocab), repeat=length):
-            p[prefix] = random_dist(gen, vocab, zeros)
-            if length < n:
-                q[prefix] = p[prefix].clone() if same else random_dist(gen, vocab, zeros)
-    return p, q
-
-
-def chain_outcomes(neighbor_fn, p, q, vocab, n):
-    """Exact distribution of the first n + 1 tokens when one step verifies a drafted chain of n tokens and the target
-    continues sampling afterwards; also the expected tokens per step and the per-chain full-acceptance probabilities."""
-    out = {s: 0.0 for s in itertools.product(range(vocab), repeat=n + 1)}
-    expected, full = 0.0, {}
-    for chain in itertools.product(range(vocab), repeat=n):
-        prefixes = [chain[:i] for i in range(n + 1)]
-        weight = math.prod(float(q[prefixes[i]][chain[i]]) for i in range(n))
-        if weight == 0:
-            continue
-        neigh = neighbor_fn(list(chain), torch.stack([q[s] for s in prefixes[:n]]), torch.stack([p[s] for s in prefixes]))
-        assert float(neigh.sum()) == pytest.approx(1.0, abs=1e-9)
-        expected += weight * expected_tokens(neigh, list(chain))
-        full[chain] = float(neigh[n - 1, chain[n - 1]])
-        for (row, tok), mass in zip(itertools.product(range(n), range(vocab)), neigh.flatten().tolist()):
-            if mass <= 0:
-                continue
-            emitted = chain[:row] + (tok,)
-            for s in out:
-                if s[: len(emitted)] == emitted:
-                    rest = math.prod(float(p[s[:i]][s[i]]) for i in range(len(emitted), n + 1))
-                    out[s] += weight * mass * rest
-    return out, expected, full
-
-
-def target_joint(p, vocab, n):
-    return {s: math.prod(float(p[s[:i]][s[i]]) for i in range(n + 1)) for s in itertools.product(range(vocab), repeat=n + 1)}
-
-
 @pytest.mark.parametrize("seed,vocab,n", [(0, 3, 2), (1, 3, 3), (2, 4, 2), (3, 2, 4), (4, 3, 3)])
 def test_sps_and_asps_emit_the_target_distribution(seed, vocab, n):
     p, q = random_tree_dists(seed, vocab, n)
@@ -245,30 +203,6 @@ def test_accept_prob_and_residual_guards():
 
 
 # ---- multi-draft rejection at one node --------------------------------------------------------------------------------
-def with_replacement_draws(q, k):
-    for kids in itertools.product(range(len(q)), repeat=k):
-        w = math.prod(float(q[y]) for y in kids)
-        if w > 0:
-            yield list(kids), w
-
-
-def without_replacement_draws(q, k):
-    support = [i for i in range(len(q)) if q[i] > 0]
-    for kids in itertools.permutations(support, min(k, len(support))):
-        w, left = 1.0, 1.0
-        for y in kids:
-            w *= float(q[y]) / left
-            left -= float(q[y])
-        yield list(kids), w
-
-
-def node_output(plan_fn, draws, p, q, k):
-    out = torch.zeros_like(p)
-    for kids, w in draws(q, k):
-        out += w * plan_fn(p, q, kids).output_distribution(kids)
-    return out
-
-
 CASES = [(seed, vocab, k) for seed, vocab, k in [(0, 4, 1), (1, 4, 2), (2, 4, 3), (3, 5, 3), (4, 3, 4), (5, 6, 2), (6, 4, 4)]]
 
 

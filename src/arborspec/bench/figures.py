@@ -1,43 +1,21 @@
-"""The benchmark's PNG plots, from results.json alone (matplotlib, Agg backend). Each returns its path or None when
-the run has nothing to show (e.g. no method ran with several budgets)."""
+"""The benchmark's PNG plots, from results.json alone (matplotlib through arborspec.plotting). Each returns its path
+or None when the run has nothing to show (e.g. no method ran with several budgets)."""
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 
+from ..plotting import grid, save_figure
+from ..spec import split_label
 from . import metrics
+from .tables import tables
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _grid(plt, n: int, width: float = 6.5, height: float = 3.6, cols: int = 1):
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
-    return fig, [ax for row in axes for ax in row]
-
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-def throughput_plot(results: dict, path: Path) -> Path | None:
-    from .report import tables
-
+def throughput_plot(results: dict, path: Path) -> str | None:
     groups = tables(results)
     if not groups:
         return None
-    plt = _pyplot()
-    fig, axes = _grid(plt, 2 * len(groups), cols=2)
+    fig, axes = grid(2 * len(groups), cols=2)
     for i, ((dataset, temp), rows) in enumerate(groups.items()):
         labels = [label for label, s in rows.items() if s["tps"]]
         med = [rows[l]["tps"][0] for l in labels]
@@ -56,14 +34,11 @@ def throughput_plot(results: dict, path: Path) -> Path | None:
         ax.set_ylabel("x ar")
         for a in axes[2 * i: 2 * i + 2]:
             a.tick_params(axis="x", rotation=45, labelsize=8)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
-def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
+def mat_vs_tree_size_plot(results: dict, path: Path) -> str | None:
     """DySpec Fig. 5: MAT against the mean drafted tree size, a line per method that ran with several budgets."""
-    from .methods import split_label
-    from .report import tables
-
     series = {}
     for (dataset, temp), rows in tables(results).items():
         by_method = defaultdict(list)
@@ -76,8 +51,7 @@ def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
             series[(dataset, temp)] = lines
     if not series:
         return None
-    plt = _pyplot()
-    fig, axes = _grid(plt, len(series), cols=min(2, len(series)))
+    fig, axes = grid(len(series), cols=min(2, len(series)))
     for ax, ((dataset, temp), lines) in zip(axes, series.items()):
         for name, pts in lines.items():
             ax.plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=name)
@@ -88,10 +62,10 @@ def mat_vs_tree_size_plot(results: dict, path: Path) -> Path | None:
         ax.set_title(f"{dataset}, T={temp:g}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
-def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path | None:
+def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> str | None:
     """DySpec Fig. 2: drafted nodes the verifier reached, binned by draft probability: the fraction accepted."""
     pooled = defaultdict(lambda: defaultdict(list))  # temperature -> label -> [(p, accepted)]
     for r in results["runs"]:
@@ -99,8 +73,7 @@ def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path |
             pooled[r["temperature"]][r["label"]] += r["node_outcomes"]
     if not pooled:
         return None
-    plt = _pyplot()
-    fig, axes = _grid(plt, len(pooled), cols=min(2, len(pooled)))
+    fig, axes = grid(len(pooled), cols=min(2, len(pooled)))
     for ax, temp in zip(axes, sorted(pooled)):
         for label, outcomes in pooled[temp].items():
             pts = metrics.acceptance_by_probability(outcomes, bins)
@@ -113,10 +86,10 @@ def acceptance_vs_prob_plot(results: dict, path: Path, bins: int = 10) -> Path |
         ax.set_title(f"acceptance vs draft probability, T={temp:g}")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
-def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
+def sps_vs_asps_plot(results: dict, path: Path) -> str | None:
     """MAT against chain length k for each chain verifier, when ASpS and SpS both ran with several k."""
     data = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))  # T -> verifier -> k -> committed per step
     for r in results["runs"]:
@@ -125,8 +98,7 @@ def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
     temps = [t for t, v in data.items() if len(v.get("sps", {})) >= 2 and len(v.get("asps", {})) >= 2]
     if not temps:
         return None
-    plt = _pyplot()
-    fig, axes = _grid(plt, len(temps), cols=min(2, len(temps)))
+    fig, axes = grid(len(temps), cols=min(2, len(temps)))
     for ax, temp in zip(axes, sorted(temps)):
         for verifier, by_k in sorted(data[temp].items()):
             ks = sorted(by_k)
@@ -136,7 +108,7 @@ def sps_vs_asps_plot(results: dict, path: Path) -> Path | None:
         ax.set_title(f"SpS vs ASpS, T={temp:g}")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return save_figure(fig, path)
 
 
 def write_plots(results: dict, directory: Path) -> list[Path]:
@@ -146,4 +118,4 @@ def write_plots(results: dict, directory: Path) -> list[Path]:
         acceptance_vs_prob_plot(results, directory / "acceptance_vs_draft_prob.png"),
         sps_vs_asps_plot(results, directory / "sps_vs_asps.png"),
     ]
-    return [p for p in made if p is not None]
+    return [Path(p) for p in made if p is not None]

@@ -1,26 +1,25 @@
 """`arborspec report DIR`: report.md and PNG plots from DIR/results.json alone; `--check-equal` for greedy outputs.
 
-Everything here is recomputed from the recorded runs (metrics.py), so a report can be regenerated, or a results.json
-from another machine reported, at any time. Tables: one per dataset x temperature, a row per method (x budget):
-MAT (= tau / M / L-bar, committed tokens per step, bonus included), acceptance rate, tokens/s median and IQR,
-speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
+Everything here is recomputed from the recorded runs (tables.py, metrics.py), so a report can be regenerated, or a
+results.json from another machine reported, at any time. Tables: one per dataset x temperature, a row per method
+(x budget): MAT (= tau / M / L-bar, committed tokens per step, bonus included), acceptance rate, tokens/s median and
+IQR, speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
 TTFT, TPOT, target perplexity of the output, memory. Per-category tables when a dataset has categories (MT-Bench).
 
-Plots (figures.py; matplotlib, Agg): throughput.png (tokens/s and speed-up bars), mat_vs_tree_size.png (DySpec Fig. 5, when a
-method ran with several budgets), acceptance_vs_draft_prob.png (DySpec Fig. 2: drafted nodes the verifier reached,
+Plots (figures.py): throughput.png (tokens/s and speed-up bars), mat_vs_tree_size.png (DySpec Fig. 5, when a method
+ran with several budgets), acceptance_vs_draft_prob.png (DySpec Fig. 2: drafted nodes the verifier reached,
 binned by draft probability, fraction accepted), sps_vs_asps.png (chain length vs MAT for each chain verifier, when
-ASpS and SpS both ran with several k).
+ASpS and SpS both ran with several k). `--reproduction` writes the paper-by-paper report instead (reproduction.py).
 """
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 
 from . import metrics
-from .methods import split_label
-
-BASELINES = ("ar", "hf-assisted")
+from .figures import write_plots
+from .reproduction import write_reproduction
+from .tables import category_tables, fmt, resumed_lines, tables
 
 
 def load_results(path: str | Path) -> tuple[dict, Path]:
@@ -33,81 +32,6 @@ def load_results(path: str | Path) -> tuple[dict, Path]:
         return json.loads(file.read_text()), file.parent
     except ValueError as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from None
-
-
-# ------------------------------------------------------------------------------------------------- aggregation
-def _fmt(x, digits: int = 2, scale: float = 1.0) -> str:
-    return "–" if x is None else f"{x * scale:.{digits}f}"
-
-
-def _label_order(results: dict, labels) -> list[str]:
-    methods = results.get("settings", {}).get("methods", [])
-
-    def key(label: str):
-        stem, budget = split_label(label)
-        index = next((i for i, m in enumerate(methods) if m in (label, stem)), len(methods))
-        return (index, stem, -1 if budget is None else budget)
-
-    return sorted(set(labels), key=key)
-
-
-def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
-    """One table row from the runs of one method/budget (all prompts of one dataset and temperature)."""
-    ok = [r for r in runs if not r.get("error")]
-    committed = [n for r in ok for n in r["committed_per_step"]]
-    has_drafts = [r for r in ok if r.get("drafted_per_step")]
-    tps = metrics.median_iqr(r["tokens_per_s"] for r in ok if r.get("tokens_per_s") is not None)
-    verifiers = sorted({r.get("verifier") or "?" for r in ok})
-    return dict(
-        runs=len(runs), errors=len(runs) - len(ok), verifier="/".join(verifiers), lossy=any(r.get("lossy") for r in runs),
-        mat=metrics.mat(committed),
-        accepted=metrics.mean_accepted_drafted([n for r in ok for n in r["accepted_per_step"]]),
-        acceptance_rate=metrics.acceptance_rate([n for r in has_drafts for n in r["accepted_per_step"]],
-                                                [n for r in has_drafts for n in r["drafted_per_step"]]),
-        tree_size=metrics.mean(n for r in has_drafts for n in r["drafted_per_step"]),
-        tps=tps, speedup={b: metrics.speedup(ok, base) if base else None for b, base in baselines.items()},
-        ttft=metrics.mean(r.get("ttft") for r in ok), tpot=metrics.mean(r.get("tpot") for r in ok),
-        perplexity=metrics.mean(r.get("perplexity") for r in ok),
-        peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
-        rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
-        new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
-    )
-
-
-def tables(results: dict) -> dict[tuple[str, float], dict[str, dict]]:
-    """{(dataset, temperature): {label: row}}, labels in the order the methods were asked for."""
-    groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for r in results["runs"]:
-        groups[(r["dataset"], r["temperature"])][r["label"]].append(r)
-    out = {}
-    for key in sorted(groups):
-        by_label = groups[key]
-        baselines = {b: by_label.get(b, []) for b in BASELINES}
-        out[key] = {label: summarize(by_label[label], baselines) for label in _label_order(results, by_label)}
-    return out
-
-
-def category_tables(results: dict) -> dict[tuple[str, float], dict[tuple[str, str], dict]]:
-    """{(dataset, temperature): {(category, label): row}} for datasets whose prompts have several categories."""
-    cats = defaultdict(set)
-    for r in results["runs"]:
-        cats[r["dataset"]].add(r.get("category"))
-    groups: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
-    for r in results["runs"]:
-        if len(cats[r["dataset"]] - {None}) > 1:
-            groups[(r["dataset"], r["temperature"])][(r.get("category") or "–", r["label"])].append(r)
-    out = {}
-    for key in sorted(groups):
-        g = groups[key]
-        order = _label_order(results, {label for _, label in g})
-        rows = {}
-        for cat in sorted({c for c, _ in g}):
-            base = {b: g.get((cat, b), []) for b in BASELINES}
-            for label in order:
-                if (cat, label) in g:
-                    rows[(cat, label)] = summarize(g[(cat, label)], base)
-        out[key] = rows
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -127,26 +51,24 @@ GLOSSARY = """\
 """
 
 
-def _row(label: str, s: dict) -> str:
+def _row(label: str, s: dict, peer: bool = False) -> str:
+    """One table row; `peer`: with the speed-up over plain llama.cpp (runs that have a llamacpp-ar row)."""
     tps = s["tps"]
     tps_text = "–" if tps is None else f"{tps[0]:.2f} [{tps[1]:.2f}–{tps[2]:.2f}]"
     name = f"{label} **LOSSY**" if s["lossy"] else label
-    cells = [name, s["verifier"], f"{s['runs'] - s['errors']}/{s['runs']}", _fmt(s["mat"]), _fmt(s["accepted"]),
-             _fmt(s["acceptance_rate"]), _fmt(s["tree_size"], 1), tps_text,
-             _fmt(s["speedup"].get("ar")), _fmt(s["speedup"].get("hf-assisted")), _fmt(s["ttft"]),
-             _fmt(s["tpot"], 1, 1000), _fmt(s["perplexity"]), _fmt(s["peak_rss"], 0), _fmt(s["rss_delta"], 1)]
+    cells = [name, s["verifier"], f"{s['runs'] - s['errors']}/{s['runs']}", fmt(s["mat"]), fmt(s["accepted"]),
+             fmt(s["acceptance_rate"]), fmt(s["tree_size"], 1), tps_text,
+             fmt(s["speedup"].get("ar")), fmt(s["speedup"].get("hf-assisted"))]
+    cells += [fmt(s["speedup"].get("llamacpp-ar"))] if peer else []
+    cells += [fmt(s["ttft"]), fmt(s["tpot"], 1, 1000), fmt(s["perplexity"]), fmt(s["peak_rss"], 0),
+              fmt(s["rss_delta"], 1)]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | tree | tok/s median [IQR] | speed-up vs ar | "
           "speed-up vs hf-assisted | TTFT s | TPOT ms | ppl | peak RSS MB | ΔRSS MB |\n" + "|---" * 15 + "|")
-
-
-def resumed_lines(results: dict) -> list[str]:
-    """One line per `--resume`: when, how many prompts were kept, and on which machine (a changed CPU shows here)."""
-    out = [f"Resumed {r.get('at')} after {r.get('prompts_done')} prompts, on {r.get('env', {}).get('cpu', '?')} "
-           f"({r.get('env', {}).get('threads', '?')} torch threads)." for r in results.get("resumed", [])]
-    return out + [""] if out else []
+PEER_HEADER = HEADER.replace("speed-up vs hf-assisted |", "speed-up vs hf-assisted | speed-up vs llamacpp-ar |",
+                             1).replace("|---" * 15, "|---" * 16)
 
 
 def render(results: dict, plots: list[str]) -> str:
@@ -172,14 +94,16 @@ def render(results: dict, plots: list[str]) -> str:
         lines.append("")
     lines += ["## Metrics", "", GLOSSARY]
     for (dataset, temp), rows in tables(results).items():
-        lines += [f"## {dataset}, T={temp:g}", "", HEADER] + [_row(label, s) for label, s in rows.items()] + [""]
+        peer = "llamacpp-ar" in rows
+        lines += [f"## {dataset}, T={temp:g}", "", PEER_HEADER if peer else HEADER]
+        lines += [_row(label, s, peer) for label, s in rows.items()] + [""]
     for (dataset, temp), rows in category_tables(results).items():
         lines += [f"### {dataset}, T={temp:g}, per category", "",
                   "| category | method | runs ok | MAT | acc. rate | tok/s median | speed-up vs ar |", "|---" * 7 + "|"]
         for (cat, label), s in rows.items():
             lines.append(f"| {cat} | {label}{' **LOSSY**' if s['lossy'] else ''} | {s['runs'] - s['errors']}/{s['runs']} "
-                         f"| {_fmt(s['mat'])} | {_fmt(s['acceptance_rate'])} | {_fmt(s['tps'][0] if s['tps'] else None)} "
-                         f"| {_fmt(s['speedup'].get('ar'))} |")
+                         f"| {fmt(s['mat'])} | {fmt(s['acceptance_rate'])} | {fmt(s['tps'][0] if s['tps'] else None)} "
+                         f"| {fmt(s['speedup'].get('ar'))} |")
         lines.append("")
     errors = [r for r in results["runs"] if r.get("error")]
     if errors:
@@ -193,8 +117,6 @@ def render(results: dict, plots: list[str]) -> str:
 
 def write_report(results_dir: str | Path) -> list[Path]:
     """Write report.md and the plots next to results.json; returns the written paths."""
-    from .figures import write_plots
-
     results, directory = load_results(results_dir)
     plots = write_plots(results, directory)
     report = directory / "report.md"
@@ -246,8 +168,6 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
 
 def report_from_args(args) -> int:
     if getattr(args, "reproduction", None):
-        from .reproduction import write_reproduction
-
         if not Path(args.results).is_dir():
             raise FileNotFoundError(f"--reproduction needs a results directory, got {args.results!r}")
         print(write_reproduction(args.results, args.reproduction))

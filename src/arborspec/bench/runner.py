@@ -13,11 +13,14 @@ What one run records (results.json "runs"): the method, its policy/verifier/opti
 token ids, per step the committed / accepted / drafted token counts, (draft probability, accepted?) of every drafted
 node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time, TTFT, TPOT, tokens/s (new tokens over
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
-the RSS change over the run, the target's perplexity of the output, the lossy flag and the environment.
+the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
+(`draft_quant`: the run's --draft-quant, "auto" resolved to the variant measured fastest, unless the method's name
+carries a quantization lever) and the environment.
+
+What a method name means is arborspec/spec.py, the same for `generate`, the bench and the Python API.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
@@ -26,14 +29,26 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from itertools import zip_longest
 from pathlib import Path
 
 import torch
+import transformers
+from tqdm import tqdm
 
+from ..cache import write_json
+from ..drafting.base import parse_int_list
+from ..models.loading import ALIASES, alias_gguf
+from ..models.model_info import eos_ids
+from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, load_pair, options_for, parse, prepare_draft,
+                    resolve_quant, split_methods)
 from . import metrics
+from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
-from .methods import MethodSpec, hf_generate, options_for, resolve, split_methods
+from .llamacpp_peers import llamacpp_generate, llamacpp_info
+from .methods import hf_generate
+from .report import write_report
 
 SCHEMA = 1
 WARMUP_TOKENS = 8
@@ -46,14 +61,19 @@ class BenchSettings:
     dtype: str = "bf16"
     datasets: list[str] = field(default_factory=lambda: ["humaneval"])
     prompt_file: str | None = None
-    methods: list[str] = field(default_factory=lambda: ["ar", "hf-assisted", "chain", "static"])
+    methods: list[str] = field(default_factory=lambda: split_methods(DEFAULT_METHODS))
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     budgets: list[int] | None = None
+    draft_quant: str = DEFAULT_DRAFT_QUANT  # for methods whose name carries no quantization lever
+    backend: str = DEFAULT_BACKEND  # what runs the models (auto: llama.cpp for GGUF models when installed)
+    draft_backend: str | None = None  # the draft's, when it differs
+    allow_lossy: bool = False
     prompts: int = 20
     max_new_tokens: int = 128
     seed: int = 0
     top_k: int = 0
     top_p: float = 1.0
+    draft_temperature: float | None = None  # None: each run's temperature
     ignore_eos: bool = False
     warmup: bool = True
     perplexity: bool = True
@@ -74,7 +94,7 @@ class Config:
     """One column of the benchmark: a method at one budget and one temperature."""
 
     method: str
-    spec: MethodSpec
+    spec: RunSpec
     budget: int | None
     temperature: float
     options: dict
@@ -90,7 +110,7 @@ class Config:
 def current_rss_mb() -> float | None:
     """This process's resident set size now, in MiB (psutil if installed, else /proc/self/status)."""
     try:
-        import psutil
+        import psutil  # optional: not a dependency of arborspec
 
         return psutil.Process().memory_info().rss / 2**20
     except ImportError:
@@ -121,17 +141,14 @@ def cpu_model() -> str:
 
 
 def environment(settings: BenchSettings) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import transformers
-
     try:
         ours = version("arborspec")
     except PackageNotFoundError:
         ours = "unknown"
     return dict(arborspec=ours, torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), cpu=cpu_model(), cores=os.cpu_count(),
-                threads=torch.get_num_threads(), dtype=settings.dtype, command=settings.command)
+                threads=torch.get_num_threads(), dtype=settings.dtype, command=settings.command,
+                llama_cpp=llamacpp_info())
 
 
 def target_perplexity(model, prompt: list[int], new: list[int]) -> float | None:
@@ -149,33 +166,41 @@ class Bench:
     def __init__(self, settings: BenchSettings, target, draft):
         self.s, self.target, self.draft = settings, target, draft
         self.tokenizer = target.tokenizer
-        from ..engine import _eos_ids
-
-        self.eos = [] if settings.ignore_eos else sorted(_eos_ids(target.model, self.tokenizer))
+        self.eos = [] if settings.ignore_eos else sorted(eos_ids(target.model, self.tokenizer))
         self._ppl: dict[tuple, float | None] = {}
+        self.quants: dict[str, str] = {}  # asked ("auto", "int8", ...) -> the variant run
         self.drafts = {("none", 0): draft}  # (quant, vocab) -> prepared draft
 
-    def draft_for(self, spec: MethodSpec):
+    def quant_for(self, spec: RunSpec) -> str:
+        """The draft variant this method runs with ("none" for a method without a draft); "auto" is measured once."""
+        if not spec.needs_draft:
+            return "none"
+        if spec.quant not in self.quants:
+            self.quants[spec.quant] = resolve_quant(self.target, self.draft, spec.quant, progress=self.s.progress)
+        return self.quants[spec.quant]
+
+    def draft_for(self, spec: RunSpec):
         """The draft this method runs with: the loaded one, or a copy of it with the method's levers applied."""
         if not spec.needs_draft:
             return None
-        if spec.draft_key not in self.drafts:
-            from ..models.draft_levers import prepare_draft
+        key = (self.quant_for(spec), spec.vocab)
+        if key not in self.drafts:
+            self.drafts[key], _ = prepare_draft(self.target, self.draft, *key, copy_first=True,
+                                                progress=self.s.progress)
+        return self.drafts[key]
 
-            print(f"[arborspec] preparing a draft with quant={spec.quant}, vocab={spec.vocab or 'full'} ...",
-                  file=sys.stderr)
-            self.drafts[spec.draft_key] = prepare_draft(copy.deepcopy(self.draft), spec.quant, spec.vocab,
-                                                        progress=self.s.progress)
-        return self.drafts[spec.draft_key]
+    def target_gguf(self) -> Path:
+        """The GGUF file the llama.cpp peers run: the target's own (an alias's kept GGUF, or the .gguf given)."""
+        if self.s.target in ALIASES:
+            return alias_gguf(self.s.target, progress=self.s.progress)
+        if self.s.target.endswith(".gguf"):
+            return Path(self.s.target).expanduser()
+        raise ValueError(f"the llama.cpp peers run GGUF files; target {self.s.target!r} is not one")
 
     def decoder(self, cfg: Config):
-        from ..engine import SpeculativeDecoder
-
-        spec = cfg.spec
-        return SpeculativeDecoder(
-            self.target, self.draft_for(spec), method=spec.policy, temperature=cfg.temperature,
-            top_k=self.s.top_k, top_p=self.s.top_p, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
-            record_trees=True, ngram=spec.ngram, **cfg.options)
+        return build_decoder(cfg.spec, self.target, self.draft_for(cfg.spec), temperature=cfg.temperature,
+                             top_k=self.s.top_k, top_p=self.s.top_p, draft_temperature=self.s.draft_temperature,
+                             budget=cfg.budget, record_trees=True)
 
     def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Generate once; return the measured fields (no perplexity, no memory)."""
@@ -184,6 +209,12 @@ class Bench:
             out = hf_generate(cfg.spec, self.target.model, draft.model if draft else None, ids,
                               max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
             out.update(verifier="hf", lossy=False, t_prefill=None, t_draft=None, t_verify=None, node_outcomes=None)
+            return out
+        if cfg.spec.llamacpp is not None:
+            out = llamacpp_generate(str(self.target_gguf()), ids, max_new_tokens, cfg.temperature, self.s.top_k,
+                                    self.s.top_p, self.eos, seed, torch.get_num_threads(), **cfg.spec.llamacpp)
+            out.update(verifier="llama.cpp", lossy=False, t_prefill=None, t_draft=None, t_verify=None,
+                       node_outcomes=None)
             return out
         dec = self.decoder(cfg)
         start = time.perf_counter()
@@ -205,10 +236,11 @@ class Bench:
                    temperature=cfg.temperature, top_k=self.s.top_k, top_p=self.s.top_p, seed=seed,
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
-                   lossy=cfg.spec.allow_lossy, draft_quant=cfg.spec.quant, draft_vocab=cfg.spec.vocab,
+                   lossy=cfg.spec.lossy, draft_quant=None, draft_vocab=cfg.spec.vocab,
                    ngram=cfg.spec.ngram, error=None)
         rss0 = current_rss_mb()
         try:
+            rec["draft_quant"] = self.quant_for(cfg.spec)  # "auto" resolved (measured once per benchmark)
             out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
         except Exception as err:  # one method failing must not end the benchmark
             rec.update(error=f"{type(err).__name__}: {err}", peak_rss_mb=peak_rss_mb(), env=env)
@@ -244,10 +276,11 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
     out = []
     for t in settings.temperatures:
         for name in settings.methods:
-            spec, why = resolve(name)
-            if spec is None:
-                if why not in warnings:
-                    warnings.append(why)
+            try:
+                spec = parse(name, draft_quant=settings.draft_quant, allow_lossy=settings.allow_lossy)
+            except ValueError as err:  # one bad name must not end the benchmark
+                if f"{err}; skipped" not in warnings:
+                    warnings.append(f"{err}; skipped")
                 continue
             if spec.budget is not None:
                 budgets = [spec.budget]
@@ -264,19 +297,6 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
     return list(unique.values())
 
 
-def _load_models(settings: BenchSettings, need_draft: bool):
-    from ..models.loading import check_tokenizers_compatible, load_model
-
-    print(f"[arborspec] loading target {settings.target} ...", file=sys.stderr)
-    target = load_model(settings.target, dtype=settings.dtype)
-    draft = None
-    if need_draft:
-        print(f"[arborspec] loading draft {settings.draft} ...", file=sys.stderr)
-        draft = load_model(settings.draft, dtype=settings.dtype)
-        check_tokenizers_compatible(target, draft)
-    return target, draft
-
-
 def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
     per_dataset = [load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
                                 progress=settings.progress) for name in settings.datasets]
@@ -287,12 +307,6 @@ def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
     if not prompts:
         raise ValueError("no prompts to run (empty dataset, or every prompt longer than --max-prompt-tokens)")
     return prompts
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def run_bench(settings: BenchSettings, models=None) -> Path:
@@ -307,8 +321,6 @@ def run_bench(settings: BenchSettings, models=None) -> Path:
 
 
 def _run_bench(settings: BenchSettings, models) -> Path:
-    from tqdm import tqdm
-
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     warnings: list[str] = []
@@ -316,7 +328,10 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     if not configs:
         raise ValueError("none of the methods can run: " + "; ".join(warnings))
     need_draft = any(c.spec.needs_draft for c in configs)
-    target, draft = models if models is not None else _load_models(settings, need_draft)
+    # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
+    target, draft = models if models is not None else load_pair(
+        settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
+        backend=settings.backend, draft_backend=settings.draft_backend)
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
@@ -420,16 +435,6 @@ def _floats(text: str, what: str) -> list[float]:
     return values
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must list positive integers, got {text!r}")
-    return values
-
-
 def command_line(args) -> str:
     """The bench command line, rebuilt from the parsed arguments (so it reads the same however it was invoked)."""
     parts = ["arborspec", "bench"]
@@ -452,8 +457,11 @@ def settings_from_args(args) -> BenchSettings:
         target=args.target, draft=args.draft, dtype=args.dtype, datasets=datasets, prompt_file=args.prompt_file,
         methods=split_methods(args.methods),
         temperatures=_floats(args.temperatures, "--temperatures"),
-        budgets=_ints(args.budgets, "--budgets") if args.budgets else None, prompts=args.prompts,
+        budgets=list(parse_int_list(args.budgets, "--budgets")) if args.budgets else None,
+        draft_quant=args.draft_quant, backend=args.backend, draft_backend=args.draft_backend,
+        allow_lossy=args.allow_lossy, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+        draft_temperature=args.draft_temperature,
         ignore_eos=args.ignore_eos, warmup=not args.no_warmup, perplexity=not args.no_perplexity,
         max_prompt_tokens=args.max_prompt_tokens, text_tokens=args.text_tokens, threads=args.threads, out=args.out,
         progress=not args.no_progress, resume=args.resume, command=command_line(args),
@@ -461,8 +469,6 @@ def settings_from_args(args) -> BenchSettings:
 
 
 def run_from_args(args) -> int:
-    from .report import write_report
-
     settings = settings_from_args(args)
     path = run_bench(settings)
     files = write_report(path.parent)

@@ -9,6 +9,7 @@ from .dyspec import DySpecPolicy
 from .dyspec_threshold import DySpecThresholdPolicy
 from .sequoia import SequoiaPolicy
 from .static import StaticPolicy
+from .suffix import SuffixPolicy
 from .wetap import WetapPolicy
 
 POLICIES: dict[str, type[Policy]] = {
@@ -22,6 +23,7 @@ POLICIES: dict[str, type[Policy]] = {
     "beam": BeamPolicy,
     "sequoia": SequoiaPolicy,
     "auto": AutoPolicy,
+    "suffix": SuffixPolicy,
 }
 
 __all__ = ["POLICIES", "Policy", "DraftContext"]

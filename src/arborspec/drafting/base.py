@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..models.hf import TreeSession
+from ..models.session import Session
 from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 
@@ -21,7 +21,7 @@ from ..tree import DrawRule, TokenTree
 class DraftContext:
     """Everything a policy may look at while drafting one step."""
 
-    session: TreeSession | None  # the draft model's cache (None for policies that need no draft model)
+    session: Session | None  # the draft model's state (None for policies that need no draft model)
     context: list[int]  # committed token ids; the tree's root is context[-1]
     sampling: SamplingConfig  # the draft's own warp (its temperature may differ from the target's)
     generator: torch.Generator | None
@@ -77,15 +77,17 @@ class Policy:
     def update(self, step) -> None:
         """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
 
-    def bind(self, decoder) -> None:
-        """Called once by `SpeculativeDecoder` after construction (auto profiles the decoder's models here)."""
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
+        """Called once by `SpeculativeDecoder` after construction with its models (bare model objects; `draft` may be
+        None) and the target's and the draft's sampling settings: auto profiles the models and loads the
+        calibration it saved for this pair and these settings."""
 
     def explain(self) -> dict:
         """The policy's account of its choices so far, copied into `GenerationStats.policy` after each step."""
         return {}
 
 
-EXACT_VERIFIER = {  # the verifier derived for each drawing rule (digest, "Verifiers and how children were drawn")
+EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (tree.py says why each is exact for its rule)
     DrawRule.WITHOUT_REPLACEMENT: "mbr",
     DrawRule.WITH_REPLACEMENT: "mss",
     DrawRule.DETERMINISTIC: "naive",
@@ -94,6 +96,11 @@ EXACT_VERIFIER = {  # the verifier derived for each drawing rule (digest, "Verif
 
 def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(policy_cls.Options))
+
+
+def check_int(value, what: str, low: int = 1) -> None:
+    if isinstance(value, bool) or int(value) != value or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
 
 
 def parse_bool(value, what: str) -> bool:

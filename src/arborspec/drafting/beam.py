@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int
+from .base import DraftContext, Policy, check_int, opt
 from .layers import layer_probs
 
 

@@ -1,6 +1,6 @@
 """`budget="auto"` for policies that only expose a size knob: choose each step's budget from measured step rates.
 
-DySpec's `budget="auto"` is the auto policy (drafting/auto.py), which grows its tree node by node against a cost
+DySpec's `budget="auto"` is the auto policy (drafting/auto/), which grows its tree node by node against a cost
 model. DynaTree, WETAP, Sequoia and DySpec's threshold variant build trees their own way and take a budget, so for
 them the budget itself is tuned, by measuring what each size delivers on this machine and this text:
 

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt, parse_bool
-from .dyspec import check_int
+from .base import DraftContext, Policy, check_int, opt, parse_bool
 
 
 @dataclass

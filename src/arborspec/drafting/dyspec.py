@@ -9,10 +9,10 @@ hypothesis "draft probability approximates acceptance") that verification ever t
   (children of one node are drawn *without replacement*, so the tree is verified exactly by multi-branch rejection,
   `mbr`, at temperature > 0).
 
-Alg. 1 pops the most valuable slot `m` times (the digest's order: draw y ~ R first, then add it). Both children of a
-slot are worth at most the slot itself (they even sum to it), so the pops come out in non-increasing value and the
-tree is the set of the m most valuable slots of the (left-child, right-sibling) slot tree: App. D's greedy argument
-makes it the connected tree of size m with the largest total value.
+Alg. 1 pops the most valuable slot `m` times (drawing y ~ R first, then adding it: the listing has these two lines
+swapped). Both children of a slot are worth at most the slot itself (they even sum to it), so the pops come out in
+non-increasing value and the tree is the set of the m most valuable slots of the (left-child, right-sibling) slot
+tree: App. D's greedy argument makes it the connected tree of size m with the largest total value.
 
 At temperature 0 "drawing" takes the most likely remaining token, so the children of a node are its top tokens in
 order (rule DETERMINISTIC) and values use the plain temperature-1 softmax of the draft.
@@ -38,18 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import sample
+from ..sampling import SamplingConfig, sample
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt, parse_bool
-
-
-def check_int(value, what: str, low: int = 1) -> None:
-    if isinstance(value, bool) or int(value) != value or value < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+from .auto import AutoPolicy
+from .base import DraftContext, Policy, check_int, opt, parse_bool
 
 
 def parse_budget(value, what: str = "budget"):
-    """An integer >= 1, or 'auto' (size the tree from measured costs: drafting/auto.py)."""
+    """An integer >= 1, or 'auto' (size the tree from measured costs: drafting/auto/)."""
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "auto":
@@ -86,19 +82,16 @@ class DySpecPolicy(Policy):
         self.last_values: list[float] = []  # per node of the last tree: the value of the slot it was drawn from
         self.last_calls = 0  # draft calls of the last tree
         self.last_wasted = 0  # nodes forwarded through the draft but never expanded
-        self.auto = None
-        if self.options.budget == "auto":  # the auto policy's trees are DySpec-valued, sized from measured costs
-            from .auto import AutoPolicy
-
-            self.auto = AutoPolicy()
+        # budget "auto": the auto policy, whose trees are DySpec-valued and sized from measured costs
+        self.auto = AutoPolicy() if self.options.budget == "auto" else None
 
     @property
     def max_tree_depth(self) -> int:
         return self.auto.max_tree_depth if self.auto else self.options.budget
 
-    def bind(self, decoder) -> None:
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
         if self.auto:
-            self.auto.bind(decoder)
+            self.auto.bind(target, draft, sampling, draft_sampling)
 
     def update(self, step) -> None:
         if self.auto:

@@ -2,8 +2,9 @@
 
 Values are those of Alg. 1 (see `dyspec`): a node drawn from a slot of value v with residual R has child-slot value
 v * R[y], and its next sibling slot v * (1 - R[y]). Alg. 2 expands, layer by layer, every slot whose value exceeds the
-threshold t (the digest's correction: `while v_i > t`), drawing children without replacement. The paper suggests
-t ~ 1/n (default: 1/budget) and relaxes the size; we keep `budget` as a hard cap on the drafted tokens. Within a layer
+threshold t (the listing's line 9 reads `while v_i < t`; expanding while the value is *above* the threshold,
+`while v_i > t`, is what the text means), drawing children without replacement. The paper suggests t ~ 1/n
+(default: 1/budget) and relaxes the size; we keep `budget` as a hard cap on the drafted tokens. Within a layer
 the slots are popped most valuable first (a per-layer heap), so when the cap bites the budget goes to the best slots;
 without the cap the set of slots expanded is exactly the listing's. If t equals the value of Alg. 1's last pop, the
 tree is Alg. 1's (App. A.1).
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 
 from ..sampling import sample
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int
+from .base import DraftContext, Policy, check_int, opt
 
 
 @dataclass

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int
+from .base import DraftContext, Policy, check_int, opt
 from .layers import draw_children, layer_probs
 
 DEFAULT_ACCEPTANCE = "0.65,0.12,0.05,0.03,0.02,0.015,0.01,0.01"

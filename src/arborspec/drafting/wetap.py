@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
-from .dyspec import check_int
+from .base import DraftContext, Policy, check_int, opt
 from .layers import layer_probs
 
 
@@ -120,7 +119,6 @@ class WetapPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.length
 
-
     def draft(self, ctx: DraftContext) -> TokenTree:
         o = self.options
         tree = TokenTree.root(ctx.context[-1])
@@ -147,18 +145,8 @@ class WetapPolicy(Policy):
         if len(tree) - 1 <= o.budget:
             return tree
         kept = prune(tree.parents, tree.depths, cum, o.budget, o.alpha)
-        pruned = tree.subtree(kept[1:])
-        relabel_session(ctx.session, tree, pruned, kept)
-        return pruned
-
-
-def relabel_session(session, old: TokenTree, new: TokenTree, kept: list[int]) -> None:
-    """Point the draft session's speculative region at the pruned tree.
-
-    `subtree` renumbers the nodes (new node i is old node kept[i]); the session's region still holds the KV of the
-    constructed tree under the old numbers, and the engine commits the accepted path by the numbers of the tree the
-    policy returns. Pruned nodes' KV stays in the region unreferenced and is dropped at commit.
-    """
-    if getattr(session, "tree", None) is old:
-        session.tree = new
-        session.slot = {i: session.slot[k] for i, k in enumerate(kept) if k in session.slot}
+        # the draft session still holds the constructed tree's state under the old numbers, and the engine commits
+        # the accepted path by the numbers of the tree returned here (new node i is old node kept[i])
+        if ctx.session is not None:
+            ctx.session.renumber(kept)
+        return tree.select(kept)

@@ -1,35 +1,39 @@
 """Model backends. `make_session` picks one per model: tree attention (`hf.TreeSession`) for transformers with plain KV
-caches, STree (`ssm.SSMTreeSession`) for Mamba2 models and Mamba2/attention hybrids (Bamba, NemotronH)."""
+caches, STree (`ssm.SSMTreeSession`) for Mamba2 models and Mamba2/attention hybrids (Bamba, NemotronH), and the
+model's own sessions for a model object that brings them (`model.new_session(role)`: backends that are not torch
+modules, e.g. llama.cpp). Every session implements `session.Session`."""
 from __future__ import annotations
+
+from .hf import TreeSession, check_cache_support
+from .session import Session
+from .ssm import SSM_MODEL_TYPES, SSMTreeSession, check_ssm_support
+
+
+def brings_sessions(model) -> bool:
+    """True for a model object that makes its own sessions (not a torch module: arborspec cannot run it itself)."""
+    return hasattr(model, "new_session")
 
 
 def is_ssm_model(model) -> bool:
-    from .ssm import SSM_MODEL_TYPES
-
     return getattr(model.config, "model_type", None) in SSM_MODEL_TYPES
 
 
-def make_session(model, role: str = "target", ssm_tree: str = "packed", **opts):
-    """A fresh tree session for `model`: SSMTreeSession for Mamba2 / hybrids (`ssm_tree` 'packed' or 'unrolled'),
-    TreeSession otherwise (where `ssm_tree` is ignored)."""
+def make_session(model, role: str = "target", ssm_tree: str = "packed", **opts) -> Session:
+    """A fresh tree session for `model`: the model's own for one that brings sessions, SSMTreeSession for Mamba2 /
+    hybrids (`ssm_tree` 'packed' or 'unrolled'), TreeSession otherwise (where `ssm_tree` is ignored)."""
+    if brings_sessions(model):
+        return model.new_session(role)
     if is_ssm_model(model):
-        from .ssm import SSMTreeSession
-
         return SSMTreeSession(model, role, ssm_tree=ssm_tree, **opts)
-    from .hf import TreeSession
-
     return TreeSession(model, role)
 
 
 def check_session_support(model) -> None:
     """Raise ValueError (with a hint) unless one of the backends can run `model`."""
+    if brings_sessions(model):
+        return None
     if is_ssm_model(model):
-        from .ssm import check_ssm_support
-
         return check_ssm_support(model)
-    from .hf import check_cache_support
-    from .ssm import SSM_MODEL_TYPES
-
     try:
         check_cache_support(model)
     except ValueError as err:

@@ -4,9 +4,9 @@ A quantized draft is cheaper per call but agrees less often with the target; whi
 thread count and the pair, so arborspec measures instead of guessing. For every variant (bf16 as loaded, int8, and
 int4 when torchao is installed) it measures
 
-- the draft's cost curve d(w) (one call over w tree nodes; `budget.profile_model`, cached per model fingerprint),
+- the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
-  (REFERENCE_TEXT below plus calibrate.DEFAULT_PROMPTS; one forward of each model, no generation),
+  (REFERENCE_TEXT below plus corpus.DEFAULT_PROMPTS; one forward of each model, no generation),
 
 and scores it by the best chain it would allow. With per-position agreement a (treated as independent), a chain of
 depth k commits 1 + a + a^2 + ... + a^k tokens per step and costs k draft calls plus one target forward over k + 1
@@ -26,6 +26,10 @@ import time
 
 import torch
 
+from ..cache import read_record, write_record
+from ..plotting import pyplot, save_figure
+from ..profile import profile_key, profile_model
+from .corpus import DEFAULT_PROMPTS
 from .draft_levers import QUANT_MODES, TORCHAO_HINT, prepare_draft
 
 MAX_CHAIN = 16
@@ -86,8 +90,6 @@ def word_counts(text: str) -> dict[str, int]:
 
 
 def reference_ids(tokenizer) -> list[list[int]]:
-    from ..calibrate import DEFAULT_PROMPTS
-
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in [REFERENCE_TEXT, *DEFAULT_PROMPTS]]
 
 
@@ -121,6 +123,8 @@ def chain_score(a: float, d1: float, t) -> tuple[float, int]:
 
 
 def available_variants() -> list[str]:
+    """The quantization modes this installation can run: int4 needs the optional torchao (imported only here and
+    in `draft_levers.quantize`: it is slow to import and may be absent)."""
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -130,9 +134,7 @@ def available_variants() -> list[str]:
 
 def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
-    `profile_kw` (sizes, prefix, repeats) goes to `budget.profile_model`."""
-    from ..budget import profile_model
-
+    `profile_kw` (sizes, prefix, repeats) goes to `profile.profile_model`."""
     t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
     texts = reference_ids(target.tokenizer)
     variants = {}
@@ -153,8 +155,6 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
 
 
 def _measure_variant(target, draft, quant, t_curve, texts, progress, refresh, profile_kw) -> dict:
-    from ..budget import profile_model
-
     start = time.perf_counter()
     prepared = prepare_draft(copy.deepcopy(draft), quant, progress=progress).model if quant != "none" else draft.model
     prep = time.perf_counter() - start
@@ -169,15 +169,13 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
                        **profile_kw) -> tuple[str, dict, str]:
     """(quant, record, source): the measured best variant for this pair on this machine, from the cache when the
     pair, dtype, thread count, machine and library versions are unchanged ('cache'), else measured ('measured')."""
-    from ..budget import profile_key, read_cached, write_cached
-
     key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
            "variants": available_variants()}
-    record = None if refresh else read_cached("draft-quant", key)
+    record = None if refresh else read_record("draft-quant", key)
     if record is not None and record.get("choice") in QUANT_MODES:
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
-    write_cached("draft-quant", key, record)
+    write_record("draft-quant", key, record)
     return record["choice"], record, "measured"
 
 
@@ -199,12 +197,7 @@ def describe(record: dict) -> list[str]:
 
 def plot_variants(record: dict, out: str, title: str = "") -> str:
     """Draft cost curves of every variant beside the target's, and agreement vs. cost per drafted token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     ax1.plot(record["target_sizes"], [t * 1e3 for t in record["target_times"]], "k-o", label="target t(n)")
     for quant, v in record["variants"].items():
         if "unavailable" in v:
@@ -221,7 +214,5 @@ def plot_variants(record: dict, out: str, title: str = "") -> str:
     ax2.set_xlabel("draft ms per token, d(1)")
     ax2.set_ylabel("top-1 agreement with the target")
     ax2.set_title(f"default: {record['choice']}")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out, dpi=120)
     return out

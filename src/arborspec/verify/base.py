@@ -5,10 +5,11 @@ and one more token drawn from the target (the "bonus"), so every step commits at
 
 Which verifier fits which tree (`fits`): a verifier is exact for the drawing rules in its `accepts`, and a `chain_only`
 verifier (sps, asps) only for trees with at most one child per node. A chain's single child is one draw, and one
-draw is at once "with replacement" and "without replacement": the multi-draft rules (mss, mbr) coincide on a single
-child (accept with min(1, p/q), else draw from norm(max(p - q, 0))). So for a policy whose trees are chains, a
-sampled rule (with or without replacement) satisfies any verifier that accepts either. Deterministic children stay
-deterministic: a chain of argmax tokens is not a draw from q, and only rules accepting DETERMINISTIC fit it.
+draw is at once "with replacement", "without replacement" and "greedy top-k plus one" with k = 1 (no deterministic
+children, one sample from q): the multi-draft rules (mss, mbr, greedy-draft) coincide on a single child (accept with
+min(1, p/q), else draw from norm(max(p - q, 0))). So for a policy whose trees are chains, any of these sampled rules
+satisfies any verifier that accepts one of them. Deterministic children stay deterministic: a chain of argmax tokens
+is not a draw from q, and only rules accepting DETERMINISTIC fit it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Verifier:
 
 
 SAMPLED = frozenset({DrawRule.WITH_REPLACEMENT, DrawRule.WITHOUT_REPLACEMENT})
+ONE_DRAW = SAMPLED | {DrawRule.GREEDY_TOPK_PLUS_ONE}  # the rules that all mean "one sample from q" for a single child
 
 
 def fits(verifier: type[Verifier], rules: set[DrawRule], chain: bool) -> bool:
@@ -49,8 +51,8 @@ def fits(verifier: type[Verifier], rules: set[DrawRule], chain: bool) -> bool:
     if verifier.chain_only and not chain:
         return False
     accepts = set(verifier.accepts)
-    if chain and accepts & SAMPLED:
-        accepts |= SAMPLED  # one draw is both with and without replacement
+    if chain and accepts & ONE_DRAW:
+        accepts |= ONE_DRAW  # one draw is with and without replacement, and greedy top-k plus one with k = 1
     return set(rules) <= accepts
 
 

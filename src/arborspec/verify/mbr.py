@@ -1,4 +1,4 @@
-"""Multi-branch rejection (DySpec Alg. 3 with the digest's corrections; Sequoia): exact for children drawn WITHOUT
+"""Multi-branch rejection (DySpec Alg. 3, corrected as below; Sequoia): exact for children drawn WITHOUT
 replacement.
 
 At a node whose children y_1..y_k were drawn one after another without replacement from the draft's D: try them in

@@ -79,6 +79,10 @@ class MultiDraftPlan:
             reach *= 1 - a
         return out + reach * self.fallback
 
+    def acceptance(self) -> float:
+        """P(some child is accepted) for these children; its mean over the draws is the rule's acceptance rate."""
+        return 1.0 - math.prod(1.0 - a for a in self.accept)
+
 
 def mss_plan(p: torch.Tensor, q: torch.Tensor, children: list[int]) -> MultiDraftPlan:
     """SpecInfer's multi-step speculative sampling, exact for children drawn i.i.d. (WITH replacement) from q.
@@ -114,6 +118,75 @@ def mbr_plan(p: torch.Tensor, q: torch.Tensor, children: list[int]) -> MultiDraf
         if d is None:
             break
     return MultiDraftPlan(accept, _torch(r))
+
+
+def _sequential(out: np.ndarray, children: list[int]) -> MultiDraftPlan:
+    """The plan that emits distribution `out` by trying `children` (distinct tokens) in order: child i is accepted with
+    out[y_i] / (mass not yet handed out), and the fallback is `out` off the children, renormalised."""
+    accept, left = [], 1.0
+    for y in children:
+        accept.append(min(1.0, float(out[y]) / left) if left > 0 else 0.0)
+        left -= float(out[y])
+    rest = out.copy()
+    rest[children] = 0.0
+    fallback = normalize(rest)
+    return MultiDraftPlan(accept, _torch(fallback if fallback is not None else out))
+
+
+def greedy_draft_plan(p: torch.Tensor, q: torch.Tensor, children: list[int]) -> MultiDraftPlan:
+    """The optimal verification of greedy multi-draft children (Hu et al., ICLR 2025), exact for GREEDY_TOPK_PLUS_ONE.
+
+    children[:-1] = D are deterministic, children[-1] = z was sampled from q' = norm(q off D). Emit z with probability
+    min(1, p(z) / q'(z)), else a draw from norm(max(p - q', 0)), and accept the child carrying the emitted token if
+    there is one. Averaged over z the emitted token is distributed as p, and a child is accepted with probability
+    p(D) + sum over x not in D of min(p(x), q'(x)) = `optimal_acceptance_greedy`: the target's mass on D is never
+    lost (q' has none there, so the residual keeps all of it), and no coupling of z with the target's token can
+    match more than the overlap of q' and p off D. When q has no mass off D (all children deterministic: the policy
+    ran out of draft support) the emitted token is a plain draw from p, which is exact for any children.
+    """
+    p_, q_ = _np(p), _np(q)
+    if not children:
+        return MultiDraftPlan([], _torch(p_))
+    *fixed, z = children
+    rest = q_.copy()
+    rest[fixed] = 0.0
+    q1 = normalize(rest)
+    if q1 is None:
+        return _sequential(p_, children)
+    a = accept_prob(float(p_[z]), float(q1[z]))
+    out = (1 - a) * _residual(p_, q1)
+    out[z] += a
+    return _sequential(out, children)
+
+
+# ---- the best any verifier can do: optimal acceptance rates of one node's children ---------------------------------
+# For children drawn as a random set S (of k draws) from q, the best exact verifier accepts a child with probability
+# alpha* = max over couplings of P(target's token in S) = 1 - max over token sets A of [P(S inside A) - p(A)] (max-flow
+# min-cut on the bipartite graph "draw -> tokens it contains"; Hu et al., ICLR 2025, Sec. 4). For i.i.d. draws the
+# maximising A is among the prefixes of the tokens sorted by p/q ascending (P(S inside A) = q(A)^k is convex in q(A),
+# p(A) is at least the piecewise-linear cheapest cover of q-mass q(A), so the maximum sits on that cover's corners);
+# tests/verify/test_greedy_draft.py checks both closed forms against the linear program.
+def optimal_acceptance_iid(p, q, k: int) -> float:
+    """The highest acceptance rate any exact verifier reaches on k children drawn i.i.d. (WITH replacement) from q."""
+    p_, q_ = _np(p), _np(q)
+    pos = q_ > 0  # tokens the draft never proposes only add target mass to A
+    pp, qq = p_[pos], q_[pos]
+    order = np.argsort(pp / qq, kind="stable")
+    gap = np.cumsum(qq[order]) ** k - np.cumsum(pp[order])
+    return float(min(1.0, 1.0 - max(0.0, float(gap.max(initial=0.0)))))
+
+
+def optimal_acceptance_greedy(p, q, k: int) -> float:
+    """The highest acceptance rate any exact verifier reaches on greedy multi-draft children: the k-1 most probable
+    tokens of q (D) plus one sample from q off D; `greedy_draft_plan` reaches it. p(D) + sum_{x not in D} min(p, q')."""
+    p_, q_ = _np(p), _np(q)
+    support = np.flatnonzero(q_ > 0)
+    fixed = support[np.argsort(-q_[support], kind="stable")[: max(k - 1, 0)]]
+    rest = q_.copy()
+    rest[fixed] = 0.0
+    q1 = normalize(rest)
+    overlap = 0.0 if q1 is None else float(np.minimum(np.delete(p_, fixed), np.delete(q1, fixed)).sum())
+    return float(min(1.0, p_[fixed].sum() + overlap))
 
 
 # ---- a chain: standard and accelerated speculative sampling --------------------------------------------------------
@@ -256,3 +329,122 @@ def sample_neighbor(log_neighbor: torch.Tensor, generator: torch.Generator | Non
     w = torch.exp(flat - flat.max())
     idx = int(torch.multinomial(w, 1, generator=generator))
     return divmod(idx, log_neighbor.shape[1])
+
+
+# ---- sequence-level acceptance: block verification (chains) and traversal verification (trees) ---------------------
+# Token-wise rules decide each drafted token on its own ratio p/q. The sequence-level rules carry a *weight* down the
+# path instead, alpha(child) = min(1, alpha(parent) * p(y) / q(y)) from alpha(root) = 1, so a token the target likes
+# more than the draft can pay for an earlier one it liked less. When everything below a node has been rejected, the
+# node itself is accepted with the probability `reject_below` returns, and the bonus comes from its residual.
+def weight_step(alpha: float, p_y: float, q_y: float) -> float:
+    """min(1, alpha * p(y) / q(y)): the weight of a child carrying y, given its parent's weight alpha.
+
+    q(y) = 0 is read as `accept_prob` reads it ("the draft never proposes y"): weight 1 if the target can emit y (and
+    alpha > 0), else 0. That keeps temperature 0, where deterministic siblings carry draft probability 0, greedy.
+    """
+    if q_y <= 0:
+        return 1.0 if alpha * p_y > 0 else 0.0
+    return min(1.0, alpha * p_y / q_y)
+
+
+def _reject_below(alpha: float, p: np.ndarray, q: np.ndarray) -> tuple[float, np.ndarray]:
+    r = np.maximum(alpha * p - q, 0.0)
+    mass = float(r.sum())
+    denom = mass + 1.0 - alpha
+    # denom = 0 means alpha = 1 and p <= q (p = q): a draw from q is then never rejected, so this is reached only by
+    # rounding, or at temperature 0 by a deterministic child the draft did not put first; accepting the node with
+    # the target's own distribution is exact there (and greedy at temperature 0).
+    return (mass / denom if denom > 0 else 1.0), (r / mass if mass > 0 else p)
+
+
+def reject_below(alpha: float, p, q) -> tuple[float, torch.Tensor]:
+    """A node of weight `alpha`, target `p` and draft `q`, after the child drawn from q (and its subtree) was rejected.
+
+    Returns (alpha', p'): the probability with which the node itself will be accepted if nothing else below it is,
+    alpha' = R / (R + 1 - alpha) with R = sum(max(alpha * p - q, 0)), and the distribution p' = norm(max(alpha * p - q,
+    0)) that its remaining children are verified against and its bonus is drawn from. At the root (alpha = 1) this is
+    SpecInfer's residual step and alpha' stays 1.
+    """
+    alpha2, p2 = _reject_below(float(alpha), _np(p), _np(q))
+    return alpha2, _torch(p2)
+
+
+@dataclass
+class BlockPlan:
+    """Block verification of one drafted chain of n tokens, as probabilities (Sun et al. 2025, Alg. 2).
+
+    `stop[i]` (i = 0..n) is the probability that the longest accepted prefix is tokens[:i] given that no longer
+    prefix was accepted: the verifier tries i = n, n-1, ..., 1 with independent uniforms and stops at the first
+    success (stop[0] = 1). `residual[i]` (i < n) is the distribution the bonus comes from after accepting exactly i
+    tokens; after all n the bonus comes from the target at the end of the chain.
+    """
+
+    stop: list[float]
+    residual: np.ndarray  # (n, vocab), rows normalised
+
+    def accepted_distribution(self) -> np.ndarray:
+        """(n + 1,): P(exactly i drafted tokens are accepted), i = 0..n."""
+        out, reach = np.zeros(len(self.stop)), 1.0
+        for i in range(len(self.stop) - 1, -1, -1):
+            out[i] = reach * self.stop[i]
+            reach *= 1 - self.stop[i]
+        return out
+
+    def neighbor(self, tokens: list[int]) -> torch.Tensor:
+        """The outcome distribution in `sps_neighbor`'s layout (n, vocab).
+
+        Row i < n-1 never holds tokens[i] (stop[i + 1] = 1 whenever residual[i] could emit it), so the layout is the
+        same as speculative sampling's and `expected_tokens` applies.
+        """
+        n = len(tokens)
+        acc = self.accepted_distribution()
+        out = self.residual * acc[:n, None]
+        if n:
+            out[n - 1, tokens[n - 1]] += acc[n]
+        return _torch(out)
+
+
+def block_plan(tokens: list[int], q, p) -> BlockPlan:
+    """Block verification (Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro, Suresh; ICLR 2025, Alg. 2).
+
+    Weights w_0 = 1, w_i = min(1, w_{i-1} p_i(y_i) / q_i(y_i)); for i < n, with r_i = max(w_i p_{i+1} - q_{i+1}, 0)
+    and R_i = sum(r_i): stop[i] = R_i / (R_i + 1 - w_i) (`reject_below`), residual[i] = norm(r_i); stop[n] = w_n.
+    Exact for a chain whose tokens were sampled from the recorded q (each y_i ~ q_i); optimal among all exact
+    verifiers of that chain that see only the drafted tokens and both models' conditionals along it. With one token
+    it is standard speculative sampling. q: (n, vocab), p: (n, vocab) or (n + 1, vocab) (row n unused).
+    """
+    n = len(tokens)
+    q, p = _np(q[:n]), _np(p[:n])
+    stop, residual, w = [1.0], np.zeros_like(q), 1.0
+    for i, y in enumerate(tokens):  # here w = w_i, the weight of the first i tokens
+        h, residual[i] = _reject_below(w, p[i], q[i])
+        if i:
+            stop.append(h)
+        w = weight_step(w, float(p[i, y]), float(q[i, y]))
+    if n:
+        stop.append(w)
+    return BlockPlan(stop, residual)
+
+
+def block_neighbor(tokens: list[int], q, p) -> torch.Tensor:
+    """Block verification as a distribution over its outcomes, in `sps_neighbor`'s layout (n, vocab)."""
+    return block_plan(tokens, q, p).neighbor(tokens)
+
+
+def block_expected_tokens_by_prefix(tokens: list[int], q, p) -> list[float]:
+    """expected_tokens(block_neighbor(tokens[:m], ...)) for m = 1..n in one pass (the weights and stops of a prefix
+    do not depend on the tokens after it; only the last stop changes, to w_m)."""
+    n = len(tokens)
+    q, p = _np(q[:n]), _np(p[:n])
+    w, inner, out = 1.0, [], []  # inner[i - 1] = R_i / (R_i + 1 - w_i), i = 1..m-1
+    for i, y in enumerate(tokens):
+        if i:
+            inner.append(_reject_below(w, p[i], q[i])[0])
+        w = weight_step(w, float(p[i, y]), float(q[i, y]))
+        stop = [1.0] + inner + [w]
+        total, reach = 0.0, 1.0
+        for j in range(len(stop) - 1, -1, -1):
+            total += reach * stop[j] * (j + 1)
+            reach *= 1 - stop[j]
+        out.append(total)
+    return out

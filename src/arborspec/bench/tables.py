@@ -1,0 +1,96 @@
+"""The tables both reports show, computed from a results.json alone: one row per method (x budget) for each dataset
+and temperature (`tables`), per category where a dataset has several (`category_tables`).
+
+report.py renders them as report.md, figures.py plots them, reproduction.py sets them beside the papers' numbers.
+A row's numbers are defined in report.py's glossary and docs/benchmarks.md; the formulas are in metrics.py.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..spec import split_label
+from . import metrics
+
+BASELINES = ("ar", "hf-assisted", "llamacpp-ar")  # each row's speed-up is over these, run in the same benchmark
+
+
+def fmt(x, digits: int = 2, scale: float = 1.0) -> str:
+    """A table cell: `x` (times `scale`) to `digits` decimals, or a dash for a missing value."""
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _label_order(results: dict, labels) -> list[str]:
+    methods = results.get("settings", {}).get("methods", [])
+
+    def key(label: str):
+        stem, budget = split_label(label)
+        index = next((i for i, m in enumerate(methods) if m in (label, stem)), len(methods))
+        return (index, stem, -1 if budget is None else budget)
+
+    return sorted(set(labels), key=key)
+
+
+def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
+    """One table row from the runs of one method/budget (all prompts of one dataset and temperature)."""
+    ok = [r for r in runs if not r.get("error")]
+    committed = [n for r in ok for n in r["committed_per_step"]]
+    has_drafts = [r for r in ok if r.get("drafted_per_step")]
+    tps = metrics.median_iqr(r["tokens_per_s"] for r in ok if r.get("tokens_per_s") is not None)
+    verifiers = sorted({r.get("verifier") or "?" for r in ok})
+    return dict(
+        runs=len(runs), errors=len(runs) - len(ok), verifier="/".join(verifiers), lossy=any(r.get("lossy") for r in runs),
+        mat=metrics.mat(committed),
+        accepted=metrics.mean_accepted_drafted([n for r in ok for n in r["accepted_per_step"]]),
+        acceptance_rate=metrics.acceptance_rate([n for r in has_drafts for n in r["accepted_per_step"]],
+                                                [n for r in has_drafts for n in r["drafted_per_step"]]),
+        tree_size=metrics.mean(n for r in has_drafts for n in r["drafted_per_step"]),
+        tps=tps, speedup={b: metrics.speedup(ok, base) if base else None for b, base in baselines.items()},
+        ttft=metrics.mean(r.get("ttft") for r in ok), tpot=metrics.mean(r.get("tpot") for r in ok),
+        perplexity=metrics.mean(r.get("perplexity") for r in ok),
+        peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
+        rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
+        new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
+    )
+
+
+def tables(results: dict) -> dict[tuple[str, float], dict[str, dict]]:
+    """{(dataset, temperature): {label: row}}, labels in the order the methods were asked for."""
+    groups: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        groups[(r["dataset"], r["temperature"])][r["label"]].append(r)
+    out = {}
+    for key in sorted(groups):
+        by_label = groups[key]
+        baselines = {b: by_label.get(b, []) for b in BASELINES}
+        out[key] = {label: summarize(by_label[label], baselines) for label in _label_order(results, by_label)}
+    return out
+
+
+def category_tables(results: dict) -> dict[tuple[str, float], dict[tuple[str, str], dict]]:
+    """{(dataset, temperature): {(category, label): row}} for datasets whose prompts have several categories."""
+    cats = defaultdict(set)
+    for r in results["runs"]:
+        cats[r["dataset"]].add(r.get("category"))
+    groups: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        if len(cats[r["dataset"]] - {None}) > 1:
+            groups[(r["dataset"], r["temperature"])][(r.get("category") or "–", r["label"])].append(r)
+    out = {}
+    for key in sorted(groups):
+        g = groups[key]
+        order = _label_order(results, {label for _, label in g})
+        rows = {}
+        for cat in sorted({c for c, _ in g}):
+            base = {b: g.get((cat, b), []) for b in BASELINES}
+            for label in order:
+                if (cat, label) in g:
+                    rows[(cat, label)] = summarize(g[(cat, label)], base)
+        out[key] = rows
+    return out
+
+
+def resumed_lines(results: dict) -> list[str]:
+    """One line per `--resume`: when, how many prompts were kept, and on which machine (a changed CPU shows here)."""
+    out = [f"Resumed {r.get('at')} after {r.get('prompts_done')} prompts, on {r.get('env', {}).get('cpu', '?')} "
+           f"({r.get('env', {}).get('threads', '?')} torch threads)." for r in results.get("resumed", [])]
+    return out + [""] if out else []

@@ -1,0 +1,239 @@
+"""The auto policy: wiring the objective, the calibration, the tree builder and the guard into one policy.
+
+Per step: the guard plans ('spec', 'probe' or a plain 'ar' step during a fallback); a drafted step grows its tree with
+`TreeBuilder`; after the verdict, `update` feeds the calibration (which drafted nodes were accepted), the cost scales
+and the guard.
+
+Cost adaptation (`adapt_costs`): measured draft and verify seconds rescale d and t (the median of the last
+`COST_WINDOW` measured / predicted ratios, starting from two prior ratios of 1, clamped to [0.1, 20]; a median shrugs
+off one-off stalls; the draft's first call is predicted with the tokens it catches up on), and c is the median of the
+engine's other time; load that slows both models alike leaves the trees unchanged, a draft that got relatively slower
+makes them smaller.
+
+Memory (`remember`): the calibration and the child-probability predictor are saved in the cache directory every 8
+steps and when a new generation starts, keyed by the pair's fingerprints, dtypes, thread count and sampling settings.
+
+`result.stats.policy` (GenerationStats) explains the choices (`explain`): per step the mode, layer widths, predicted
+tokens and seconds and why growth stopped; the calibration curve; the predictor; the cost model and its source; the
+guard's decisions.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import profile
+from ...cache import model_fingerprint, read_record, write_record
+from ...sampling import SamplingConfig
+from ...tree import DrawRule, TokenTree
+from ..base import DraftContext, Policy
+from .calibration import Calibrator
+from .guard import Guard
+from .objective import CostModel
+from .options import AutoOptions
+from .tree_builder import TreeBuilder
+
+COST_WINDOW = 15  # steps whose measured / predicted cost ratios set the cost scales (their median)
+DEFAULT_CHILD_PROBS = (0.6, 0.15, 0.06, 0.03, 0.02, 0.01, 0.01, 0.005)
+
+
+@dataclass
+class _Built:
+    """What the policy remembers about the tree it drafted last, until `update` sees the verdict."""
+
+    size: int  # nodes of the tree as the policy built it (grafted extras come after)
+    scores: list[float]  # per drafted node (index - 1): the calibration score
+    draft_raw: float  # predicted draft seconds with the unscaled profile
+    mode: str  # as planned: "spec", "probe", "ar" (a guard fallback step) or "room" (no room to draft)
+    record: dict
+
+
+class AutoPolicy(Policy):
+    name = "auto"
+    summary = "hardware-aware DySpec tree: grow layers while the measured-cost rate rises; plain decoding if it never does"
+    Options = AutoOptions
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # siblings drawn without replacement: verified exactly by mbr
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        opts = self.options
+        self.costs: CostModel | None = None
+        self.calibrator = Calibrator(enabled=opts.calibration)
+        # the child-probability predictor c_j (tree_builder.py), one for greedy (T = 0) and one for sampled steps
+        width = opts.max_children
+        padding = (0.0,) * max(0, width - len(DEFAULT_CHILD_PROBS))
+        self.child_probs = {True: np.array(DEFAULT_CHILD_PROBS[:width] + padding)}
+        self.child_probs[False] = self.child_probs[True].copy()
+        self.guard = Guard(opts.guard_margin, opts.guard_window, opts.guard_cooldown, enabled=opts.guard)
+        self.source: dict = {"costs": "unset"}
+        self._calib_key: dict | None = None
+        self._built: _Built | None = None
+        self._prev_context: list[int] | None = None
+        self._updates = 0
+        # measured / predicted ratios; two prior observations of 1 (the profile) keep a first stall from ruling
+        self._ratios = {k: collections.deque([1.0, 1.0], maxlen=COST_WINDOW) for k in ("draft", "verify")}
+        self._ratios["other"] = collections.deque(maxlen=COST_WINDOW)
+        self.run: dict = self._new_run()
+
+    # ---- wiring ---------------------------------------------------------------------------------------------
+    @property
+    def max_tree_depth(self) -> int:
+        return self.options.max_layers
+
+    def use_costs(self, costs: CostModel, source: str = "given") -> "AutoPolicy":
+        """Set the cost model directly (tests, or a profile measured elsewhere)."""
+        self.costs = costs
+        self.source = {"costs": source}
+        return self
+
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
+        """Profile (or load the cached profiles of) the target and the draft; load the saved calibration."""
+        if draft is None:
+            return
+        if self.costs is None:
+            refresh = self.options.reprofile
+            t_curve, t_src = profile.profile_model(target, refresh=refresh, progress=True)
+            d_curve, d_src = profile.profile_model(draft, refresh=refresh, progress=True)
+            self.costs = CostModel(t_curve, d_curve)
+            self.source = {"costs": f"target {t_src}, draft {d_src}",
+                           "target_profile": str(profile.profile_path(target)),
+                           "draft_profile": str(profile.profile_path(draft))}
+        if self.options.remember:
+            self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
+            self._load_calibration()
+
+    def _load_calibration(self) -> None:
+        saved = read_record("calibration", self._calib_key)
+        loaded = bool(saved) and self.calibrator.load(saved.get("calibrator", {}))
+        if loaded:
+            for greedy in (True, False):
+                probs = saved.get("child_probs", {}).get(str(greedy).lower())
+                if isinstance(probs, list) and len(probs) >= 1:
+                    arr = self.child_probs[greedy]
+                    n = min(len(arr), len(probs))
+                    arr[:n] = np.clip(np.asarray(probs[:n], dtype=np.float64), 0.0, 1.0)
+        self.source["calibration"] = "cache" if loaded else "new"
+
+    def save(self) -> None:
+        """Write the calibration (and the child-probability predictor) to the cache directory."""
+        if self._calib_key is None:
+            return
+        try:
+            write_record("calibration", self._calib_key, {
+                "calibrator": self.calibrator.to_dict(),
+                "child_probs": {"true": self.child_probs[True].tolist(), "false": self.child_probs[False].tolist()}})
+        except OSError:
+            pass  # a read-only cache must not stop generation
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        if self.costs is None:
+            raise RuntimeError("the auto policy has no cost profile: build it through SpeculativeDecoder (which "
+                               "profiles the models) or call use_costs()")
+        self._track_generation(ctx.context)
+        mode = self.guard.plan()
+        session = ctx.session
+        cached = getattr(session, "cached", None)  # (test stand-ins may not track it: then nothing is pending)
+        pending = max(0, len(ctx.context) - 1 - len(cached)) if cached is not None else 0
+        if mode == "ar" or ctx.max_depth < 1 or session is None:
+            tree = TokenTree.root(ctx.context[-1])
+            record = dict(mode="ar (guard)" if mode == "ar" else "ar (no room)", widths=[1], forwarded=[],
+                          expected=1.0, seconds=self.costs.plain_step(), stop="guard" if mode == "ar" else "room")
+            self._built = _Built(1, [], 0.0, "ar" if mode == "ar" else "room", record)
+            return tree
+        greedy = ctx.sampling.greedy
+        build = TreeBuilder(ctx, self.costs, self.calibrator, self.child_probs[greedy], self.options,
+                            force=(mode == "probe"), pending=pending)
+        tree = build.run()
+        record = dict(mode="probe" if mode == "probe" else ("spec" if len(tree) > 1 else "ar (objective)"),
+                      widths=tree.widths(), forwarded=build.forwarded, expected=round(build.expected, 4),
+                      seconds=round(build.seconds(), 6), stop=build.stop, wasted=build.wasted, catch_up=pending)
+        self._built = _Built(len(tree), build.scores, build.draft_raw, mode, record)
+        return tree
+
+    def update(self, step) -> None:
+        built, self._built = self._built, None
+        if built is None or self.costs is None:
+            return
+        path = getattr(step, "path", None)
+        if path is None and getattr(step, "tree", None):
+            path = step.tree.get("path")
+        rec = built.record
+        rec.update(accepted=step.accepted, committed=step.committed,
+                   measured_seconds=round(step.t_draft + step.t_verify + step.t_other, 6))
+        if path is not None and built.scores:
+            on_path = set(path)
+            self.calibrator.observe(built.scores, [i + 1 in on_path for i in range(len(built.scores))])
+        if self.options.adapt_costs:
+            self._adapt(step, built)
+        drafted = step.tree_size > 0
+        decision = self.guard.observe(step.t_draft + step.t_verify + step.t_other, step.committed, built.mode,
+                                      drafted, self.costs.plain_step())
+        if decision is not None:
+            self.run["guard"].append(decision)
+        self.run["steps"].append(rec)
+        del self.run["steps"][:-2000]
+        self._updates += 1
+        if self._updates % 8 == 0:
+            self.save()
+
+    def _adapt(self, step, built: _Built) -> None:
+        """Cost scales = medians of the last `COST_WINDOW` measured / predicted ratios (robust to one-off stalls:
+        first calls with new shapes, the draft catching up after plain steps); overhead = their median other time."""
+        costs, ratios = self.costs, self._ratios
+        if built.draft_raw > 0 and step.t_draft > 0:
+            ratios["draft"].append(step.t_draft / built.draft_raw)
+            costs.draft_scale = float(np.clip(np.median(ratios["draft"]), 0.1, 20.0))
+        raw_verify = float(costs.target(1 + step.tree_size))
+        if raw_verify > 0 and step.t_verify > 0:
+            ratios["verify"].append(step.t_verify / raw_verify)
+            costs.verify_scale = float(np.clip(np.median(ratios["verify"]), 0.1, 20.0))
+        ratios["other"].append(step.t_other)
+        costs.overhead = float(np.median(ratios["other"]))
+
+    # ---- explaining -----------------------------------------------------------------------------------------
+    def _new_run(self) -> dict:
+        return {"steps": [], "guard": []}
+
+    def _track_generation(self, context: list[int]) -> None:
+        prev = self._prev_context
+        if prev is None or len(context) <= len(prev) or context[: len(prev)] != prev:
+            if prev is not None:
+                self.save()
+            self.run = self._new_run()
+        self._prev_context = list(context)
+
+    def explain(self) -> dict:
+        steps = self.run["steps"]
+        spec = [s for s in steps if s["mode"] in ("spec", "probe")]
+        c = self.costs
+        n = len(steps)
+        summary = (f"auto: {len(spec)}/{n} steps drafted"
+                   + (f", mean tree {np.mean([sum(s['widths']) - 1 for s in spec]):.1f} nodes in "
+                      f"{np.mean([len(s['widths']) - 1 for s in spec]):.1f} layers, predicted "
+                      f"{np.mean([s['expected'] for s in spec]):.2f} tokens/step, got "
+                      f"{np.mean([s.get('committed', 0) for s in spec]):.2f}" if spec else "")
+                   + f"; guard: {sum(d['action'] == 'fallback' for d in self.run['guard'])} fallback(s)"
+                   + f"; costs: {self.source.get('costs', '?')}")
+        out = {"summary": summary, "steps": steps, "guard": self.run["guard"],
+               "calibration": self.calibrator.describe(), "source": dict(self.source),
+               "child_probs": {"greedy": [round(float(v), 4) for v in self.child_probs[True]],
+                               "sampled": [round(float(v), 4) for v in self.child_probs[False]]}}
+        if c is not None:
+            sizes = list(c.target.sizes)
+            out["costs"] = {
+                "target_ms": {int(s): round(float(c.target(s)) * 1e3, 3) for s in sizes},
+                "draft_layer_ms": {int(s): round(float(c.draft(s)) * 1e3, 3) for s in c.draft.sizes},
+                "draft_scale": round(c.draft_scale, 4), "verify_scale": round(c.verify_scale, 4),
+                "overhead_ms": round(c.overhead * 1e3, 3), "plain_tokens_per_s": round(1 / c.plain_step(), 3)}
+        return out
+
+
+def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> dict:
+    """What a saved calibration is valid for: the pair, their dtypes, the thread count and both sampling settings."""
+    return {"target": model_fingerprint(target), "draft": model_fingerprint(draft),
+            "dtype": [str(target.dtype), str(draft.dtype)], "threads": profile.model_threads(target),
+            "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
+            "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}

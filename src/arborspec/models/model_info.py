@@ -1,0 +1,67 @@
+"""What arborspec reads off a model object, whatever its backend: its context window, its end-of-sequence ids, and
+whether a draft can serve a target.
+
+Only `model.config` (vocab_size, max_position_embeddings or GPT-2's n_positions) and `model.generation_config`
+(eos_token_id) are read, so a model object that is not a torch module (e.g. a llama.cpp model offering a
+`types.SimpleNamespace` config) works as well as a transformers one.
+"""
+from __future__ import annotations
+
+NO_LIMIT = 2**31  # the context window of a model whose config names none
+
+
+def context_window(model, default: int = NO_LIMIT) -> int:
+    """The longest sequence `model` takes: max_position_embeddings, or n_positions (GPT-2); `default` if neither."""
+    cfg = model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or default)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends generation: the tokenizer's EOS and the model's generation config's (one id or a
+    list; instruction-tuned models often name several)."""
+    ids = set()
+    generation_config = getattr(model, "generation_config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def check_pair(target, draft, target_tokenizer, draft_tokenizer=None, names: str = "draft and target") -> None:
+    """Raise ValueError unless `draft`'s token ids mean what `target`'s do.
+
+    Speculative decoding hands token ids from the draft to the target, so (1) the two tokenizers, when both are given
+    and are not the same object, must be identical: same vocabulary, same ids, same EOS; and (2) both models' output
+    rows must cover the tokenizer (`vocab_size`; embedding tables padded past the tokenizer may differ between draft
+    and target, which is fine). Either model may be None to check the tokenizers only.
+    """
+    if draft_tokenizer is not None and target_tokenizer is not None and draft_tokenizer is not target_tokenizer:
+        _check_tokenizers(target_tokenizer, draft_tokenizer, names)
+    if target is None or draft is None:
+        return
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    n_tok = len(target_tokenizer) if target_tokenizer is not None else min(tv, dv)
+    if min(tv, dv) < n_tok:
+        raise ValueError(f"draft vocabulary ({dv}) and target vocabulary ({tv}) do not cover the tokenizer ({n_tok})")
+
+
+def _check_tokenizers(t_tok, d_tok, names: str) -> None:
+    needs = "speculative decoding needs a draft that shares the target's tokenizer"
+    if len(d_tok) != len(t_tok):
+        raise ValueError(f"{names} tokenizers differ (vocab {len(d_tok)} vs {len(t_tok)} tokens): {needs}")
+    d_vocab, t_vocab = d_tok.get_vocab(), t_tok.get_vocab()
+    if d_vocab != t_vocab:
+        differing = sorted(set(d_vocab.items()) ^ set(t_vocab.items()), key=lambda item: item[1])
+        example = ", ".join(f"{tok!r}->{idx}" for tok, idx in differing[:3])
+        raise ValueError(
+            f"{names} tokenizers differ ({len(differing)} token/id pairs not shared, e.g. {example}): {needs}")
+    if d_tok.eos_token_id != t_tok.eos_token_id:
+        raise ValueError(f"{names} tokenizers differ (eos_token_id {d_tok.eos_token_id} vs {t_tok.eos_token_id}): "
+                         f"{needs}")
+
+
+def pair_names(target, draft) -> str:
+    """How error messages name a pair: by the specs they were loaded from (LoadedModel.name), '?' if unknown."""
+    return f"draft {getattr(draft, 'name', '?')!r} and target {getattr(target, 'name', '?')!r}"

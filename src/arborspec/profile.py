@@ -1,0 +1,189 @@
+"""Cost profiles: what one forward over a tree of n tokens costs a given model on this machine, measured and cached.
+
+`measure_forward_cost` times a model's tree forwards (median of repeats, on a ~200-token prefix) through the same
+sessions generation uses (`models.make_session`), so it times any backend, a llama.cpp model included.
+
+The auto policy (drafting/auto/) sizes every tree from two such curves: the target's t(n) (one forward over n tree
+tokens, root included) and the draft's d(w) (one draft call over w nodes: the cost of one drafted layer).
+`profile_model` returns a model's `CostCurve`, measured once and cached under cache_dir()/profiles/ as JSON. A cached
+profile is used only when its key (model fingerprint, dtype, thread count, machine) and its versions (profile format,
+arborspec, torch, transformers) equal the current ones; otherwise it is measured again and overwritten.
+
+`plot_profile` draws one model's measurements with STree's fitted runtime model (`runtime_model`), `plot_pair` the
+two curves the auto policy uses (`arborspec profile --model` / `--pair`).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cache import machine_id, model_fingerprint, read_record, record_path, write_record
+from .isotonic import pool_adjacent_violators
+from .models import make_session
+from .models.model_info import context_window
+from .plotting import pyplot, save_figure
+from .runtime_model import RuntimeModel, required_tau_ratio
+from .tree import TokenTree
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------------
+def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree:
+    """An n-token complete `arity`-ary tree (parents first), root token `root`, other tokens from `tokens`."""
+    tree = TokenTree.root(root)
+    for i in range(1, n):
+        tree.add((i - 1) // arity, tokens[(i - 1) % len(tokens)])
+    return tree
+
+
+def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3, ssm_tree: str = "packed",
+                         seed: int = 0) -> list[float]:
+    """Median seconds of one forward over an N-token complete binary tree, for each N in `sizes`.
+
+    One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
+    prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). One untimed warm-up call per size.
+    """
+    rng = random.Random(seed)
+    vocab = int(model.config.vocab_size)
+    context = [rng.randrange(vocab) for _ in range(prefix)]
+    session = make_session(model, "target", ssm_tree=ssm_tree)
+    session.prefill(context[:-1])
+    out = []
+    for n in sizes:
+        times = []
+        for rep in range(repeats + 1):
+            tree = full_tree(n, context[-1], [rng.randrange(vocab) for _ in range(max(n - 1, 1))])
+            start = time.perf_counter()
+            session.forward(context, tree, list(range(len(tree))))
+            elapsed = time.perf_counter() - start
+            session.commit([0])
+            context.append(rng.randrange(vocab))
+            if rep:
+                times.append(elapsed)
+        out.append(statistics.median(times))
+    return out
+
+
+# ---- cost curves ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured seconds of one forward over n tree tokens, at `sizes`; piecewise linear in between, linear past the
+    last size. From n = 2 on the curve is made non-decreasing (noise only: more tokens never cost less), while t(1)
+    is kept as measured: in bf16 a one-token forward can be slower than a two-token one (on this project's CPU the
+    lm_head matmul took 23 ms for one token against 18 ms for two)."""
+
+    sizes: tuple[int, ...]
+    times: tuple[float, ...]
+
+    @classmethod
+    def from_measurements(cls, sizes, times) -> "CostCurve":
+        pairs = sorted(zip((int(s) for s in sizes), (float(t) for t in times)))
+        if not pairs or any(t <= 0 for _, t in pairs) or len({s for s, _ in pairs}) != len(pairs):
+            raise ValueError("a cost curve needs distinct sizes with positive times")
+        s, t = zip(*pairs)
+        start = next((i for i, n in enumerate(s) if n >= 2), len(s))
+        return cls(tuple(s), t[:start] + tuple(float(v) for v in pool_adjacent_violators(t[start:])))
+
+    def __call__(self, n):
+        n = np.asarray(n, dtype=np.float64)
+        out = np.interp(n, self.sizes, self.times)
+        if len(self.sizes) > 1:
+            slope = (self.times[-1] - self.times[-2]) / (self.sizes[-1] - self.sizes[-2])
+            out = np.where(n > self.sizes[-1], self.times[-1] + max(slope, 0.0) * (n - self.sizes[-1]), out)
+        return float(out) if out.ndim == 0 else out
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "times": list(self.times)}
+
+
+# ---- profiles: curves cached per model, dtype, thread count, machine and library versions ---------------------------
+def model_threads(model) -> int:
+    """The threads `model` computes with: its own setting for a backend that has one (llama.cpp), else torch's."""
+    return getattr(model, "n_threads", None) or torch.get_num_threads()
+
+
+def profile_key(model) -> dict:
+    return {"model": model_fingerprint(model), "name": str(getattr(model.config, "_name_or_path", "") or ""),
+            "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
+
+
+def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
+                  measure=None, progress: bool = False) -> tuple[CostCurve, str]:
+    """The model's cost curve t(n) from the cache, or measured now (and cached). Returns (curve, source), source
+    'cache' or 'measured'. `measure` (default `measure_forward_cost`) is replaceable for tests."""
+    key = profile_key(model)
+    cached = None if refresh else read_record("cost", key)
+    if cached is not None:
+        try:
+            return CostCurve.from_measurements(cached["sizes"], cached["raw_times"]), "cache"
+        except (KeyError, TypeError, ValueError):
+            pass
+    if progress:
+        print(f"[arborspec] profiling {key['name'] or type(model).__name__} ({key['dtype']}, {key['threads']} threads)"
+              " for tree sizes " + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
+    measure = measure or measure_forward_cost
+    window = context_window(model, default=0)
+    if window:  # the profile's prefix grows by one token per timed call and must leave room for the deepest tree
+        prefix = max(2, min(prefix, window - len(sizes) * (repeats + 1) - max(sizes) - 2))
+    start = time.perf_counter()
+    times = measure(model, sizes, prefix=prefix, repeats=repeats)
+    curve = CostCurve.from_measurements(sizes, times)
+    write_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
+                               "repeats": repeats, "seconds": time.perf_counter() - start})
+    return curve, "measured"
+
+
+def profile_path(model):
+    """Where `profile_model` keeps `model`'s curve (it may not exist yet)."""
+    return record_path("cost", profile_key(model))
+
+
+# ---- pictures -------------------------------------------------------------------------------------------------------
+def plot_profile(sizes, times, model: RuntimeModel, out: str, title: str = "", n1: int = 5) -> str:
+    """Two panels: measured t(N) with the fitted curve, and the required tau2/tau1 against N2 for N1 = n1 (STree
+    Fig. 2)."""
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    grid = np.linspace(min(sizes), max(sizes), 200)
+    ax1.plot(sizes, [t * 1e3 for t in times], "o", label="measured (median)")
+    ax1.plot(grid, [model(g) * 1e3 for g in grid], "-", label=model.describe())
+    ax1.set_xlabel("tree tokens N")
+    ax1.set_ylabel("forward time (ms)")
+    ax1.legend(fontsize=8)
+    ax1.set_title(title or "forward cost")
+    n2 = np.arange(n1, max(max(sizes), n1 + 1) + 1)
+    ax2.plot(n2, [required_tau_ratio(model, n1, x) for x in n2])
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    ax2.set_xlabel("larger tree N2")
+    ax2.set_ylabel(f"required tau2 / tau1 (N1 = {n1})")
+    ax2.set_title("a larger tree pays above this curve")
+    save_figure(fig, out, dpi=120)
+    return out
+
+
+def plot_pair(target: CostCurve, draft: CostCurve, out: str, title: str = "") -> str:
+    """The auto policy's cost model: t(n) of the target and d(w) of the draft, absolute and relative to t(1)."""
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    for curve, label in ((target, "target t(n): verify n tree tokens"), (draft, "draft d(n): one layer of n nodes")):
+        grid = np.arange(1, max(curve.sizes) + 1)
+        ax1.plot(curve.sizes, [t * 1e3 for t in curve.times], "o")
+        ax1.plot(grid, curve(grid) * 1e3, "-", label=label)
+        ax2.plot(grid, curve(grid) / target(1), "-", label=label.split(":")[0])
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("tokens n")
+    ax1.set_ylabel("ms per call")
+    ax1.legend(fontsize=8)
+    ax1.set_title(title or "cost profile")
+    ax2.set_xscale("log", base=2)
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    ax2.set_xlabel("tokens n")
+    ax2.set_ylabel("cost / target t(1)")
+    ax2.legend(fontsize=8)
+    save_figure(fig, out, dpi=120)
+    return out

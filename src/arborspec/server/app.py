@@ -1,0 +1,251 @@
+"""The HTTP routes: OpenAI's completions and chat completions (streamed as server-sent events or whole), the model
+list, health and Prometheus metrics.
+
+A request's life: parse and check the body (protocol.py), make its own decoder and encode its prompt (in a thread:
+tokenizing and building a policy are not free), queue it with the scheduler (429 at once when full), then relay the
+worker's updates. The worker never waits for a client: updates cross to the event loop through an asyncio queue.
+A client that goes away is noticed when a send fails or, while no text flows, by polling, and its job is cancelled
+so its slot frees before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from .decoders import Decoders
+from .metrics import CONTENT_TYPE, Metrics
+from .output import DONE, Reply, event, visible_text
+from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, chat_messages, check_model, completion_prompt,
+                       max_tokens, parse_request, stop_strings)
+from .scheduler import Job, QueueFull, Scheduler, ShuttingDown, Update
+
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request": only ever seen in the metrics
+DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics: Metrics) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="arborspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return error_response(request, metrics, err)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):  # unknown paths, wrong methods
+        return error_response(request, metrics, APIError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        return error_response(request, metrics, APIError(500, f"internal error: {err}", "server_error"))
+
+    @app.get("/health")
+    async def health():
+        active, waiting = scheduler.load()
+        status = "stopping" if scheduler.draining else "ok"
+        return JSONResponse({"status": status, "active": active, "queued": waiting},
+                            status_code=503 if scheduler.draining else 200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request, limits)
+        metrics.requests.labels(endpoint="/v1/models", status="200").inc()
+        return {"object": "list", "data": [{"id": limits.model_name, "object": "model", "created": 0,
+                                            "owned_by": "arborspec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_key(request, limits)
+        req = parse_request(await read_body(request, limits.max_body_bytes), CompletionRequest)
+        check_model(req, limits)
+        return await generate(request, req, completion_prompt(req), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_key(request, limits)
+        req = parse_request(await read_body(request, limits.max_body_bytes), ChatRequest)
+        check_model(req, limits)
+        return await generate(request, req, chat_messages(req), chat=True)
+
+    async def generate(request: Request, req, prompt, chat: bool):
+        n, stop = max_tokens(req, limits), stop_strings(req)
+        steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop)
+        opts = req.arborspec
+        reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids))
+        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(update: Update) -> None:  # on the worker thread
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:  # the event loop is gone: nobody is left to tell
+                pass
+
+        job = Job(steps, deliver, stream=req.stream)
+        try:
+            scheduler.submit(job)
+        except QueueFull as err:
+            steps.close()
+            raise APIError(429, str(err), "rate_limit_error", code="queue_full") from None
+        except ShuttingDown as err:
+            steps.close()
+            raise APIError(503, str(err), "server_error", code="shutting_down") from None
+        endpoint = _endpoint(request)
+        if req.stream:
+            metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            return JobStream(sse(job, updates, request, reply), job)
+        try:
+            update = await next_update(updates, job, request)
+            while not update.done:
+                update = await next_update(updates, job, request)
+        except ClientGone:
+            metrics.requests.labels(endpoint=endpoint, status=str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            job.cancel()  # a no-op once finished; frees the slot if this handler was cancelled
+        if update.error:
+            raise APIError(503 if update.code == "shutdown" else 500, update.error, "server_error", code=update.code)
+        metrics.requests.labels(endpoint=endpoint, status="200").inc()
+        return JSONResponse(reply.body(update.result))
+
+    return app
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------------
+def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str]):
+    """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
+    is a 400 here rather than an error in the middle of a stream."""
+    opts = req.arborspec
+    try:
+        spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
+        sampling = decoders.sampling(req.temperature, req.top_k, req.top_p, req.seed)
+        decoder = decoders.build(spec, sampling)
+        if chat:
+            prompt = render_chat(decoder.tokenizer, prompt, model_name)
+        if isinstance(prompt, list) and not all(0 <= t < decoder.target.config.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {decoder.target.config.vocab_size})",
+                           param="prompt")
+        ids = decoder.encode(prompt)
+        # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
+        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos)
+    except ValueError as err:
+        code = "context_length_exceeded" if "context window" in str(err) else None
+        raise APIError(400, str(err), code=code) from None
+
+
+def render_chat(tokenizer, messages: list[dict], model_name: str) -> str:
+    """The conversation as the target's chat template writes it (as `arborspec generate --chat` does)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # templates raise their own errors, e.g. on roles out of the order they expect
+        raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `limit` bytes (declared or as it streams in)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
+                       code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+def check_key(request: Request, limits: Limits) -> None:
+    if limits.api_key is None:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), limits.api_key.encode()):
+        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+                       "authentication_error", code="invalid_api_key")
+
+
+def error_response(request: Request, metrics: Metrics, err: APIError) -> JSONResponse:
+    metrics.requests.labels(endpoint=_endpoint(request), status=str(err.status)).inc()
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _endpoint(request: Request) -> str:
+    """The route for a metric label: a known path, or "other" (a label per scanned path would grow unbounded)."""
+    path = request.url.path
+    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was queued or generating."""
+
+
+async def next_update(updates: asyncio.Queue, job: Job, request: Request) -> Update:
+    """The worker's next update for `job`; cancels the job and raises ClientGone if the client has gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise ClientGone from None
+
+
+async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply) -> AsyncIterator[str]:
+    """The stream's events: text as it is committed (held back where a stop string may be starting), then a last
+    chunk with the finish reason, usage and speculative statistics, then [DONE]."""
+    if first := reply.first_event():
+        yield first
+    shown = ""
+    while True:
+        try:
+            update = await next_update(updates, job, request)
+        except ClientGone:
+            return
+        while not update.done and not updates.empty():  # the client fell behind: skip to the newest text
+            update = updates.get_nowait()
+        if update.error:
+            yield event(APIError(503 if update.code == "shutdown" else 500, update.error, "server_error",
+                                 code=update.code).body())
+            break
+        text = visible_text(update.result.text, reply.stop, update.done)
+        if len(text) > len(shown):  # decoding more tokens only extends the text (as SpeculativeDecoder.stream has it)
+            yield reply.text_event(text[len(shown):])
+            shown = text
+        if update.done:
+            yield reply.last_event(update.result, shown)
+            break
+    yield DONE
+
+
+class JobStream(StreamingResponse):
+    """A server-sent-event stream that cancels its job however the response ends: finished, client gone (a failed
+    send), or the server cancelling it at shutdown."""
+
+    def __init__(self, events: AsyncIterator[str], job: Job):
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+

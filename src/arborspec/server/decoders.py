@@ -1,0 +1,84 @@
+"""Each request's own SpeculativeDecoder, made from the loaded pair, the server's run spec (arborspec/spec.py, the
+grammar and defaults `arborspec generate` uses) and the request's sampling settings and `arborspec` overrides.
+
+A decoder per request is what keeps requests independent: the policy's state (auto's calibration, DynaTree's
+history, the budget tuner), the sampling settings and the verifier they imply are all per decoder. Making one is
+cheap: the models are shared and nothing is measured again (the draft's quantization was chosen when the server
+started; auto's cost profiles are measured once per model and cached on disk, by the start-up warm-up when the
+server's own method is auto, else by the first request that asks for auto).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..engine import SpeculativeDecoder
+from ..spec import RunSpec, build_decoder, check_verifier, options_for, parse
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling settings; the server's flags fill in what a request leaves out."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Decoders:
+    """The loaded pair and the server's settings, from which every request's decoder is made."""
+
+    spec: RunSpec  # the server's method, as --method and its flags named it
+    target: object  # LoadedModel
+    draft: object | None  # LoadedModel prepared by spec.prepare_draft, or None when the server's method drafts nothing
+    quant: str  # the draft's quantization, "auto" resolved
+    defaults: Sampling
+    draft_temperature: float | None = None
+    engine_options: dict | None = None  # token_order, ssm_tree
+
+    def spec_for(self, method: str | None = None, verifier: str | None = None, budget: int | None = None,
+                 allow_lossy: bool = False) -> RunSpec:
+        """The server's spec, or the one a request's `arborspec` field makes of it (ValueError if this server cannot
+        run that, or not exactly: a lossy verifier needs the request's own `allow_lossy`)."""
+        if method is None and verifier is None and budget is None:
+            return self.spec
+        base = self.spec if method is None else parse(method, draft_quant=self.quant, allow_lossy=True)
+        if base.policy is None:
+            raise ValueError(f"{base.name!r} is a transformers baseline, which `arborspec bench` runs, not the server")
+        if budget is not None and method is not None and base.budget is not None:
+            raise ValueError(f"method {method!r} pins its budget already; drop 'budget' or the @{base.budget}")
+        spec = replace(base, verifier=check_verifier(verifier) if verifier else base.verifier, allow_lossy=allow_lossy,
+                       budget=base.budget if budget is None else budget)
+        if spec.budget is not None and spec.size is None:
+            raise ValueError(f"method {spec.name!r} has no size option for a budget")
+        _, warning = options_for(spec)
+        if warning:
+            raise ValueError(warning)
+        if spec.needs_draft and self.draft is None:
+            raise ValueError(f"method {spec.name!r} needs a draft model, and this server runs without one (its "
+                             f"method {self.spec.name!r} drafts nothing)")
+        if spec.needs_draft and (spec.quant, spec.vocab) != (self.quant, self.spec.vocab):
+            raise ValueError(f"method {spec.name!r} needs a draft prepared with quantization {spec.quant} and "
+                             f"vocabulary {spec.vocab or 'full'}; this server's draft has {self.quant} and "
+                             f"{self.spec.vocab or 'full'} (start the server with those levers)")
+        if spec.lossy and not allow_lossy:
+            raise ValueError(f"verifier {spec.verifier!r} does not preserve the target distribution; set "
+                             '"allow_lossy": true in the request\'s "arborspec" field to use it anyway')
+        return spec
+
+    def build(self, spec: RunSpec, sampling: Sampling) -> SpeculativeDecoder:
+        """The decoder for one request (ValueError for settings it cannot run, e.g. top_p 0 or a chain-only
+        verifier on a tree)."""
+        # The bare draft model: the server checked once that it shares the target's tokenizer, and a LoadedModel
+        # would have every request's decoder compare the two vocabularies again.
+        draft = getattr(self.draft, "model", None)
+        return build_decoder(spec, self.target, draft, temperature=sampling.temperature, top_k=sampling.top_k,
+                             top_p=sampling.top_p, draft_temperature=self.draft_temperature,
+                             **(self.engine_options or {}))
+
+    def sampling(self, temperature: float | None, top_k: int | None, top_p: float | None,
+                 seed: int | None) -> Sampling:
+        d = self.defaults
+        return Sampling(d.temperature if temperature is None else temperature, d.top_k if top_k is None else top_k,
+                        d.top_p if top_p is None else top_p, d.seed if seed is None else seed)

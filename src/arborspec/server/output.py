@@ -1,0 +1,109 @@
+"""What a client sees of a generation: the text (cut at a stop string), OpenAI's response and stream-chunk shapes,
+`usage`, and the speculative statistics in the `arborspec` extension field.
+
+Stop strings follow OpenAI: the returned text ends before the stop string. The engine notices a stop string only
+once its last token is committed, so while streaming, text that might be the start of a stop string is held back
+until the next step shows whether it is one; so is a trailing U+FFFD (a multi-byte character split across steps).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..engine import GenerationResult
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI
+
+
+def visible_text(text: str, stop: list[str], done: bool) -> str:
+    """The part of `text` a client may see now: up to the first stop string; while not `done`, without a tail that
+    could still grow into a stop string or a whole character."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    if cuts:
+        return text[:min(cuts)]
+    if done:
+        return text
+    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    text = text[:len(text) - hold]
+    return text.rstrip("\ufffd")
+
+
+def usage(result: GenerationResult) -> dict:
+    prompt, completion = result.stats.prompt_tokens, result.stats.new_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def speculative_stats(result: GenerationResult, token_ids: bool = False) -> dict:
+    """The `arborspec` extension: how the speculation went for this request."""
+    s = result.stats
+    out = {"method": s.method, "verifier": s.verifier, "lossy": s.lossy, "steps": s.n_steps,
+           "tokens_per_step": s.tokens_per_step, "acceptance_rate": s.acceptance_rate,
+           "drafted_tokens": sum(step.tree_size for step in s.steps),
+           "accepted_tokens": sum(step.accepted for step in s.steps),
+           "tokens_per_s": s.tokens_per_s, "finish_reason": s.finish_reason}
+    if token_ids:
+        out["token_ids"] = list(result.token_ids)
+    return out
+
+
+@dataclass
+class Reply:
+    """One response's fixed parts and the shape of its choices: `chat` (chat.completion) or text_completion."""
+
+    model: str
+    chat: bool
+    stop: list[str]
+    token_ids: bool = False  # arborspec.return_token_ids
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+                "model": self.model}
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if chunk:
+            return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+
+    def _tail(self, result: GenerationResult) -> dict:
+        return {"usage": usage(result), "arborspec": speculative_stats(result, self.token_ids)}
+
+    def body(self, result: GenerationResult) -> dict:
+        """The whole non-streaming response."""
+        text = visible_text(result.text, self.stop, done=True)
+        return {**self._head(False), "choices": [self._choice(text, finish_reason(result, text), False)],
+                **self._tail(result)}
+
+    def first_event(self) -> str | None:
+        """A chat stream opens with the assistant's role, as OpenAI's does."""
+        if not self.chat:
+            return None
+        return event({**self._head(True), "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+
+    def text_event(self, text: str) -> str:
+        return event({**self._head(True), "choices": [self._choice(text, None, True)]})
+
+    def last_event(self, result: GenerationResult, shown: str) -> str:
+        """The final chunk: finish reason, usage and the speculative statistics."""
+        return event({**self._head(True), "choices": [self._choice(None, finish_reason(result, shown), True)],
+                      **self._tail(result)})
+
+
+def finish_reason(result: GenerationResult, text: str) -> str:
+    reason = FINISH_REASONS.get(result.stats.finish_reason, "stop")
+    return "stop" if len(text) < len(result.text) else reason  # `text` was cut at a stop string
+
+
+def event(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+DONE = event("[DONE]")

@@ -1,0 +1,181 @@
+"""What a client may send, and how the server says no: request models, their validation, OpenAI-style errors.
+
+Every refusal is an `APIError` carrying an HTTP status and OpenAI's error object
+(`{"error": {"message", "type", "param", "code"}}`), so a client library reports it as it would OpenAI's own; a
+malformed body, a field of the wrong type or an out-of-range value is a 4xx, never a 500. Types are checked
+strictly (a string "16" is not a `max_tokens`), because coercing guesses would make a typo silently change a run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """A request the server refuses: `status` and the OpenAI error object `body()`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server-wide bounds every request is checked against (`arborspec serve` flags)."""
+
+    model_name: str  # the one name `model` must carry
+    max_tokens_limit: int  # the most tokens one request may ask for
+    default_max_tokens: int  # when a request names none (generate's --max-new-tokens default)
+    max_body_bytes: int
+    api_key: str | None = None  # None: no authentication
+
+
+# ---- request bodies ------------------------------------------------------------------------------------------------
+class ArborspecOptions(BaseModel):
+    """The `arborspec` extension field: this request's method and sizing instead of the server's."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    method: str | None = None  # NAME[(option=value,...)][@BUDGET][+LEVER...], as `arborspec generate --method`
+    verifier: str | None = None
+    budget: int | None = Field(default=None, ge=1)  # drafted tokens per step, for a method whose name pins none
+    allow_lossy: bool = False  # consent to a verifier that does not preserve the target distribution
+    return_token_ids: bool = False  # put the generated token ids in the response's `arborspec` field
+
+    @property
+    def overrides(self) -> bool:
+        return self.method is not None or self.verifier is not None or self.budget is not None
+
+
+class _Generation(BaseModel):
+    """The fields completions and chat completions share. Unknown fields are ignored, as OpenAI's own clients send
+    some this server has no use for (`user`, `stream_options`, ...); the ones that would change the output are
+    refused unless neutral (see `check_unsupported`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension (vLLM's name): 0 turns it off
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    stop: str | list[str] | None = None
+    stream: bool = False
+    ignore_eos: bool = False  # an extension (vLLM's name): generate past end-of-sequence tokens
+    arborspec: ArborspecOptions | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+
+# OpenAI fields this server does not implement, with the values that mean "not used": anything else is refused
+# rather than ignored, since ignoring it would hand back something other than what was asked for.
+NEUTRAL = {
+    "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "presence_penalty": (0, None), "frequency_penalty": (0, None),
+    "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+_TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location
+
+Request = TypeVar("Request", bound=_Generation)
+
+
+def parse_request(raw: bytes, model: type[Request]) -> Request:
+    """The request `raw` holds (APIError 400 for a body that is not a JSON object of the right fields and types)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_unsupported(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        # a union's errors name the member type tried ('str', 'list[int]'): the client wants the field's path
+        where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in _TYPES or "[" in p)))
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise APIError(400, f"invalid '{where or 'body'}': {first['msg']}", param=param) from None
+
+
+def check_unsupported(data: dict) -> None:
+    for name, neutral in NEUTRAL.items():
+        value = data.get(name)
+        if name in data and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            raise APIError(400, f"'{name}' = {value!r} is not supported by this server "
+                                f"(supported: {' or '.join(json.dumps(v) for v in neutral)})", param=name)
+
+
+# ---- what a request asks for ----------------------------------------------------------------------------------------
+def max_tokens(req: _Generation, limits: Limits) -> int:
+    value = getattr(req, "max_completion_tokens", None)
+    value = req.max_tokens if value is None else value
+    if value is None:
+        return min(limits.default_max_tokens, limits.max_tokens_limit)
+    if not 1 <= value <= limits.max_tokens_limit:
+        raise APIError(400, f"max_tokens must be between 1 and {limits.max_tokens_limit}, got {value}",
+                       param="max_tokens")
+    return value
+
+
+def stop_strings(req: _Generation) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
+    return stop
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt a completion request holds: text, or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request (got {len(prompt)}): this server answers n=1",
+                           param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return prompt
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """The conversation as a chat template takes it."""
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+def check_model(req: _Generation, limits: Limits) -> None:
+    if req.model != limits.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {limits.model_name!r}",
+                       param="model", code="model_not_found")

@@ -1,0 +1,158 @@
+"""`arborspec serve`: its flags, and starting the server (load the pair, warm up, listen, serve until SIGTERM).
+
+The speculative settings use `arborspec generate`'s grammar and defaults (arborspec/spec.py): --method takes the
+whole NAME[(option=value,...)][@BUDGET][+LEVER...] name, so generate's per-option flags are written into it here
+(`--method "static(depth=4,branch=2)"`, `--method chain@6+ngram`). Sampling flags are the defaults for requests
+that leave a field out. See docs/serve.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import replace
+
+import uvicorn
+
+from ..models.loading import ModelLoadError, check_tokenizers_compatible, load_model
+from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, parse,
+                    prepare_draft)
+from .app import create_app
+from .decoders import Decoders, Sampling
+from .metrics import Metrics
+from .protocol import Limits
+from .scheduler import Scheduler
+
+WARMUP_PROMPT = "def"  # any short prompt: the first forwards pay one-time kernel set-up, better before a client waits
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `arborspec serve` flag."""
+    add_pair_arguments(p)
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"{GRAMMAR}, e.g. 'static(depth=4,branch=2)' or chain@6+ngram (default {DEFAULT_METHOD}); a "
+                        "request may pick its own in its `arborspec` field")
+    p.add_argument("--verifier", default=None, help="verification rule (default: the method's)")
+    p.add_argument("--allow-lossy", action="store_true", help="permit a lossy verifier in the server's own method")
+    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"])
+    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"])
+    s = p.add_argument_group("sampling defaults (for requests that leave the field out)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--draft-temperature", type=float, default=None, help="the draft's own temperature (every request)")
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    h.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    h.add_argument("--api-key", default=os.environ.get("ARBORSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARBORSPEC_API_KEY; none: open)")
+    h.add_argument("--model-name", default=None, help="the name clients put in `model` (default: --target)")
+    h.add_argument("--max-batch", type=int, default=8, help="requests generated at once (one step each per round)")
+    h.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond that: 429")
+    h.add_argument("--max-tokens-limit", type=int, default=4096, help="the most tokens one request may ask for")
+    h.add_argument("--default-max-tokens", type=int, default=128, help="for a request that names no max_tokens")
+    h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load, warm up, and serve until SIGTERM / Ctrl-C (ValueError for bad settings or a taken port, before anything
+    loads)."""
+    check_limits(args)
+    spec = server_spec(args)
+    with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
+        decoders = load_decoders(args, spec)
+        limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
+                        args.max_body_bytes, args.api_key or None)
+        metrics = Metrics()
+        scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
+        app = create_app(decoders, limits, scheduler, metrics)
+        host, port = sock.getsockname()[:2]
+        print(f"[arborspec] serving {limits.model_name!r} on http://{_url_host(host)}:{port} (method {spec.name}, "
+              f"{args.max_batch} at once, {args.max_queue} queued{', API key required' if limits.api_key else ''})",
+              file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        Server(config, scheduler, args.shutdown_timeout).run(sockets=[sock])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m arborspec.server ...`: the same as `arborspec serve ...`."""
+    parser = argparse.ArgumentParser(prog="arborspec serve", description="OpenAI-compatible speculative decoding")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except (ValueError, ModelLoadError, FileNotFoundError, ImportError) as err:
+        print(f"arborspec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---- pieces --------------------------------------------------------------------------------------------------------
+def check_limits(args) -> None:
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                               ("--max-tokens-limit", args.max_tokens_limit, 1),
+                               ("--default-max-tokens", args.default_max_tokens, 1),
+                               ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.port > 65535 or args.shutdown_timeout < 0:
+        raise ValueError("--port must be at most 65535 and --shutdown-timeout at least 0")
+
+
+def server_spec(args) -> RunSpec:
+    spec = parse(args.method, draft_quant=args.draft_quant, allow_lossy=True)  # lossy: checked once --verifier is in
+    if spec.policy is None:
+        raise ValueError(f"{args.method!r} is a transformers baseline: `arborspec bench` runs it, the server does not")
+    spec = replace(spec, verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
+                   allow_lossy=args.allow_lossy)
+    return check_lossy(spec)
+
+
+def load_decoders(args, spec: RunSpec) -> Decoders:
+    """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
+    method levers are checked against), and one warm-up generation, which also checks the sampling flags."""
+    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend), None, "none"
+    if spec.needs_draft:
+        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend)
+        check_tokenizers_compatible(target, draft)
+        draft, quant = prepare_draft(target, draft, spec.quant, spec.vocab)
+    decoders = Decoders(spec, target, draft, quant, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                        args.draft_temperature, dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
+    decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
+    return decoders
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket (port 0: a free one), so the address printed is the one served."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, telling the scheduler when a shutdown signal arrives: from then on no request is taken,
+    and the running ones get `grace` seconds before they are cancelled (each client hears why)."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float):
+        super().__init__(config)
+        self.scheduler, self.grace = scheduler, grace
+
+    def handle_exit(self, sig, frame) -> None:
+        self.scheduler.drain(self.grace)
+        super().handle_exit(sig, frame)

@@ -1,0 +1,201 @@
+"""Continuous batching, part 1: one worker thread advances every active request by one speculative step per round.
+
+Requests join (from a bounded queue, up to `max_batch` at once) and leave (finished, client gone, server stopping)
+between rounds. Each request owns its own decoder loop (`SpeculativeDecoder.steps`, a generator that yields after
+every step), and with it its own policy state, sampling settings, seed, stopping rules and KV caches, so its
+output is exactly what it would be alone. Only the loaded models are shared: sessions never share state, and one
+thread runs every forward, so no two forwards race.
+
+Today a round runs the requests' steps one after another (`step_round`); that function is the one place a batched
+target forward over all active requests' trees will plug in (see its docstring).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..engine import GenerationResult
+from .metrics import Metrics
+
+log = logging.getLogger("arborspec.server")
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a request's handler hears from the worker: the generation so far, or why it ended early."""
+
+    result: GenerationResult | None
+    done: bool
+    error: str = ""  # set when the generation ended without finishing
+    code: str = ""  # "shutdown" or "internal_error", with `error`
+
+
+class QueueFull(Exception):
+    """Every slot and every queue place is taken: answer 429 now rather than make the client wait unboundedly."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new requests."""
+
+
+class Job:
+    """One request inside the scheduler: its decoder loop, where its updates go, and whether its client left."""
+
+    def __init__(self, steps: Iterator[GenerationResult], deliver: Callable[[Update], None], stream: bool):
+        self.steps = steps  # the request's own decoder loop; advanced only by the worker thread
+        self.deliver = deliver  # called on the worker thread; must neither block nor raise
+        self.stream = stream  # deliver every step, or only the last
+        self.queued = time.perf_counter()
+        self.first_token: float | None = None
+        self.result: GenerationResult | None = None
+        self.cancelled = False  # set from any thread; the worker drops the job before its next step
+        self.finished = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def advance(self, metrics: Metrics) -> None:
+        """One step of this request's decoder."""
+        try:
+            self.result = result = next(self.steps)
+        except Exception as err:  # a failing request must not take the others down with it
+            log.exception("generation failed")
+            self.end(metrics, "error", Update(None, True, f"generation failed: {err}", "internal_error"))
+            return
+        metrics.step(result.stats.steps[-1])
+        if self.first_token is None and result.token_ids:
+            self.first_token = time.perf_counter()
+        if result.stats.finish_reason:
+            metrics.generation(result, self.queued, self.first_token, time.perf_counter())
+            self.end(metrics, None, Update(result, True))
+        elif self.stream:
+            self.deliver(Update(result, False))
+
+    def end(self, metrics: Metrics, reason: str | None, update: Update | None) -> None:
+        """Leave the scheduler: close the decoder loop (its KV caches go with it) and tell the handler, if any."""
+        self.finished = True
+        self.steps.close()
+        if reason is not None:
+            metrics.finished.labels(reason=reason).inc()
+        if update is not None:
+            self.deliver(update)
+
+
+def step_round(jobs: list[Job], metrics: Metrics) -> None:
+    """Advance every job in `jobs` by one speculative step: the seam where batched verification plugs in.
+
+    Today each job runs its own step in turn (its draft forwards, then one target forward over its own tree), so a
+    round costs the sum of the jobs' steps. Batched (part 2), a round becomes: every job drafts its tree; ONE target
+    forward runs all trees together, each attending only to its own KV cache; each job verifies and commits its own
+    tree with its own sampling settings and random generator. Every output stays what it is at batch size 1; the
+    gain is that the target's weights are read once per round instead of once per job, which is what a memory-bound
+    target pays for.
+    """
+    for job in jobs:
+        if not job.cancelled:  # a client that left during this round frees its slot now
+            job.advance(metrics)
+
+
+class Scheduler:
+    """Admission (`submit`), the worker thread's rounds, and shutdown (`drain`, then `stop`)."""
+
+    def __init__(self, max_batch: int, max_queue: int, metrics: Metrics):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._deadline: float | None = None  # set by drain(): what is still running then is cancelled
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="arborspec-scheduler", daemon=True)
+
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None
+
+    def load(self) -> tuple[int, int]:
+        """(requests being generated, requests waiting)."""
+        with self._cond:
+            return len(self._active), len(self._waiting)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self.draining or self._stopped:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._active) + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"the server is full ({self.max_batch} requests running, {self.max_queue} queued); "
+                                "retry later")
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    def drain(self, grace: float) -> None:
+        """Take no new requests; let the running and queued ones finish for `grace` seconds, then cancel the rest."""
+        with self._cond:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + grace
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel whatever is left and end the worker thread (after the step it is in, if any)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- the worker thread ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._active or self._waiting or self._stopped):
+                    self._cond.wait(timeout=self._wait_time())
+                    self._check_deadline()
+                self._check_deadline()
+                if self._stopped:
+                    self._cancel_all()
+                    return
+                self._drop_cancelled()
+                while self._waiting and len(self._active) < self.max_batch:  # join between rounds
+                    self._active.append(self._waiting.popleft())
+                batch = list(self._active)
+                self.metrics.queue_depth.set(len(self._waiting))
+                self.metrics.batch_size.set(len(batch))
+            step_round(batch, self.metrics)  # outside the lock: submitting never waits for a forward
+            with self._cond:
+                self._active = [job for job in self._active if not job.finished]
+                self.metrics.batch_size.set(len(self._active))
+
+    def _wait_time(self) -> float | None:
+        """How long an idle worker may sleep: until notified, or until the drain deadline if one is ahead."""
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        return left + 0.01 if left is not None and left > 0 else None
+
+    def _check_deadline(self) -> None:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        for job in [*self._active, *self._waiting]:
+            if not job.finished:
+                job.end(self.metrics, "shutdown",
+                        Update(job.result, True, "the server is shutting down", "shutdown"))
+        self._active, self._waiting = [], deque()
+        self.metrics.queue_depth.set(0)
+        self.metrics.batch_size.set(0)
+
+    def _drop_cancelled(self) -> None:
+        """Jobs whose client left: end them without a word (nobody is listening)."""
+        for job in [*self._active, *self._waiting]:
+            if job.cancelled and not job.finished:
+                job.end(self.metrics, "cancelled", None)
+        self._active = [job for job in self._active if not job.finished]
+        self._waiting = deque(job for job in self._waiting if not job.finished)

@@ -1,0 +1,226 @@
+"""`arborspec serve` against real clients: the official openai client and raw HTTP, on live subprocess servers
+(tests/server/conftest.py). Outputs over HTTP must be exactly what `SpeculativeDecoder.generate` gives in-process."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from arborspec.models.loading import load_model
+from arborspec.spec import build_decoder, parse
+from tests.server.conftest import API_KEY, METHOD, MODEL
+
+PROMPT = "def f(x):\n    return"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs):
+    return load_model(model_dirs["target"], dtype="fp32"), load_model(model_dirs["draft"], dtype="fp32")
+
+
+def reference(pair, method=METHOD, **sampling):
+    target, draft = pair
+    return build_decoder(parse(method, draft_quant="none"), target, draft, **sampling)
+
+
+@pytest.fixture(scope="module")
+def client(main_url):
+    return openai.OpenAI(base_url=main_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def ext(**options):
+    return {"extra_body": {"ignore_eos": True, "arborspec": {"return_token_ids": True, **options}}}
+
+
+def stream_text(chunks) -> tuple[str, dict]:
+    """The concatenated text of a completion stream and its last chunk (as a dict)."""
+    text, last = "", None
+    for chunk in chunks:
+        last = chunk.model_dump()
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text += getattr(choice, "text", None) or (choice.delta.content if hasattr(choice, "delta") else "") or ""
+    return text, last
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+def test_greedy_completion_over_http_equals_generate(client, pair):
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, **ext())
+    want = reference(pair).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    spec = reply.model_extra["arborspec"]
+    assert spec["token_ids"] == want.token_ids
+    assert reply.choices[0].text == want.text and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 40 and reply.usage.prompt_tokens == len(PROMPT)
+    assert spec["method"] == "static" and spec["verifier"] == "greedy" and spec["lossy"] is False
+    assert spec["steps"] == want.stats.n_steps and spec["accepted_tokens"] == sum(s.accepted for s in want.stats.steps)
+
+
+def test_streamed_completion_is_the_same_text_with_usage_in_the_last_chunk(client, pair):
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stream=True, **ext())
+    text, last = stream_text(chunks)
+    want = reference(pair).generate(PROMPT, max_new_tokens=40, ignore_eos=True)
+    assert text == want.text
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 40
+    assert last["arborspec"]["token_ids"] == want.token_ids and last["arborspec"]["tokens_per_step"] > 1
+
+
+def test_chat_uses_the_targets_chat_template_streaming_or_not(client, pair):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}]
+    target = pair[0]
+    prompt = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = reference(pair).generate(prompt, max_new_tokens=24, ignore_eos=True)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **ext())
+    assert whole.choices[0].message.content == want.text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(target.tokenizer(prompt)["input_ids"])
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, stream=True, **ext())
+    text, last = stream_text(streamed)
+    assert text == want.text and last["usage"]["completion_tokens"] == 24
+
+
+def test_seeded_sampling_is_per_request_even_when_requests_interleave(client, pair):
+    """Six sampled requests at once, two seeds: each equals its own seeded generate() at batch size 1."""
+    def one(seed):
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0.9, top_p=0.95,
+                                          seed=seed, **ext())
+        return seed, reply.model_extra["arborspec"]["token_ids"]
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(one, [1, 2, 1, 2, 1, 2]))
+    for seed, ids in got:
+        want = reference(pair, temperature=0.9, top_p=0.95).generate(PROMPT, 32, seed=seed, ignore_eos=True)
+        assert ids == want.token_ids
+    assert got[0][1] != got[1][1]  # the seeds really differ (a failure here would make the test above vacuous)
+
+
+def test_stop_strings_end_the_text_before_the_stop_string(client, pair):
+    want = reference(pair).generate(PROMPT, max_new_tokens=40, ignore_eos=True).text
+    stop = want[10:12]
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=[stop], **ext())
+    text = reply.choices[0].text
+    assert text == want[:want.index(stop)] and reply.choices[0].finish_reason == "stop"
+    streamed, _ = stream_text(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, stop=stop,
+                                                        stream=True, **ext()))
+    assert streamed == text
+
+
+# ---- the arborspec extension: per-request method and sizing ----------------------------------------------------
+def test_a_request_may_pick_its_method_and_budget(client, pair):
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, **ext(method="chain", budget=3))
+    spec = reply.model_extra["arborspec"]
+    want = reference(pair, method="chain@3").generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert spec["method"] == "chain" and spec["token_ids"] == want.token_ids
+    assert spec["drafted_tokens"] == sum(s.tree_size for s in want.stats.steps) and max(
+        s.tree_size for s in want.stats.steps) == 3
+
+
+def test_a_lossy_override_needs_the_requests_consent(client, main_url):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.8,
+            "arborspec": {"method": "wetap-lossy"}}
+    refused = httpx.post(main_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert refused.status_code == 400 and "allow_lossy" in refused.json()["error"]["message"]
+    body["arborspec"]["allow_lossy"] = True
+    allowed = httpx.post(main_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert allowed.status_code == 200 and allowed.json()["arborspec"]["lossy"] is True
+
+
+# ---- robustness --------------------------------------------------------------------------------------------------
+def test_api_key_is_required_on_v1_routes_only(main_url):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(main_url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(main_url + "/v1/models", timeout=30).status_code == 401
+    models = httpx.get(main_url + "/v1/models", headers=AUTH, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(main_url + "/health", timeout=30).status_code == 200
+
+
+def test_openai_client_reports_an_unknown_model_and_bad_values(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+LONG = "x" * 600  # over the tiny models' 512-token context window
+BAD_BODIES = [
+    ("not json", b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, "JSON object"),
+    ("wrong type", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("bool for int", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("wrong type in a message", None, 400, "messages"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens over the limit", {"prompt": "x", "max_tokens": 481}, 400, "480"),
+    ("prompt over the context window", {"prompt": LONG, "max_tokens": 4}, 400, "context window"),
+    ("empty prompt", {"prompt": "", "max_tokens": 4}, 400, "empty"),
+    ("several prompts", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt"),
+    ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "token ids"),
+    ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
+    ("n = 2", {"prompt": "x", "n": 2}, 400, "'n'"),
+    ("logprobs", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("temperature NaN", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("unknown method", {"prompt": "x", "arborspec": {"method": "nope"}}, 400, "unknown method"),
+    ("unknown extension field", {"prompt": "x", "arborspec": {"depth": 3}}, 400, "arborspec"),
+    ("unknown model", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ("body too large", {"prompt": "x" * 5000}, 413, "4096"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, message", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_requests_get_an_openai_error_object_never_a_500(main_url, name, body, status, message):
+    path = "/v1/completions"
+    if body is None:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}
+    if isinstance(body, dict):
+        body = json.dumps({"model": MODEL, **body}).encode()
+    r = httpx.post(main_url + path, content=body, headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_metrics_are_prometheus_text_with_latencies_and_speculation(client, main_url):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **ext())
+    httpx.post(main_url + "/v1/completions", json={"model": MODEL, "prompt": ""}, headers=AUTH, timeout=30)
+    text = httpx.get(main_url + "/metrics", timeout=30).text
+    values = _samples(text)
+    assert values['arborspec_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["arborspec_time_to_first_token_seconds_count"] >= 1
+    assert values["arborspec_time_per_output_token_seconds_count"] >= 1
+    assert values["arborspec_generated_tokens_total"] >= 8
+    assert values["arborspec_tokens_per_step_count"] >= 1 and values["arborspec_accepted_tokens_per_step_sum"] >= 0
+    assert "arborspec_queue_depth" in values and "arborspec_batch_size" in values
+    assert values['arborspec_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
+def test_fifty_concurrent_streams_all_complete(client, main_url):
+    def one(i):
+        chunks = client.completions.create(model=MODEL, prompt=f"def f{i}(x):", max_tokens=16, stream=True,
+                                           extra_body={"ignore_eos": True})
+        text, last = stream_text(chunks)
+        return last["usage"]["completion_tokens"], last["choices"][0]["finish_reason"]
+
+    with ThreadPoolExecutor(50) as pool:
+        futures = [pool.submit(one, i) for i in range(50)]
+        results = [f.result(timeout=180) for f in futures]
+    assert results == [(16, "length")] * 50
+    health = httpx.get(main_url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    for _ in range(100):  # every slot frees (the worker retires a job just after its last update)
+        if httpx.get(main_url + "/health", timeout=30).json()["active"] == 0:
+            break
+        time.sleep(0.1)
+    assert httpx.get(main_url + "/health", timeout=30).json() == {"status": "ok", "active": 0, "queued": 0}

@@ -1,0 +1,107 @@
+"""Request parsing and validation, and what a client sees of the text: no server needed."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from arborspec.server.app import render_chat
+from arborspec.server.output import visible_text
+from arborspec.server.protocol import (APIError, ChatRequest, CompletionRequest, Limits, completion_prompt,
+                                       max_tokens, parse_request, stop_strings)
+
+LIMITS = Limits("tiny", max_tokens_limit=100, default_max_tokens=16, max_body_bytes=1000)
+
+
+def parse(body: dict, model=CompletionRequest):
+    return parse_request(json.dumps(body).encode(), model)
+
+
+def refused(body, model=CompletionRequest) -> APIError:
+    with pytest.raises(APIError) as info:
+        req = parse(body, model) if isinstance(body, dict) else parse_request(body, model)
+        max_tokens(req, LIMITS), stop_strings(req), completion_prompt(req) if model is CompletionRequest else None
+    return info.value
+
+
+def test_a_plain_request_parses_with_the_servers_defaults_filled_in_later():
+    req = parse({"model": "tiny", "prompt": "hi", "temperature": 1, "stream": True, "user": "ignored"})
+    assert req.temperature == 1.0 and req.top_p is None and req.stream and req.arborspec is None
+    assert max_tokens(req, LIMITS) == 16 and stop_strings(req) == [] and completion_prompt(req) == "hi"
+    assert completion_prompt(parse({"model": "t", "prompt": [[5, 6]]})) == [5, 6]
+    assert stop_strings(parse({"model": "t", "prompt": "x", "stop": "\n"})) == ["\n"]
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{", None), (b'"text"', None), (b"\xff\xfe", None),
+    ({"model": "t", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "t", "prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ({"model": "t", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "t", "prompt": 5}, "prompt"),
+    ({"model": 5, "prompt": "x"}, "model"),
+    ({"model": "t", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "t", "prompt": "x", "max_tokens": 101}, "max_tokens"),
+    ({"model": "t", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "t", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "t", "prompt": []}, "prompt"),
+    ({"model": "t", "prompt": "x", "n": 3}, "n"),
+    ({"model": "t", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "t", "prompt": "x", "arborspec": {"budget": 0}}, "arborspec"),
+    ({"model": "t", "prompt": "x", "arborspec": {"method": 3}}, "arborspec"),
+    ({"model": "t", "prompt": "x", "seed": 2**64}, "seed"),
+])
+def test_bad_bodies_are_400s_naming_the_field(body, param):
+    err = refused(body)
+    assert err.status == 400 and err.param == param
+    assert err.body()["error"]["type"] == "invalid_request_error" and err.body()["error"]["message"]
+
+
+def test_neutral_values_of_unsupported_fields_pass():
+    parse({"model": "t", "prompt": "x", "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0,
+           "logit_bias": {}, "best_of": 1})
+
+
+def test_chat_messages_take_text_parts_and_max_completion_tokens():
+    req = parse({"model": "t", "max_completion_tokens": 7, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, ChatRequest)
+    assert req.messages[0].text() == "ab" and max_tokens(req, LIMITS) == 7
+    assert refused({"model": "t", "messages": []}, ChatRequest).param == "messages"
+    assert refused({"model": "t", "messages": [{"role": "robot", "content": "x"}]}, ChatRequest).param == "messages"
+    assert refused({"model": "t", "max_completion_tokens": 0, "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_tokens"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(APIError, match="roles must alternate") as info:
+        render_chat(tok, [{"role": "user", "content": "x"}], "tiny")
+    assert info.value.status == 400
+    tok.chat_template = None
+    with pytest.raises(APIError, match="no chat template"):
+        render_chat(tok, [{"role": "user", "content": "x"}], "tiny")
+
+
+@pytest.mark.parametrize("text, stop, done, seen", [
+    ("hello world", [], False, "hello world"),
+    ("hello wor", ["world"], False, "hello "),  # "wor" may become the stop string: held back
+    ("hello wox", ["world"], False, "hello wox"),
+    ("hello world and more", ["world"], False, "hello "),
+    ("hello wor", ["world"], True, "hello wor"),  # finished: nothing more can come
+    ("ab\ufffd", [], False, "ab"),  # half a character
+    ("x END y STOP", ["STOP", "END"], True, "x "),  # the earliest stop string wins
+])
+def test_visible_text_cuts_at_stop_strings_and_holds_back_what_may_become_one(text, stop, done, seen):
+    assert visible_text(text, stop, done) == seen
+
+
+def test_streamed_visible_text_only_grows():
+    stop = ["<end>"]
+    full = "a < b <e <en and then <end> never"
+    shown = ""
+    for i in range(len(full) + 1):
+        now = visible_text(full[:i], stop, done=False)
+        assert now.startswith(shown)
+        shown = now
+    assert shown == "a < b <e <en and then "

@@ -1,0 +1,159 @@
+"""The run spec (arborspec/spec.py): one grammar and one set of defaults for `generate`, `bench` and the Python API."""
+import inspect
+from dataclasses import replace
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder, spec
+from arborspec.bench import runner
+from arborspec.cli import build_parser, run_spec
+from arborspec.models.loading import LoadedModel
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", seed=0)
+    tok = char_tokenizer()
+    return (LoadedModel(target, tok, "target", "memory"), LoadedModel(noisy_copy(target, 0.2), tok, "draft", "memory"))
+
+
+# ---- the grammar ---------------------------------------------------------------------------------------------------
+def test_a_name_carries_options_budget_and_levers():
+    s = spec.parse("dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram")
+    assert s.name == "dynatree(adapt=false, window=4)@16+int8+vocab2k+ngram" and s.policy == "dynatree"
+    assert s.options == (("adapt", False), ("window", 4))
+    assert (s.budget, s.quant, s.vocab, s.ngram, s.ngram_len) == (16, "int8", 2048, spec.NGRAM_DEFAULT, spec.NGRAM_LEN)
+    assert spec.options_for(s) == ({"budget": 16, "adapt": False, "window": 4}, None)
+    assert spec.options_for(s, 64) == ({"budget": 16, "adapt": False, "window": 4}, None)  # the pinned budget wins
+    assert spec.parse("static(widths=3,3,3,3,depth=2)").options == (("widths", "3,3,3,3"), ("depth", 2))
+    assert spec.parse("chain(verifier=asps)").verifier == "asps" == spec.parse("asps").verifier
+    s = spec.parse("hf-assisted+int4")
+    assert s.hf and s.policy is None and s.quant == "int4" and s.needs_draft
+    assert spec.split_methods("ar, wetap(gamma=0.8,alpha=0.3)@16,chain@5+int8") == \
+        ["ar", "wetap(gamma=0.8,alpha=0.3)@16", "chain@5+int8"]
+    assert spec.split_label("dyspec(batch=false)@16+int8") == ("dyspec(batch=false)+int8", 16)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("no-such-method", "unknown method 'no-such-method'"), ("Chain", "does not read"), ("chain@", "does not read"),
+    ("dynatree(nope=1)", "not option=value"), ("dynatree(window=x)", "invalid literal"),
+    ("chain(verifier=nope)", "unknown verifier"), ("ar@4", "no size option"), ("auto@16", "no size option"),
+    ("chain+fp8", "unknown lever"), ("hf-assisted+ngram", "baselines"), ("hf-ar(k=1)", "no (option"),
+    ("ar+int8", "without a draft"), ("hf-ar+noquant", "without a draft"), ("ar+vocab100", "without a draft"),
+    ("wetap-lossy@64", "--allow-lossy"), ("wetap(verifier=wetap)", "--allow-lossy"),
+])
+def test_bad_names_say_what_is_wrong(name, words):
+    with pytest.raises(ValueError) as err:
+        spec.parse(name)
+    assert words in str(err.value), str(err.value)
+
+
+def test_budgets_map_to_each_policys_size_option():
+    assert spec.options_for(spec.parse("chain"), 8) == ({"k": 8}, None)
+    assert spec.options_for(spec.parse("dyspec"), 32) == ({"budget": 32}, None)
+    assert spec.options_for(spec.parse("beam"), 16) == ({"beams": 4, "steps": 4}, None)
+    assert spec.options_for(spec.parse("ar"), 32) == ({}, None)
+    assert spec.options_for(spec.parse("auto"), 16) == ({}, None)  # auto sizes its trees itself
+    assert spec.options_for(spec.parse("static"), None) == ({}, None)
+    for b in (1, 2, 5, 16, 32, 64):
+        widths = [int(w) for w in spec.static_widths(b)["widths"].split(",")]
+        assert sum(widths) == b and widths == sorted(widths, reverse=True)
+    assert spec.static_widths(16) == {"widths": "4,4,4,4"}
+
+
+def test_wetap_is_exact_and_its_lossy_rule_needs_consent():
+    exact = spec.parse("wetap")
+    assert exact.policy == "wetap" and exact.verifier is None and not exact.lossy
+    old = spec.parse("wetap-exact")  # the bench's former name for the exact one still runs it
+    assert (old.policy, old.verifier, old.size) == (exact.policy, exact.verifier, exact.size)
+    lossy = spec.parse("wetap-lossy@64", allow_lossy=True)
+    assert lossy.policy == "wetap" and lossy.verifier == "wetap" and lossy.lossy
+    assert spec.parse("wetap(verifier=wetap)@64", allow_lossy=True).verifier == "wetap"
+
+
+def test_a_method_without_a_quant_lever_takes_the_runs_draft_quant():
+    assert spec.parse("chain").quant == "auto" == spec.DEFAULT_DRAFT_QUANT
+    assert spec.parse("chain", draft_quant="int4").quant == "int4"
+    assert spec.parse("chain+int8", draft_quant="none").quant == "int8"
+    assert spec.parse("chain+noquant").quant == "none"
+    assert spec.parse("ar").quant == "none"  # nothing to quantize
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        spec.parse("chain", draft_quant="fp8")
+
+
+# ---- one set of defaults -------------------------------------------------------------------------------------------
+def test_generate_bench_and_the_python_api_run_the_same_default():
+    generate = run_spec(build_parser().parse_args(["generate"]))
+    settings = runner.settings_from_args(build_parser().parse_args(["bench"]))
+    bench = {c.method: c.spec for c in runner._configs(settings, [])}
+    assert spec.DEFAULT_METHOD in bench and bench[spec.DEFAULT_METHOD] == generate
+    assert generate == spec.parse("auto") and (generate.policy, generate.quant) == ("auto", "auto")
+    assert inspect.signature(SpeculativeDecoder).parameters["method"].default == generate.policy
+    assert inspect.signature(spec.load_pair).parameters["draft_quant"].default == generate.quant
+    trees = run_spec(build_parser().parse_args(["trees"]))
+    assert trees == generate
+
+
+def test_generate_flags_compose_on_the_name():
+    args = build_parser().parse_args(["generate", "--method", "dynatree(adapt=false)@32+int8", "--window", "4",
+                                      "--verifier", "naive", "--ngram", "2", "--draft-quant", "none"])
+    s = run_spec(args)
+    assert (s.policy, s.budget, s.quant, s.ngram, s.verifier) == ("dynatree", 32, "int8", 2, "naive")
+    assert spec.options_for(s) == ({"budget": 32, "adapt": False, "window": 4}, None)
+    s = run_spec(build_parser().parse_args(["generate", "--method", "chain", "--k", "3", "--draft-quant", "none"]))
+    assert replace(s, name="chain(k=3)") == spec.parse("chain(k=3)", draft_quant="none")
+    lossy = build_parser().parse_args(["generate", "--method", "wetap", "--verifier", "wetap"])
+    with pytest.raises(ValueError, match="--allow-lossy"):
+        run_spec(lossy)
+    assert run_spec(build_parser().parse_args(["generate", "--method", "wetap", "--verifier", "wetap",
+                                               "--allow-lossy"])).lossy
+
+
+# ---- models and decoders -------------------------------------------------------------------------------------------
+def test_build_decoder_runs_the_spec_exactly(models):
+    target, draft = models
+    prompt = list(range(3, 12))
+    ar = spec.build_decoder(spec.parse("ar"), target).generate(prompt, max_new_tokens=12, ignore_eos=True)
+    dec = spec.build_decoder(spec.parse("chain@3", draft_quant="none"), target, draft)
+    assert dec.policy.options.k == 3 and dec.draft is draft.model
+    assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
+    dec = spec.build_decoder(spec.parse("dyspec(batch=false)"), target, draft, budget=6, draft_temperature=0.5)
+    assert (dec.policy.options.budget, dec.policy.options.batch) == (6, False)
+    with pytest.raises(ValueError, match="transformers baseline"):
+        spec.build_decoder(spec.parse("hf-assisted"), target, draft)
+
+
+def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models, monkeypatch, tmp_path):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))  # the int8 draft is cached on disk
+    target, draft = models
+    calls = []
+
+    def measured(t, d, progress=True):
+        calls.append(d)
+        return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "cache"
+
+    monkeypatch.setattr(spec, "choose_draft_quant", measured)
+    same, quant = spec.prepare_draft(target, draft, "none")
+    assert same is draft and quant == "none" and not calls
+    prepared, quant = spec.prepare_draft(target, draft, "auto", copy_first=True, progress=False)
+    assert quant == "int8" and calls == [draft] and prepared is not draft
+    assert type(draft.model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # the original is untouched
+    assert type(prepared.model.model.layers[0].mlp.up_proj) is not torch.nn.Linear
+
+
+def test_load_pair_checks_the_pair(tmp_path):
+    tok = char_tokenizer()
+    target = tiny_model("llama", seed=0)
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.2).save_pretrained(tmp_path / "draft")
+    tok.save_pretrained(tmp_path / "draft")
+    t, d = spec.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="none", dtype="fp32",
+                          progress=False)
+    assert t.model.dtype == d.model.dtype == torch.float32 and t.tokenizer.get_vocab() == d.tokenizer.get_vocab()
+    t, d = spec.load_pair(str(tmp_path / "target"), None, dtype="fp32", progress=False)
+    assert d is None
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        spec.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="int3")
