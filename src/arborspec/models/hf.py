@@ -22,9 +22,10 @@ from transformers.cache_utils import DynamicLayer
 
 from ..sampling import check_finite
 from ..tree import TokenTree
+from .session import TreeRegion
 
 
-class TreeSession:
+class TreeSession(TreeRegion):
     """One sequence's KV cache on one model, with a speculative tree region (implements `session.Session`)."""
 
     def __init__(self, model, role: str = "target"):
@@ -36,14 +37,6 @@ class TreeSession:
         self.slot: dict[int, int] = {}  # tree node -> offset in the region
         self.region_len = 0  # KV entries in the region (after `renumber`, some belong to no node)
         self.forwards = 0  # model calls, for statistics
-
-    def has(self, node: int) -> bool:
-        return node in self.slot
-
-    def renumber(self, kept: list[int]) -> None:
-        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
-        if self.tree is not None:
-            self.tree = self.tree.select(kept)
 
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1].

@@ -46,6 +46,7 @@ from ..cache import sha256_key
 from ..sampling import check_finite
 from ..tree import TokenTree
 from .hf import begin_forward
+from .session import TreeRegion
 
 PIN = "llama-cpp-python==0.3.36"
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h)
@@ -316,7 +317,7 @@ def load_llamacpp_pair(path: str | Path, name: str | None = None, **options) -> 
 # ------------------------------------------------------------------------------------------------ the session
 
 
-class LlamaCppSession:
+class LlamaCppSession(TreeRegion):
     """One sequence's KV cache on a llama.cpp model, with a speculative tree region (see the module docstring).
 
     `slot[node]` is any sequence whose cells up to the node's position are exactly the node's path. Sequence ids are
@@ -337,15 +338,6 @@ class LlamaCppSession:
         self.slot: dict[int, int] = {}  # forwarded tree node -> its own sequence id
         self.forwards = 0  # llama_decode calls, for statistics
         self._free = self._all_sequences()  # branch sequence ids not in use this step
-
-    def has(self, node: int) -> bool:
-        return node in self.slot
-
-    def renumber(self, kept: list[int]) -> None:
-        """Follow the policy's renumbering; dropped nodes' cells stay on their sequences until commit drops them."""
-        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
-        if self.tree is not None:
-            self.tree = self.tree.select(kept)
 
     def prefill(self, ids: list[int]) -> None:
         """Put committed tokens into the cache (sequence 0), no logits."""

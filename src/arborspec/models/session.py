@@ -44,3 +44,21 @@ class Session(Protocol):
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus the region's nodes on `path` (root first, a chain); drop the rest."""
+
+
+class TreeRegion:
+    """The bookkeeping every backend shares: `slot` maps each node of the current tree forwarded this step to where
+    its state lives (a KV offset, a sequence id, ...), and `tree` is the tree those node numbers refer to."""
+
+    slot: dict[int, int]
+    tree: TokenTree | None
+
+    def has(self, node: int) -> bool:
+        return node in self.slot
+
+    def renumber(self, kept: list[int]) -> None:
+        """Follow the policy's renumbering (new node i is old node kept[i]); the state of dropped nodes stays where it
+        is until `commit` drops it with the rest of the region."""
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        if self.tree is not None:
+            self.tree = self.tree.select(kept)

@@ -43,6 +43,7 @@ import torch
 from ..sampling import check_finite
 from ..tree import TokenTree
 from .hf import begin_forward
+from .session import TreeRegion
 from .ssm_scan import chain_states, conv_taps, discretize, new_conv_tail, replay_state, tree_conv, tree_ssd
 
 SSM_MODEL_TYPES = ("mamba2", "bamba", "nemotron_h")
@@ -204,7 +205,7 @@ class _KVView:
 
 
 # ---- the session ---------------------------------------------------------------------------------------------------
-class SSMTreeSession:
+class SSMTreeSession(TreeRegion):
     """One sequence's SSM states (and attention KV) on one Mamba2 / hybrid model, with a speculative tree region."""
 
     def __init__(self, model, role: str = "target", ssm_tree: str = "packed", max_ride: int = 64,
@@ -247,15 +248,6 @@ class SSMTreeSession:
         self.path_states: dict[int, torch.Tensor] = {}  # unrolled mode only: per-path final states of this step
         self._acts = {i: RowActs.empty(m, self.dtype) for i, m in self._mixers.items()}
         self.region_len = 0  # tree rows of this step (after `renumber`, some belong to no node)
-
-    # ---- the Session protocol --------------------------------------------------------------------------------------
-    def has(self, node: int) -> bool:
-        return node in self.slot
-
-    def renumber(self, kept: list[int]) -> None:
-        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
-        if self.tree is not None:
-            self.tree = self.tree.select(kept)
 
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1] (parents before children)."""

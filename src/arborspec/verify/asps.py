@@ -16,7 +16,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, chain_nodes, draft_dist, draw, target_probs
+from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain
 from .rules import asps_log_neighbor, sample_neighbor
 
 
@@ -27,13 +27,10 @@ class ASpSVerifier(Verifier):
     chain_only = True
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        p = target_probs(target_logits, sampling)
-        nodes = chain_nodes(tree, self.name)
-        n = len(nodes) - 1
+        p, nodes, tokens, q = drafted_chain(tree, target_logits, sampling, self.name)
+        n = len(tokens)
         if n == 0:
             return Verdict([], draw(p[0], generator))
-        tokens = [tree.tokens[c] for c in nodes[1:]]
-        q = torch.stack([draft_dist(tree, node, self.name) for node in nodes[:-1]])
         row, token = sample_neighbor(asps_log_neighbor(tokens, q, p[nodes[:-1]]), generator)
         if row == n - 1 and token == tokens[-1]:  # the whole chain: the bonus comes from the target after it
             return Verdict(nodes[1:], draw(p[nodes[-1]], generator))

@@ -75,6 +75,17 @@ def draft_dist(tree: TokenTree, node: int, who: str) -> torch.Tensor:
     return tree.child_dist[node].to(torch.float64)
 
 
+def drafted_chain(tree: TokenTree, target_logits: torch.Tensor, sampling, who: str):
+    """What a chain verifier judges: (p, nodes, tokens, q) = the target's warped distributions at every node
+    (n + 1, vocab), the chain's nodes root first, its n drafted tokens, and the draft distributions they were drawn
+    from (n, vocab), float64."""
+    p = target_probs(target_logits, sampling)
+    nodes = chain_nodes(tree, who)
+    tokens = [tree.tokens[c] for c in nodes[1:]]
+    q = torch.stack([draft_dist(tree, node, who) for node in nodes[:-1]]) if tokens else None
+    return p, nodes, tokens, q
+
+
 def child_with_token(tree: TokenTree, kids: list[int], token: int) -> int | None:
     """The first child among `kids` that carries `token`, or None."""
     for c in kids:

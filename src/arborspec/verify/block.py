@@ -21,7 +21,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, chain_nodes, draft_dist, draw, target_probs
+from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain
 from .rules import block_plan
 
 
@@ -32,13 +32,10 @@ class BlockVerifier(Verifier):
     chain_only = True
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        p = target_probs(target_logits, sampling)
-        nodes = chain_nodes(tree, self.name)
-        n = len(nodes) - 1
+        p, nodes, tokens, q = drafted_chain(tree, target_logits, sampling, self.name)
+        n = len(tokens)
         if n == 0:
             return Verdict([], draw(p[0], generator))
-        tokens = [tree.tokens[c] for c in nodes[1:]]
-        q = torch.stack([draft_dist(tree, node, self.name) for node in nodes[:-1]])
         plan = block_plan(tokens, q, p[nodes[:-1]])
         kept = next(i for i in range(n, -1, -1)
                     if plan.stop[i] >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < plan.stop[i])
