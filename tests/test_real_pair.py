@@ -1,4 +1,5 @@
-"""The default real pair (Qwen2.5-Coder 0.5B drafting for 1.5B, bf16): speculative output equals plain greedy decoding.
+"""The default real pair (Qwen2.5-Coder 0.5B drafting for 1.5B; bf16 on transformers, Q4_K_M on llama.cpp):
+speculative output equals plain greedy decoding.
 
 bf16 multi-token forwards use other matmul kernels than one-token forwards, so where the target's top-2 logits are
 nearly tied an argmax may flip (a known effect in vLLM and transformers). A divergence is allowed only at a position
@@ -76,3 +77,43 @@ def test_default_cli_job_runs_end_to_end():
     assert data["stats"]["new_tokens"] == len(data["token_ids"]) > 0
     assert data["stats"]["method"] == "static" and data["text"].strip()
     assert "[arborspec] draft: " in proc.stderr  # --draft-quant auto: the measured (or cached) choice is named
+
+
+@pytest.fixture(scope="module")
+def llamacpp_pair():
+    from arborspec.models import llamacpp
+    from arborspec.models.loading import load_model
+
+    if not llamacpp.available():
+        pytest.skip("llama-cpp-python is not installed")
+    return (load_model("qwen2.5-coder-1.5b", backend="llamacpp", progress=False),
+            load_model("qwen2.5-coder-0.5b", backend="llamacpp", progress=False))
+
+
+def llamacpp_top2_gap(model, ids: list[int]) -> float:
+    from arborspec.tree import TokenTree
+
+    session = model.new_session()
+    session.prefill(ids[:-1])
+    top = session.forward(ids, TokenTree.from_parents([ids[-1]], [-1]), [0])[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("method,options", [("chain", {"k": 3}), ("static", {"depth": 3, "branch": 2})])
+def test_llamacpp_speculation_matches_its_plain_greedy_decoding(llamacpp_pair, method, options):
+    """The same on llama.cpp's Q4_K_M kernels: a tree forward and a one-token forward may round differently, so a
+    divergence is allowed only where the target's top-2 logit gap (one-token forward) is below NEAR_TIE."""
+    target, draft = llamacpp_pair
+    near_ties = 0
+    for prompt in PROMPTS:
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+        res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=N_TOKENS,
+                                                                                   ignore_eos=True)
+        assert len(res.token_ids) == N_TOKENS and res.stats.tokens_per_step > 1.5
+        if res.token_ids != ref.token_ids:
+            i = next(i for i, (a, b) in enumerate(zip(res.token_ids, ref.token_ids)) if a != b)
+            gap = llamacpp_top2_gap(target.model, target.tokenizer(prompt)["input_ids"] + ref.token_ids[:i])
+            assert gap < NEAR_TIE, f"divergence at token {i} where the target's top-2 gap is {gap:.3f}"
+            near_ties += 1
+    print(f"\n[real pair, llama.cpp, {method}] {near_ties}/{len(PROMPTS)} prompts diverged at a near-tie "
+          f"(gap < {NEAR_TIE})")

@@ -34,7 +34,7 @@ from .models.draft_choice import choose_draft_quant, describe, plot_variants  # 
 from .plots import draw_trees  # noqa: E402
 from .spec import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_TARGET, GRAMMAR, NGRAM_LEN,  # noqa: E402
                    RunSpec, add_backend_arguments, add_pair_arguments, build_decoder, check_lossy, check_verifier,
-                   load_pair, option_names, parse)
+                   is_torch_model, llama_options, load_pair, option_names, parse)
 from .verify import VERIFIERS  # noqa: E402
 
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
@@ -196,7 +196,8 @@ def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):
 def _load_for(args, spec: RunSpec):
     """(target, draft prepared for `spec`, or None when the method drafts nothing)."""
     return load_pair(args.target, args.draft if spec.needs_draft else None, spec.quant, args.dtype, spec.vocab,
-                     backend=args.backend, draft_backend=args.draft_backend)
+                     backend=args.backend, draft_backend=args.draft_backend,
+                     llama=llama_options(args))
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def cmd_calibrate(args) -> int:
             raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
     prompts = prompts or DEFAULT_PROMPTS
     target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype, backend=args.backend,
-                              draft_backend=args.draft_backend)
+                              draft_backend=args.draft_backend, llama=llama_options(args))
     result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        ranks=args.ranks, seed=args.seed)
     result.update(target=args.target, draft=args.draft)
@@ -330,7 +331,7 @@ def cmd_profile(args) -> int:
         return _profile_pair(args, sizes)
     if not args.model:
         raise CliError("`arborspec profile` needs --model SPEC, or --pair (with --target/--draft)")
-    model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend).model
+    model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend, llama=llama_options(args)).model
     kind = args.kind or default_kind(model)
     times = measure_forward_cost(model, sizes, prefix=args.prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
     fit = fit_runtime(sizes, times, kind)
@@ -348,7 +349,8 @@ def cmd_profile(args) -> int:
 def _profile_pair(args, sizes: list[int]) -> int:
     """The two cost curves `--method auto` sizes its trees with: the target's t(n) and the draft's d(w)."""
     target_loaded, draft_loaded = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype,
-                                            backend=args.backend, draft_backend=args.draft_backend)
+                                            backend=args.backend, draft_backend=args.draft_backend,
+                                            llama=llama_options(args))
     curves = {}
     for role, model in (("target", target_loaded.model), ("draft", draft_loaded.model)):
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
@@ -369,7 +371,7 @@ def _profile_pair(args, sizes: list[int]) -> int:
               f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
     if args.out:
         print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
-    if args.no_variants:
+    if args.no_variants or not is_torch_model(draft_loaded):  # quantized variants exist for PyTorch drafts only
         return 0
     quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
                                                prefix=args.prefix, repeats=args.repeats)

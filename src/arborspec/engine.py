@@ -6,6 +6,7 @@ verifier picks the accepted path and a bonus token; both caches keep only what w
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
@@ -142,6 +143,19 @@ def _unwrap(model_or_loaded, tokenizer=None):
 
 
 
+@contextmanager
+def torch_threads(n: int | None):
+    """torch on `n` intra-op threads inside the block (None: unchanged); restored after, also on errors."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None and n != before:
+            torch.set_num_threads(before)
+
+
 class SpeculativeDecoder:
     """Tree speculative decoding of `target`, drafted by `draft`, with one policy and one verifier.
 
@@ -203,6 +217,11 @@ class SpeculativeDecoder:
         check_session_support(self.target)
         if self.draft is not None and self.policy.needs_draft:
             check_session_support(self.draft)
+        # llama.cpp runs its own thread pool; the torch work around its calls (logits checks, warps, verifiers) is
+        # small, and on a 2-core CPU torch's second thread only fights llama.cpp's threads for the cores (measured
+        # ~10% of a plain step): with no torch model in the loop, torch keeps to one thread during a step
+        models = [self.target] + ([self.draft] if self.draft is not None and self.policy.needs_draft else [])
+        self.step_threads = None if any(isinstance(m, torch.nn.Module) for m in models) else 1
         # e.g. auto: load or measure the models' cost profiles
         self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling)
 
@@ -294,55 +313,57 @@ class SpeculativeDecoder:
         window = context_window(self.target)
         stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
         target = make_session(self.target, "target", ssm_tree=self.ssm_tree)
-        draft = make_session(self.draft, "draft", ssm_tree=self.ssm_tree) if self.policy.needs_draft else None
+        use_draft = self.policy.needs_draft and self.policy.uses_draft()  # auto may decide it cannot pay
+        draft = make_session(self.draft, "draft", ssm_tree=self.ssm_tree) if use_draft else None
         target.prefill(ids[:-1]) if len(ids) > 1 else None
         if draft is not None and len(ids) > 1:
             draft.prefill(ids[:-1])
         stats.t_prefill = time.perf_counter() - t_start
         context, new = list(ids), []
         while not stats.finish_reason:
-            room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
-            t0 = time.perf_counter()
-            calls0 = draft.forwards if draft else 0
-            tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
-            if self.ngram:
-                add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
-            if self.suffix:
-                graft_suffix_branches(tree, self.suffix_index, context, self.suffix, max(room, 0))
-            t1 = time.perf_counter()
-            # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
-            # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
-            order = ORDERS[self.token_order](tree)
-            packed = order != list(range(len(tree)))
-            logits = target.forward(context, tree.permute(order) if packed else tree, list(range(len(tree))))
-            at = torch.empty(len(order), dtype=torch.long)
-            at[torch.tensor(order)] = torch.arange(len(order))  # at[drafted node] = its packed position
-            logits = logits[at] if packed else logits  # (len(tree), vocab), rows in drafted order
-            verdict = self.verifier.verify(tree, logits, self.sampling, gen)
-            t2 = time.perf_counter()
-            proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
-            kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
-            target.commit([0] + [int(at[n]) for n in verdict.path])
-            if draft is not None:  # the draft keeps the accepted nodes it has forwarded (leaves never were)
-                draft.commit([n for n in [0] + verdict.path if draft.has(n)])
-            context += kept
-            new += kept
-            step = StepStats(
-                tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(verdict.path),
-                committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
-                t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2, path=list(verdict.path),
-            )
-            if self.record_trees:
-                step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
-                                 path=list(verdict.path), bonus=int(verdict.bonus))
-            stats.steps.append(step)
-            self.policy.update(step)
-            stats.policy = self.policy.explain()
-            stats.new_tokens = len(new)
-            now = time.perf_counter()
-            if len(stats.steps) == 1:
-                stats.t_first_token = now - t_start
-            stats.t_total = now - t_start
+            with torch_threads(self.step_threads):  # see __init__
+                room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
+                t0 = time.perf_counter()
+                calls0 = draft.forwards if draft else 0
+                tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
+                if self.ngram:
+                    add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
+                if self.suffix:
+                    graft_suffix_branches(tree, self.suffix_index, context, self.suffix, max(room, 0))
+                t1 = time.perf_counter()
+                # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
+                # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
+                order = ORDERS[self.token_order](tree)
+                packed = order != list(range(len(tree)))
+                logits = target.forward(context, tree.permute(order) if packed else tree, list(range(len(tree))))
+                at = torch.empty(len(order), dtype=torch.long)
+                at[torch.tensor(order)] = torch.arange(len(order))  # at[drafted node] = its packed position
+                logits = logits[at] if packed else logits  # (len(tree), vocab), rows in drafted order
+                verdict = self.verifier.verify(tree, logits, self.sampling, gen)
+                t2 = time.perf_counter()
+                proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
+                kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
+                target.commit([0] + [int(at[n]) for n in verdict.path])
+                if draft is not None:  # the draft keeps the accepted nodes it has forwarded (leaves never were)
+                    draft.commit([n for n in [0] + verdict.path if draft.has(n)])
+                context += kept
+                new += kept
+                step = StepStats(
+                    tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(verdict.path),
+                    committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
+                    t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2, path=list(verdict.path),
+                )
+                if self.record_trees:
+                    step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
+                                     path=list(verdict.path), bonus=int(verdict.bonus))
+                stats.steps.append(step)
+                self.policy.update(step)
+                stats.policy = self.policy.explain()
+                stats.new_tokens = len(new)
+                now = time.perf_counter()
+                if len(stats.steps) == 1:
+                    stats.t_first_token = now - t_start
+                stats.t_total = now - t_start
             yield GenerationResult(self._decode(new), list(new), stats)
 
     def _apply_stops(self, new, proposed, eos, max_new, stop, n_context, window) -> tuple[list[int], str]:

@@ -291,6 +291,17 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-backend", default=None, choices=BACKENDS,
                    help="the draft's backend when it differs from --backend (e.g. a llama.cpp target with an int8 "
                         "PyTorch draft: --backend llamacpp --draft-backend torch)")
+    p.add_argument("--llama-threads", type=int, default=None,
+                   help="llama.cpp threads (default: every core this process may use)")
+    p.add_argument("--llama-ctx", type=int, default=None,
+                   help="llama.cpp context window in tokens (default: min(4096, the model's trained context))")
+    p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
+
+
+def llama_options(args) -> dict:
+    """The llama.cpp options of the command line (--llama-threads/-ctx/-batch), for load_model / load_pair."""
+    given = {"n_threads": args.llama_threads, "n_ctx": args.llama_ctx, "n_batch": args.llama_batch}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 # ---- models ------------------------------------------------------------------------------------------------------
@@ -335,18 +346,18 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
 
 def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, draft_quant: str = DEFAULT_DRAFT_QUANT,
               dtype: str = DEFAULT_DTYPE, draft_vocab: int = 0, progress: bool = True, backend: str = DEFAULT_BACKEND,
-              draft_backend: str | None = None):
+              draft_backend: str | None = None, llama: dict | None = None):
     """(target, draft) as `arborspec generate` runs them: loaded (alias, local directory, .gguf file or hub id) on
     `backend` (auto: llama.cpp for GGUF models when installed), checked to share a tokenizer, and the draft prepared;
     for a PyTorch draft `draft_quant="auto"` measures which draft variant is fastest for this pair on this machine
     the first time (seconds to a minute; cached, see `arborspec profile --pair`). `draft=None` loads the target
-    alone (for `ar`)."""
+    alone (for `ar`). `llama`: llama.cpp options (n_threads, n_ctx, n_batch) for models on that backend."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
-    target_model = load_model(target, dtype=dtype, progress=progress, backend=backend)
+    target_model = load_model(target, dtype=dtype, progress=progress, backend=backend, llama=llama)
     if draft is None:
         return target_model, None
-    draft_model = load_model(draft, dtype=dtype, progress=progress, backend=draft_backend or backend)
+    draft_model = load_model(draft, dtype=dtype, progress=progress, backend=draft_backend or backend, llama=llama)
     check_tokenizers_compatible(target_model, draft_model)
     draft_model, _ = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
     return target_model, draft_model

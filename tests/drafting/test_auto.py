@@ -544,3 +544,28 @@ def test_new_generation_resets_the_account_not_the_calibration():
     assert len(policy.explain()["steps"]) == 2
     policy.draft(DraftContext(session, [1, 2], SamplingConfig(0.0), None, 10))  # shorter: another generation
     assert policy.explain()["steps"] == [] and policy.calibrator.trials.sum() >= seen
+
+
+def test_auto_leaves_the_draft_alone_when_no_tree_could_pay():
+    """Verification as steep as llama.cpp's on an AVX2 CPU (t(n) = n t(1)) and a draft at half a target token: even a
+    chain accepted in full commits k + 1 tokens for k/2 + k + 1 target-token times, so the ceiling is below plain
+    decoding. Then a generation neither opens nor calls the draft (no catch-up cost) and decodes plainly; with flat
+    verification (the bf16 torch shape) speculation can pay and the draft is used."""
+    from arborspec.drafting.auto.objective import ceiling_rate
+
+    linear = CostCurve.from_measurements((1, 2, 4, 8, 16, 32), [0.04 * n for n in (1, 2, 4, 8, 16, 32)])
+    steep = CostModel(linear, flat(0.02))
+    assert ceiling_rate(steep) < 1 / steep.plain_step()
+    gentle = CostModel(T_CPU, D_CPU)
+    assert ceiling_rate(gentle) > 1 / gentle.plain_step()
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    ref = SpeculativeDecoder(target, method="ar").generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
+    dec = SpeculativeDecoder(target, draft, method="auto")
+    dec.policy.use_costs(steep)
+    res = dec.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
+    assert res.token_ids == ref.token_ids
+    assert sum(s.draft_calls for s in res.stats.steps) == 0 and res.stats.tokens_per_step == 1.0
+    assert {s["mode"] for s in res.stats.policy["steps"]} == {"ar (cannot pay)"}
+    dec.policy.use_costs(gentle)
+    res = dec.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
+    assert res.token_ids == ref.token_ids and sum(s.draft_calls for s in res.stats.steps) > 0

@@ -444,3 +444,43 @@ def test_a_finished_sessions_context_is_reused_cleared(target):
     assert cells_state_size(reused) == cells_state_size(make_session(target, "target"))
     del reused
     assert torch.allclose(chain_logits(target, [1, 2, 3, 4, 5], [5, 6, 7]), first, atol=1e-6)
+
+
+def exact_first_two(model, prompt: list[int], sampling) -> torch.Tensor:
+    """P(first two generated tokens) under the warped target, read from llama.cpp itself: one forward after the
+    prompt, and one after each first token the warp allows (top-k keeps this to a handful)."""
+    def next_probs(context: list[int]) -> torch.Tensor:
+        session = model.new_session()
+        session.prefill(context[:-1])
+        root = TokenTree.from_parents([context[-1]], [-1])
+        return sampling.probs(session.forward(context, root, [0]))[0].double()
+
+    vocab = model.config.vocab_size
+    first = next_probs(prompt)
+    dist = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for t1 in torch.nonzero(first).flatten().tolist():
+        dist[t1 * vocab : (t1 + 1) * vocab] = first[t1] * next_probs(prompt + [t1])
+    return dist
+
+
+@pytest.mark.slow
+@needs_llama
+@pytest.mark.parametrize("method,options,verifier", [("chain", {"k": 2}, "sps"), ("dyspec", {"budget": 6}, "mbr"),
+                                                     ("static", {"depth": 2, "branch": 2}, "naive")])
+def test_sampled_speculative_output_follows_the_target_distribution(gguf_dir, method, options, verifier):
+    """At T = 1 (top-k 3, so the exact distribution of the first two tokens has few cells), the exact verifiers on
+    llama.cpp sessions emit the target's distribution: a chi-square test with enough samples to catch any error of
+    total variation 0.02 with probability 0.95."""
+    from arborspec.engine import SpeculativeDecoder
+    from arborspec.sampling import SamplingConfig
+    from tests.verify.harness import assert_same_distribution, plan_samples, sample_outputs
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, kv_type="f32")
+    prompt = target.tokenizer("def fib(n):")["input_ids"]
+    sampling = SamplingConfig(1.0, 3, 1.0)
+    probs = exact_first_two(target.model, prompt, sampling)
+    dec = SpeculativeDecoder(target, draft, method=method, temperature=1.0, top_k=3, verifier=verifier, **options)
+    assert dec.verifier.name == verifier
+    counts = sample_outputs(dec, prompt, 2, plan_samples(probs), seed=11, max_new_tokens=3)
+    assert_same_distribution(counts, probs)

@@ -41,8 +41,8 @@ from ..cache import write_json
 from ..drafting.base import parse_int_list
 from ..models.loading import ALIASES, alias_gguf
 from ..models.model_info import eos_ids
-from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, load_pair, options_for, parse, prepare_draft,
-                    resolve_quant, split_methods)
+from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
+                    parse, prepare_draft, resolve_quant, split_methods)
 from . import metrics
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
@@ -67,6 +67,7 @@ class BenchSettings:
     draft_quant: str = DEFAULT_DRAFT_QUANT  # for methods whose name carries no quantization lever
     backend: str = DEFAULT_BACKEND  # what runs the models (auto: llama.cpp for GGUF models when installed)
     draft_backend: str | None = None  # the draft's, when it differs
+    llama: dict = field(default_factory=dict)  # llama.cpp options (n_threads, n_ctx, n_batch) given on the command line
     allow_lossy: bool = False
     prompts: int = 20
     max_new_tokens: int = 128
@@ -331,7 +332,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
     target, draft = models if models is not None else load_pair(
         settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
-        backend=settings.backend, draft_backend=settings.draft_backend)
+        backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama)
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
@@ -458,7 +459,7 @@ def settings_from_args(args) -> BenchSettings:
         methods=split_methods(args.methods),
         temperatures=_floats(args.temperatures, "--temperatures"),
         budgets=list(parse_int_list(args.budgets, "--budgets")) if args.budgets else None,
-        draft_quant=args.draft_quant, backend=args.backend, draft_backend=args.draft_backend,
+        draft_quant=args.draft_quant, backend=args.backend, draft_backend=args.draft_backend, llama=llama_options(args),
         allow_lossy=args.allow_lossy, prompts=args.prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
         draft_temperature=args.draft_temperature,

@@ -74,6 +74,11 @@ class Policy:
     def draft(self, ctx: DraftContext) -> TokenTree:
         raise NotImplementedError
 
+    def uses_draft(self) -> bool:
+        """Whether the next generation calls the draft model at all; the engine neither opens nor prefills a draft
+        session otherwise (auto says no when its measured costs leave no tree that could beat plain decoding)."""
+        return self.needs_draft
+
     def update(self, step) -> None:
         """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
 

@@ -380,13 +380,15 @@ def load_model(
     attn_implementation: str = "sdpa",
     progress: bool = True,
     backend: str = "torch",
+    llama: dict | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads.
 
     `backend` "llamacpp" (or "auto" on a GGUF with llama-cpp-python installed) loads it on llama.cpp instead: a
-    `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged."""
+    `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged; `llama`: its options
+    (n_threads, n_ctx, n_batch, ... of models.llamacpp.load_llamacpp)."""
     if resolve_backend(spec, backend) == "llamacpp":
-        return load_llamacpp_model(spec, progress)
+        return load_llamacpp_model(spec, progress, **(llama or {}))
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)
     _say(f"loading {spec}", progress)

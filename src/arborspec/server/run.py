@@ -16,8 +16,8 @@ from dataclasses import replace
 import uvicorn
 
 from ..models.loading import ModelLoadError, check_tokenizers_compatible, load_model
-from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, parse,
-                    prepare_draft)
+from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, llama_options,
+                    parse, prepare_draft)
 from .app import create_app
 from .decoders import Decoders, Sampling
 from .metrics import Metrics
@@ -118,9 +118,10 @@ def server_spec(args) -> RunSpec:
 def load_decoders(args, spec: RunSpec) -> Decoders:
     """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
     method levers are checked against), and one warm-up generation, which also checks the sampling flags."""
-    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend), None, "none"
+    llama = llama_options(args)
+    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend, llama=llama), None, "none"
     if spec.needs_draft:
-        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend)
+        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend, llama=llama)
         check_tokenizers_compatible(target, draft)
         draft, quant = prepare_draft(target, draft, spec.quant, spec.vocab)
     decoders = Decoders(spec, target, draft, quant, Sampling(args.temperature, args.top_k, args.top_p, args.seed),

@@ -72,6 +72,13 @@ def best_prefix(expected: float, draft_time: float, nodes: int, gains, costs: Co
     return best, float(rates[best])
 
 
+def ceiling_rate(costs: CostModel, max_depth: int = 16) -> float:
+    """The best rate any tree could reach if every drafted token were accepted: a chain of k nodes (k draft calls of
+    one node, one target forward over k + 1 tokens), best k. Below plain decoding's 1 / (t(1) + c), no tree can pay
+    for its draft calls on this machine, whatever the acceptance: the policy then leaves the draft model alone."""
+    return max((1.0 + k) / (k * costs.layer(1) + costs.verify(1 + k) + costs.overhead) for k in range(1, max_depth + 1))
+
+
 def tree_rate(gains, layer_widths, costs: CostModel) -> float:
     """E[tokens] / T for a tree whose nodes have acceptance probabilities `gains` and whose draft calls forwarded
     `layer_widths` nodes each: (1 + sum gains) / (sum d(w) + t(1 + N) + overhead)."""

@@ -31,7 +31,7 @@ from ...tree import DrawRule, TokenTree
 from ..base import DraftContext, Policy
 from .calibration import Calibrator
 from .guard import Guard
-from .objective import CostModel
+from .objective import CostModel, ceiling_rate
 from .options import AutoOptions
 from .tree_builder import TreeBuilder
 
@@ -60,6 +60,7 @@ class AutoPolicy(Policy):
         super().__init__(**options)
         opts = self.options
         self.costs: CostModel | None = None
+        self.cannot_pay = False  # no tree can beat plain decoding under the measured costs (uses_draft)
         self.calibrator = Calibrator(enabled=opts.calibration)
         # the child-probability predictor c_j (tree_builder.py), one for greedy (T = 0) and one for sampled steps
         width = opts.max_children
@@ -104,6 +105,16 @@ class AutoPolicy(Policy):
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
 
+    def uses_draft(self) -> bool:
+        """False when even a perfectly accepted tree could not beat plain decoding under the measured costs (a
+        verification cost curve as steep as llama.cpp's on a CPU without AVX-512, with a draft that costs half a
+        target token): then each generation decodes plainly and never touches the draft model, so it does not
+        pay for keeping the draft's cache in step either."""
+        if self.costs is None:
+            return self.needs_draft
+        self.cannot_pay = ceiling_rate(self.costs) <= 1.0 / self.costs.plain_step()
+        return not self.cannot_pay
+
     def _load_calibration(self) -> None:
         saved = read_record("calibration", self._calib_key)
         loaded = bool(saved) and self.calibrator.load(saved.get("calibrator", {}))
@@ -139,7 +150,8 @@ class AutoPolicy(Policy):
         pending = max(0, len(ctx.context) - 1 - len(cached)) if cached is not None else 0
         if mode == "ar" or ctx.max_depth < 1 or session is None:
             tree = TokenTree.root(ctx.context[-1])
-            record = dict(mode="ar (guard)" if mode == "ar" else "ar (no room)", widths=[1], forwarded=[],
+            why = "ar (guard)" if mode == "ar" else ("ar (cannot pay)" if self.cannot_pay else "ar (no room)")
+            record = dict(mode=why, widths=[1], forwarded=[],
                           expected=1.0, seconds=self.costs.plain_step(), stop="guard" if mode == "ar" else "room")
             self._built = _Built(1, [], 0.0, "ar" if mode == "ar" else "room", record)
             return tree
