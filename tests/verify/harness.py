@@ -107,93 +107,75 @@ class TableSession:
         self._tree, self._keys = None, {}
 
 
-# ---- a drafting rule the library does not ship: i.i.d. children (SpecInfer) ------------------------------------------
+# ---- drawing rules no library policy uses yet ------------------------------------------------------------------------
 @dataclass
-class IIDOptions:
+class KaryOptions:
     depth: int = 3
     branch: int = 2
 
 
-class IIDTreePolicy(Policy):
-    """k-ary tree whose children are `branch` i.i.d. samples (WITH replacement; duplicates allowed), like SpecInfer."""
+class KaryTestPolicy(Policy):
+    """A k-ary tree, `depth` layers of `branch` children a node: the top draft tokens at T = 0, and when sampling the
+    children `children(q, generator)` returns, recorded under drawing rule `rule` (verified by `verifier`)."""
+
+    Options = KaryOptions
+    rule: DrawRule
+    verifier: str
+
+    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
+        return {DrawRule.DETERMINISTIC} if sampling.greedy else {self.rule}
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        return "greedy" if sampling.greedy else self.verifier
+
+    @property
+    def max_tree_depth(self) -> int:
+        return self.options.depth
+
+    def children(self, q: torch.Tensor, generator) -> list[int]:
+        raise NotImplementedError
+
+    def draft(self, ctx: DraftContext) -> TokenTree:
+        tree = TokenTree.root(ctx.context[-1])
+        frontier = [0]
+        for _ in range(min(self.options.depth, ctx.max_depth)):
+            warped, plain = layer_probs(ctx, tree, frontier)
+            new = []
+            for i, node in enumerate(frontier):
+                if ctx.sampling.greedy:
+                    tokens = torch.topk(plain[i], self.options.branch).indices.tolist()
+                    tree.set_children_dist(node, warped[i], DrawRule.DETERMINISTIC)
+                else:
+                    tokens = self.children(warped[i], ctx.generator)
+                    tree.set_children_dist(node, warped[i], self.rule)
+                new += [tree.add(node, t, float(warped[i, t])) for t in tokens]
+            frontier = new
+        return tree
+
+
+class IIDTreePolicy(KaryTestPolicy):
+    """Children are `branch` i.i.d. samples (WITH replacement; duplicates allowed), like SpecInfer."""
 
     name = "iid_tree"
     summary = "test-only: children drawn with replacement"
-    Options = IIDOptions
+    rule, verifier = DrawRule.WITH_REPLACEMENT, "mss"
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.WITH_REPLACEMENT}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "mss"
-
-    @property
-    def max_tree_depth(self) -> int:
-        return self.options.depth
-
-    def draft(self, ctx: DraftContext) -> TokenTree:
-        tree = TokenTree.root(ctx.context[-1])
-        frontier = [0]
-        for _ in range(min(self.options.depth, ctx.max_depth)):
-            warped, plain = layer_probs(ctx, tree, frontier)
-            new = []
-            for i, node in enumerate(frontier):
-                if ctx.sampling.greedy:
-                    tokens = torch.topk(plain[i], self.options.branch).indices.tolist()
-                    tree.set_children_dist(node, warped[i], DrawRule.DETERMINISTIC)
-                else:
-                    tokens = sample(warped[i], ctx.generator, num=self.options.branch, replacement=True)
-                    tree.set_children_dist(node, warped[i], DrawRule.WITH_REPLACEMENT)
-                new += [tree.add(node, t, float(warped[i, t])) for t in tokens]
-            frontier = new
-        return tree
+    def children(self, q: torch.Tensor, generator) -> list[int]:
+        return sample(q, generator, num=self.options.branch, replacement=True)
 
 
-# ---- greedy multi-draft (Hu et al., ICLR 2025): k-1 top draft tokens plus one sample from the rest -------------------
-@dataclass
-class GreedyDraftOptions:
-    depth: int = 3
-    branch: int = 2
-
-
-class GreedyDraftTreePolicy(Policy):
-    """k-ary tree whose children are the draft's `branch` - 1 most probable tokens, then one token sampled from the
-    draft restricted to the other tokens (DrawRule.GREEDY_TOPK_PLUS_ONE); what a library policy must do to draw so.
-
-    The recorded distribution is the warped draft q itself; the deterministic children come first, the sampled one
-    last. When q's support has no token left after the deterministic ones, the node gets only those.
-    """
+class GreedyDraftTreePolicy(KaryTestPolicy):
+    """Greedy multi-draft (Hu et al., ICLR 2025): the draft's `branch` - 1 most probable tokens, then one token
+    sampled from the draft restricted to the other tokens (DrawRule.GREEDY_TOPK_PLUS_ONE); what a library policy must
+    do to draw so. The recorded distribution is the warped draft q itself; the deterministic children come first, the
+    sampled one last. When q's support has no token left after the deterministic ones, the node gets only those."""
 
     name = "greedy_draft_tree"
     summary = "test-only: k-1 top draft tokens plus one sample"
-    Options = GreedyDraftOptions
+    rule, verifier = DrawRule.GREEDY_TOPK_PLUS_ONE, "greedy-draft"
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        return {DrawRule.DETERMINISTIC} if sampling.greedy else {DrawRule.GREEDY_TOPK_PLUS_ONE}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        return "greedy" if sampling.greedy else "greedy-draft"
-
-    @property
-    def max_tree_depth(self) -> int:
-        return self.options.depth
-
-    def draft(self, ctx: DraftContext) -> TokenTree:
-        tree = TokenTree.root(ctx.context[-1])
-        frontier = [0]
-        for _ in range(min(self.options.depth, ctx.max_depth)):
-            warped, plain = layer_probs(ctx, tree, frontier)
-            new = []
-            for i, node in enumerate(frontier):
-                if ctx.sampling.greedy:
-                    tokens = torch.topk(plain[i], self.options.branch).indices.tolist()
-                    tree.set_children_dist(node, warped[i], DrawRule.DETERMINISTIC)
-                else:
-                    tokens = greedy_children(warped[i], self.options.branch, ctx.generator)
-                    tree.set_children_dist(node, warped[i], DrawRule.GREEDY_TOPK_PLUS_ONE)
-                new += [tree.add(node, t, float(warped[i, t])) for t in tokens]
-            frontier = new
-        return tree
+    def children(self, q: torch.Tensor, generator) -> list[int]:
+        return greedy_children(q, self.options.branch, generator)
 
 
 def greedy_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
