@@ -150,7 +150,7 @@ def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dir
 
 
 @pytest.mark.parametrize("method,extra,message", [
-    ("hf-assisted", [], "transformers baseline"),
+    ("hf-assisted", [], "is a baseline"),
     ("wetap-lossy", [], "--allow-lossy"),
     ("wetap", ["--verifier", "wetap"], "--allow-lossy"),
     ("chain(k=3)+fp8", [], "unknown lever"),

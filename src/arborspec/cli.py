@@ -175,7 +175,8 @@ def run_spec(args) -> RunSpec:
     the option flags (--k, --budget, ...), --verifier and the lever flags on top."""
     spec = parse(args.method, draft_quant=args.draft_quant, allow_lossy=True)  # lossy: checked once the flags are in
     if spec.policy is None:
-        raise CliError(f"{args.method!r} is a transformers baseline: `arborspec bench` runs it, `generate` does not")
+        raise CliError(f"{args.method!r} is a baseline (transformers' or llama.cpp's own loop): `arborspec bench` runs "
+                       "it, `generate` does not")
     flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     for name in flags:
         if name not in option_names(spec.policy):

@@ -61,7 +61,7 @@ def test_the_server_binds_127_0_0_1_unless_told_otherwise(servers):
     (["--max-batch", "0"], "--max-batch must be at least 1"),
     (["--max-tokens-limit", "0"], "--max-tokens-limit"),
     (["--method", "wetap-lossy"], "lossy"),
-    (["--method", "hf-assisted"], "transformers baseline"),
+    (["--method", "hf-assisted"], "is a baseline"),
     (["--method", "nope"], "unknown method"),
 ])
 def test_bad_server_settings_fail_before_loading_with_one_line(model_dirs, capsys, extra, message):

@@ -45,7 +45,8 @@ class Decoders:
             return self.spec
         base = self.spec if method is None else parse(method, draft_quant=self.quant, allow_lossy=True)
         if base.policy is None:
-            raise ValueError(f"{base.name!r} is a transformers baseline, which `arborspec bench` runs, not the server")
+            raise ValueError(f"{base.name!r} is a baseline (transformers' or llama.cpp's own loop), which "
+                             "`arborspec bench` runs, not the server")
         if budget is not None and method is not None and base.budget is not None:
             raise ValueError(f"method {method!r} pins its budget already; drop 'budget' or the @{base.budget}")
         spec = replace(base, verifier=check_verifier(verifier) if verifier else base.verifier, allow_lossy=allow_lossy,

@@ -109,7 +109,8 @@ def check_limits(args) -> None:
 def server_spec(args) -> RunSpec:
     spec = parse(args.method, draft_quant=args.draft_quant, allow_lossy=True)  # lossy: checked once --verifier is in
     if spec.policy is None:
-        raise ValueError(f"{args.method!r} is a transformers baseline: `arborspec bench` runs it, the server does not")
+        raise ValueError(f"{args.method!r} is a baseline (transformers' or llama.cpp's own loop): `arborspec bench` "
+                         "runs it, the server does not")
     spec = replace(spec, verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    allow_lossy=args.allow_lossy)
     return check_lossy(spec)
