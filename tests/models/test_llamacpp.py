@@ -72,6 +72,13 @@ def chain_logits(model, context: list[int], tokens: list[int]) -> torch.Tensor:
     return session.forward(context, chain, list(range(len(chain))))[-1]
 
 
+def assert_paths_match_chains(model, context: list[int], tree: TokenTree, logits: torch.Tensor, atol: float) -> None:
+    """Every node's row of a tree forward equals the last logits of its root-to-node path run as a plain chain."""
+    for node in range(len(tree)):
+        ref = chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
+        torch.testing.assert_close(logits[node], ref, atol=atol, rtol=0)
+
+
 def cells_state_size(session: LlamaCppSession) -> int:
     """Bytes llama.cpp would save for every non-empty KV cell: equal sizes <=> equal cell contents' shapes."""
     return session.lib.llama_state_seq_get_size(session.ctx, -1)
@@ -94,9 +101,7 @@ def test_tree_forward_equals_each_path_as_a_chain(target, order, prefilled):
     logits = session.forward(context, tree, list(range(len(tree))))
     assert logits.shape == (len(tree), VOCAB) and logits.dtype == torch.float32
     assert session.cached == context[:-1]
-    for node in range(len(tree)):
-        ref = chain_logits(target, context, [tree.tokens[n] for n in tree.path(node)])
-        torch.testing.assert_close(logits[node], ref, atol=ATOL, rtol=0)
+    assert_paths_match_chains(target, context, tree, logits, ATOL)
     # the tree is not trivially flat: siblings with different parents' paths get different logits
     assert (logits[1:] - logits[0]).abs().amax() > 1.0
 
@@ -110,10 +115,8 @@ def test_tree_forward_equals_path_chains_under_default_and_flash_settings(gguf_d
     tree = random_tree(rng, context[-1], 16)
     session = model.new_session()
     session.prefill(context[:-1])
-    logits = session.forward(context, tree, list(range(len(tree))))
-    for node in range(len(tree)):
-        ref = chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
-        torch.testing.assert_close(logits[node], ref, atol=LOOSER[setting], rtol=0)
+    assert_paths_match_chains(model, context, tree, session.forward(context, tree, list(range(len(tree)))),
+                              LOOSER[setting])
 
 
 @needs_llama
@@ -126,9 +129,7 @@ def test_quantized_tree_forward_equals_path_chains(gguf_dir):
     session = model.new_session()
     session.prefill(context[:-1])
     logits = session.forward(context, tree, list(range(len(tree))))
-    for node in range(len(tree)):
-        ref = chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
-        torch.testing.assert_close(logits[node], ref, atol=ATOL, rtol=0)  # Q8_0 dots are integer: measured 0.0
+    assert_paths_match_chains(model, context, tree, logits, ATOL)  # Q8_0 dots are integer: measured 0.0
 
 
 # ---------------------------------------------------------------------------- (b) layers / odd orders / chunks
