@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -31,7 +31,10 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics: Metrics) -> FastAPI:
+def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics: Metrics,
+               render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> FastAPI:
+    """The app around one engine. `render_metrics` answers GET /metrics (default: `metrics` rendered; on Ray Serve,
+    every replica's metrics gathered, see replicas.py)."""
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
@@ -61,7 +64,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await render_metrics() if render_metrics else metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -11,9 +11,10 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import uvicorn
+from fastapi import FastAPI
 
 from ..models.loading import ModelLoadError, check_tokenizers_compatible, load_model
 from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, llama_options,
@@ -57,6 +58,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    r = p.add_argument_group("Ray Serve (pip install 'arborspec[ray]'; see docs/ray.md)")
+    r.add_argument("--ray", action="store_true", help="serve through Ray Serve: replicas of this app behind Ray's "
+                   "HTTP proxy, which listens on --host/--port")
+    r.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    r.add_argument("--autoscale", default=None, metavar="MIN,MAX",
+                   help="let Ray scale between MIN and MAX replicas by ongoing requests (instead of --replicas)")
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join ('auto': the one started on this machine by `ray start`); "
+                        "default: start a local Ray instance for this server")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica; also its torch and llama.cpp threads (default 1)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -64,20 +76,44 @@ def run_serve(args: argparse.Namespace) -> int:
     loads)."""
     check_limits(args)
     spec = server_spec(args)
+    if args.ray:
+        from .replicas import run_on_ray  # Ray is an optional extra: imported only when asked for
+        return run_on_ray(args, spec)
     with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
-        decoders = load_decoders(args, spec)
-        limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
-                        args.max_body_bytes, args.api_key or None)
-        metrics = Metrics()
-        scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
-        app = create_app(decoders, limits, scheduler, metrics)
+        server = build_server(args, spec)
         host, port = sock.getsockname()[:2]
-        print(f"[arborspec] serving {limits.model_name!r} on http://{_url_host(host)}:{port} (method {spec.name}, "
-              f"{args.max_batch} at once, {args.max_queue} queued{', API key required' if limits.api_key else ''})",
-              file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
-        Server(config, scheduler, args.shutdown_timeout).run(sockets=[sock])
+        print(f"[arborspec] serving {server.limits.model_name!r} on http://{_url_host(host)}:{port} "
+              f"({describe(args, spec)})", file=sys.stderr, flush=True)
+        config = uvicorn.Config(server.app, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        Server(config, server.scheduler, args.shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+@dataclass
+class Built:
+    """One engine behind one app: what `arborspec serve` runs, once per process or once per Ray replica."""
+
+    app: FastAPI
+    scheduler: Scheduler
+    metrics: Metrics
+    limits: Limits
+
+
+def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -> Built:
+    """Load the pair, warm it up, and make the app (`render_metrics`: what GET /metrics answers, default this
+    server's own metrics)."""
+    decoders = load_decoders(args, spec)
+    limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
+                    args.max_body_bytes, args.api_key or None)
+    metrics = Metrics()
+    scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
+    return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
+
+
+def describe(args, spec: RunSpec) -> str:
+    return (f"method {spec.name}, {args.max_batch} at once, {args.max_queue} queued"
+            f"{', API key required' if args.api_key else ''}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +140,28 @@ def check_limits(args) -> None:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.port > 65535 or args.shutdown_timeout < 0:
         raise ValueError("--port must be at most 65535 and --shutdown-timeout at least 0")
+    check_ray_flags(args)
+
+
+def check_ray_flags(args) -> None:
+    """Ray's flags only with --ray, and sane; --autoscale becomes args.autoscale = (min, max)."""
+    given = [f for f, v in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
+                            ("--ray-address", args.ray_address)) if v is not None]
+    if not args.ray:
+        if given:
+            raise ValueError(f"{', '.join(given)} only make sense with --ray")
+        return
+    if args.replicas is not None and args.autoscale is not None:
+        raise ValueError("give --replicas or --autoscale, not both")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.autoscale is not None:
+        low, _, high = str(args.autoscale).partition(",")
+        if not (low.strip().isdigit() and high.strip().isdigit()) or not 0 <= int(low) <= int(high) or int(high) < 1:
+            raise ValueError(f"--autoscale takes MIN,MAX with 0 <= MIN <= MAX and MAX >= 1, got {args.autoscale!r}")
+        args.autoscale = (int(low), int(high))
+    if not args.replica_cpus > 0:
+        raise ValueError(f"--replica-cpus must be above 0, got {args.replica_cpus}")
 
 
 def server_spec(args) -> RunSpec:
