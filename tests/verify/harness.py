@@ -6,8 +6,9 @@ The pieces, usable from any test:
   up to `depth` tokens, computed once with one batched forward per length (tiny vocabularies make this cheap).
 - `TableSession`: serves those logits through the same `forward(context, tree, nodes)` / `prefill` / `commit`
   interface as `models.hf.TreeSession`, so the real policies and verifiers run thousands of times per second.
-- `IIDTreePolicy`, `GreedyDraftTreePolicy`: test-only policies for drawing rules no library policy uses yet (i.i.d.
-  children; k-1 top draft tokens plus one sample).
+- `IIDTreePolicy`, `GreedyDraftTreePolicy`: test-only k-ary policies for the i.i.d. and greedy multi-draft rules
+  (k-1 top draft tokens plus one sample), kept beside the library's `static(draw=iid|greedy)` as independent
+  references; the greedy one draws with the library's own `drafting.layers.greedy_children`.
 - `TableDecoder`: the engine's draft -> verify -> commit loop on table sessions (no compatibility checks, so a
   deliberately wrong verifier can be tried). `SpeculativeDecoder` itself works with the same helpers, only slower.
 - `exact_target_distribution(model_or_table, prompt, k, sampling)`: the exact probability of each of the vocab^k
@@ -31,7 +32,7 @@ from scipy import stats
 
 from arborspec.drafting import POLICIES, DraftContext
 from arborspec.drafting.base import Policy
-from arborspec.drafting.layers import layer_probs
+from arborspec.drafting.layers import greedy_children, layer_probs
 from arborspec.sampling import SamplingConfig, make_generator, sample
 from arborspec.tree import DrawRule, TokenTree
 from arborspec.verify import VERIFIERS
@@ -107,7 +108,7 @@ class TableSession:
         self._tree, self._keys = None, {}
 
 
-# ---- drawing rules no library policy uses yet ------------------------------------------------------------------------
+# ---- test-only policies for the i.i.d. and greedy multi-draft rules ------------------------------------------------
 @dataclass
 class KaryOptions:
     depth: int = 3
@@ -166,8 +167,8 @@ class IIDTreePolicy(KaryTestPolicy):
 
 class GreedyDraftTreePolicy(KaryTestPolicy):
     """Greedy multi-draft (Hu et al., ICLR 2025): the draft's `branch` - 1 most probable tokens, then one token
-    sampled from the draft restricted to the other tokens (DrawRule.GREEDY_TOPK_PLUS_ONE); what a library policy must
-    do to draw so. The recorded distribution is the warped draft q itself; the deterministic children come first, the
+    sampled from the draft restricted to the other tokens (DrawRule.GREEDY_TOPK_PLUS_ONE), as `static(draw=greedy)`
+    draws. The recorded distribution is the warped draft q itself; the deterministic children come first, the
     sampled one last. When q's support has no token left after the deterministic ones, the node gets only those."""
 
     name = "greedy_draft_tree"
@@ -176,17 +177,6 @@ class GreedyDraftTreePolicy(KaryTestPolicy):
 
     def children(self, q: torch.Tensor, generator) -> list[int]:
         return greedy_children(q, self.options.branch, generator)
-
-
-def greedy_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
-    """The k-1 most probable tokens of q (among those q can draw), then one sample from q off them."""
-    support = int((q > 0).sum())
-    fixed = torch.topk(q, min(k - 1, support)).indices.tolist()
-    rest = q.clone()
-    rest[fixed] = 0
-    if rest.sum() <= 0:
-        return fixed
-    return fixed + sample(rest / rest.sum(), generator)
 
 
 # ---- the loop -----------------------------------------------------------------------------------------------------

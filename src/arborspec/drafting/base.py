@@ -96,6 +96,7 @@ EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (tree.
     DrawRule.WITHOUT_REPLACEMENT: "mbr",
     DrawRule.WITH_REPLACEMENT: "mss",
     DrawRule.DETERMINISTIC: "naive",
+    DrawRule.GREEDY_TOPK_PLUS_ONE: "greedy-draft",
 }
 
 

@@ -13,8 +13,12 @@ j - 1 draws). The inner maximum is a knapsack over ranks, A(j, s) = max_t A(j-1,
 all sizes up to `budget` + 1: O(budget^2 * len(p)).
 
 Drafting follows the shape layer by layer (one draft call per layer): a node with j children in the shape gets the
-top-j draft tokens at temperature 0, and j samples without replacement above it (verified by multi-branch
-rejection, `mbr`). Where sampling runs out of support the missing ranks' subtrees are dropped.
+top-j draft tokens at temperature 0, and above it j children drawn as `draw` says (drafting/layers.py): j samples
+without replacement by default (verified by multi-branch rejection, `mbr`), j independent samples (`iid`: `mss`), or
+the j-1 most probable draft tokens plus one sample off them (`greedy`: `greedy-draft`). The greedy scheme keeps the
+shape's ranks closest to their meaning: the child of rank i < j is the draft's i-th token, as at temperature 0 and as
+`arborspec calibrate` measures the vector; only the last rank is a draw. Where sampling runs out of support the
+missing ranks' subtrees are dropped.
 
 The vector comes from `--acceptance` (comma-separated), or from a JSON file written by `arborspec calibrate`
 (`--acceptance-file`), which measures how often the target's token is the draft's i-th ranked token.
@@ -28,7 +32,7 @@ import numpy as np
 
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, check_int, opt
-from .layers import draw_children, layer_probs
+from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
 DEFAULT_ACCEPTANCE = "0.65,0.12,0.05,0.03,0.02,0.015,0.01,0.01"
 
@@ -128,9 +132,11 @@ class SequoiaOptions:
     budget: int = opt(64, "drafted tokens per step (the size of Sequoia's tree)")
     acceptance: str = opt(DEFAULT_ACCEPTANCE, "acceptance rate of the i-th ranked child, comma-separated")
     acceptance_file: str = opt("", "JSON from `arborspec calibrate` (overrides --acceptance)")
+    draw: str = opt("sample", DRAW_HELP)
 
     def __post_init__(self):
         check_int(self.budget, "budget")
+        check_draw(self.draw)
         if self.acceptance_file:
             self.vector = load_acceptance_file(self.acceptance_file)
         else:
@@ -141,7 +147,6 @@ class SequoiaPolicy(Policy):
     name = "sequoia"
     summary = "Sequoia: the static tree a dynamic program picks from an acceptance-rate vector (--budget)"
     Options = SequoiaOptions
-    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # verified exactly by mbr
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -159,6 +164,11 @@ class SequoiaPolicy(Policy):
         return self._shapes[budget]
 
     @property
+    def sampled_rule(self) -> DrawRule:
+        """How children are drawn when the draft samples (the `draw` option); the default verifier follows it."""
+        return DRAW_RULES[self.options.draw]
+
+    @property
     def shape(self) -> list[list[int]]:
         return self._shape()[0]
 
@@ -169,7 +179,6 @@ class SequoiaPolicy(Policy):
     @property
     def max_tree_depth(self) -> int:
         return self.shape_depth
-
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         shape, shape_depth = self._shape()
@@ -182,6 +191,7 @@ class SequoiaPolicy(Policy):
             warped, plain = layer_probs(ctx, tree, [n for _, n in expand])
             frontier = []
             for i, (s, n) in enumerate(expand):
-                children = draw_children(ctx, tree, n, warped[i], plain[i], min(len(shape[s]), plain.shape[-1]))
+                children = draw_children(ctx, tree, n, warped[i], plain[i], min(len(shape[s]), plain.shape[-1]),
+                                         self.options.draw)
                 frontier.extend(zip(shape[s], children))
         return tree

@@ -1,7 +1,12 @@
 """Static trees: the same shape every step, either k-ary (`depth` x `branch`) or explicit layer widths.
 
-k-ary: every node of the first `depth` layers gets `branch` children — the top-`branch` draft tokens at temperature 0,
-`branch` samples without replacement otherwise (SpecInfer/Sequoia-style, verified exactly by multi-branch rejection).
+k-ary: every node of the first `depth` layers gets `branch` children — the top-`branch` draft tokens at temperature 0;
+when the draft samples, `draw` picks how (drafting/layers.py: DRAW_RULES), each with the verifier made for it:
+
+    draw=sample   `branch` samples without replacement (Sequoia-style; mbr, also traversal) — the default
+    draw=iid      `branch` independent samples, duplicates allowed (SpecInfer; mss, also traversal)
+    draw=greedy   the `branch` - 1 most probable draft tokens, then one sample off them (Hu et al., ICLR 2025;
+                  greedy-draft, the optimal verifier for that scheme)
 
 Widths (e.g. `--widths 4,3,3,3`, STree's "layers x tokens" shapes): layer d keeps the `widths[d]` candidates with the
 highest path probability among the top children of the previous layer. That choice is deterministic, so under
@@ -21,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, opt, parse_int_list
-from .layers import draw_children, layer_probs
+from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
 
 @dataclass
@@ -32,6 +36,7 @@ class StaticOptions:
     depth: int = opt(4, "k-ary tree: number of drafted layers")
     branch: int = opt(2, "k-ary tree: children per node")
     widths: str = opt("", "explicit layer widths, e.g. '4,3,3,3' (overrides depth/branch)")
+    draw: str = opt("sample", DRAW_HELP)
 
     def __post_init__(self):
         for name in ("depth", "branch"):
@@ -39,6 +44,10 @@ class StaticOptions:
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.width_list = parse_int_list(self.widths, "widths") if self.widths else ()
+        check_draw(self.draw)
+        if self.width_list and self.draw != "sample":
+            raise ValueError("draw applies to k-ary trees (depth, branch); a widths tree picks its tokens "
+                             "deterministically")
 
 
 class StaticPolicy(Policy):
@@ -50,15 +59,11 @@ class StaticPolicy(Policy):
     def max_tree_depth(self) -> int:
         return len(self.options.width_list) or self.options.depth
 
-    def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:
-        if sampling.greedy or self.options.width_list:
-            return {DrawRule.DETERMINISTIC}
-        return {DrawRule.WITHOUT_REPLACEMENT}
-
-    def default_verifier(self, sampling: SamplingConfig) -> str:
-        if sampling.greedy:
-            return "greedy"
-        return "naive" if self.options.width_list else "mbr"
+    @property
+    def sampled_rule(self) -> DrawRule:
+        """How children are drawn when the draft samples; the base class derives draw_rules and the default
+        verifier (mbr, mss, greedy-draft, or naive for widths trees) from it."""
+        return DrawRule.DETERMINISTIC if self.options.width_list else DRAW_RULES[self.options.draw]
 
     @property
     def draws_chains(self) -> bool:
@@ -74,7 +79,8 @@ class StaticPolicy(Policy):
             frontier = [
                 child
                 for i, node in enumerate(frontier)
-                for child in draw_children(ctx, tree, node, warped[i], plain[i], self.options.branch)
+                for child in draw_children(ctx, tree, node, warped[i], plain[i], self.options.branch,
+                                           self.options.draw)
             ]
         return tree
 
