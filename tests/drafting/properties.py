@@ -32,10 +32,12 @@ def check_tree(tree: TokenTree, *, budget: int | None = None, max_depth: int | N
         dist = tree.child_dist[node]
         assert dist.dim() == 1 and abs(float(dist.sum()) - 1) < 1e-4
         tokens = [tree.tokens[c] for c in children]
-        if rule in (DrawRule.WITHOUT_REPLACEMENT, DrawRule.DETERMINISTIC):
+        if rule in (DrawRule.WITHOUT_REPLACEMENT, DrawRule.DETERMINISTIC, DrawRule.GREEDY_TOPK_PLUS_ONE):
             assert len(set(tokens)) == len(tokens), f"node {node}: repeated child tokens {tokens}"
         if rule is not DrawRule.DETERMINISTIC:
             assert all(float(dist[t]) > 0 for t in tokens), "a sampled child outside its distribution's support"
+        if rule is DrawRule.GREEDY_TOPK_PLUS_ONE:
+            check_greedy_children(dist, tokens, node)
     for order in ("bfs", "dfs", "heavy"):
         out = packed(tree, order)
         out.validate()
@@ -45,3 +47,13 @@ def check_tree(tree: TokenTree, *, budget: int | None = None, max_depth: int | N
             assert set(torch.nonzero(mask[i]).flatten().tolist()) == brute_ancestors(out, i)
         for node, rule in out.child_rule.items():
             assert out.child_dist[node] is not None and rule is not None
+
+
+def check_greedy_children(dist: torch.Tensor, tokens: list[int], node: int) -> None:
+    """GREEDY_TOPK_PLUS_ONE as greedy-draft reads it: the children but the last are the most probable tokens of
+    `dist` in order, and the last is a token off them (or, once the support is used up, every child is a top one)."""
+    support = int((dist > 0).sum())
+    top = torch.sort(dist, descending=True).values
+    fixed = tokens if len(tokens) == support else tokens[:-1]
+    assert [float(dist[t]) for t in fixed] == top[: len(fixed)].tolist(), f"node {node}: {fixed} are not the top tokens"
+    assert len(tokens) <= support

@@ -59,6 +59,15 @@ def models():
         (dict(method="static", depth=2, branch=2, verifier="greedy-draft"),
          r"drawn without_replacement.*alternatives: mbr, naive, traversal$"),
         (dict(method="static", widths="3,2", verifier="traversal"), r"drawn deterministic.*alternatives: naive$"),
+        # greedy multi-draft trees (k-1 top tokens + one draw) have one exact verifier besides naive
+        *[(dict(method="static", depth=2, branch=2, draw="greedy", verifier=v),
+           r"drawn greedy_topk_plus_one.*exact alternatives: greedy-draft, naive$") for v in ("mbr", "mss", "traversal")],
+        (dict(method="sequoia", budget=8, draw="greedy", verifier="mbr"),
+         r"drawn greedy_topk_plus_one.*exact alternatives: greedy-draft, naive$"),
+        (dict(method="static", depth=2, branch=2, draw="greedy", verifier="sps"),
+         r"chains only.*exact alternatives: greedy-draft, naive$"),
+        (dict(method="static", depth=2, branch=2, draw="iid", verifier="mbr"),
+         r"drawn with_replacement.*exact alternatives: mss, naive, traversal$"),
         (dict(method="static", widths="3,2", verifier="mbr"), r"drawn deterministic.*alternatives: naive$"),
         # a greedy draft under sampling draws deterministically: speculative sampling would not be exact
         (dict(method="chain", k=3, verifier="sps", draft_temperature=0.0), r"deterministic.*alternatives: naive$"),
@@ -81,6 +90,9 @@ def test_unfit_verifiers_are_refused(models, kwargs, match):
         ("static", {"depth": 3, "branch": 1}, ["sps", "asps", "block", "mss", "mbr", "traversal", "greedy-draft", "naive"]),
         ("static", {"depth": 2, "branch": 3}, ["mbr", "traversal", "naive"]),
         ("static", {"widths": "3,2"}, ["naive"]),
+        ("static", {"depth": 2, "branch": 3, "draw": "greedy"}, ["greedy-draft", "naive"]),
+        ("static", {"depth": 2, "branch": 3, "draw": "iid"}, ["mss", "traversal", "naive"]),
+        ("static", {"depth": 3, "branch": 1, "draw": "greedy"}, ["sps", "asps", "block", "mbr", "greedy-draft"]),
     ],
 )
 def test_fitting_verifiers_are_accepted_and_run(models, method, options, verifiers):
@@ -98,6 +110,9 @@ def test_fitting_verifiers_are_accepted_and_run(models, method, options, verifie
         ("chain", {"k": 3}, 0.0, None, "greedy"),
         ("static", {"depth": 2, "branch": 2}, 0.8, None, "mbr"),
         ("static", {"widths": "3,2"}, 0.8, None, "naive"),
+        ("static", {"depth": 2, "branch": 2, "draw": "greedy"}, 0.8, None, "greedy-draft"),
+        ("static", {"depth": 2, "branch": 2, "draw": "iid"}, 0.8, None, "mss"),
+        ("static", {"depth": 2, "branch": 2, "draw": "greedy"}, 0.8, 0.0, "naive"),  # a greedy draft: top-k children
         ("chain", {"k": 3}, 0.8, 0.0, "naive"),  # greedy draft under sampling: deterministic children
         ("static", {"depth": 2, "branch": 2}, 0.8, 0.0, "naive"),
         ("chain", {"k": 3}, 0.8, 1.2, "sps"),  # a different draft temperature still samples

@@ -94,6 +94,11 @@ EXACT = [
     ("traversal", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # with replacement (the paper's setting)
     ("traversal", ("static", dict(depth=3, branch=2)), "p0.8"),  # without replacement (our variant)
     ("greedy-draft", ("greedy_draft", dict(depth=3, branch=2)), "T1"),  # top-1 plus one sample
+    # the library's own drawing schemes (static's `draw` option), not the test-only policies above
+    ("greedy-draft", ("static", dict(depth=3, branch=2, draw="greedy")), "T1.3,k5,p0.9,dT0.8"),
+    ("greedy-draft", ("static", dict(depth=2, branch=4, draw="greedy")), "T0.7,k4"),  # branch = support: no draw left
+    ("mss", ("static", dict(depth=2, branch=3, draw="iid")), "p0.8"),
+    ("traversal", ("static", dict(depth=2, branch=3, draw="iid")), "T1"),
 ]
 
 
@@ -305,7 +310,8 @@ def test_end_to_end_speculative_decoder(models, tables, monkeypatch, method, opt
     ("traversal", ("iid", dict(depth=2, branch=3))),
     ("greedy-draft", ("greedy_draft", dict(depth=3, branch=3))),
     ("greedy-draft", ("static", dict(widths="3,2,2"))),
-], ids=["block", "traversal_static", "traversal_iid", "greedy_draft", "greedy_draft_widths"])
+    ("greedy-draft", ("static", dict(depth=3, branch=3, draw="greedy"))),
+], ids=["block", "traversal_static", "traversal_iid", "greedy_draft", "greedy_draft_widths", "greedy_draft_static"])
 def test_new_verifiers_are_greedy_at_temperature_zero(tables, verifier, drafting):
     method, options = policy(drafting)
     target, draft = tables
