@@ -149,13 +149,23 @@ def test_merged_metrics_label_each_replica():
     assert merged.count("# TYPE jobs_total counter") == 1  # one family, two replicas' series
 
 
-def test_more_cpus_than_the_cluster_has_is_a_clear_error(model_dirs):
+def serve_on_ray(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, "-m", "arborspec.server", *server_args(model_dirs), "--ray",
-                           "--replicas", "2", "--replica-cpus", "64"], capture_output=True, text=True, env=env,
-                          timeout=180, cwd=Path(__file__).parents[2])
+    return subprocess.run([sys.executable, "-m", "arborspec.server", *argv, "--ray"], capture_output=True, text=True,
+                          env=env, timeout=180, cwd=Path(__file__).parents[2])
+
+
+def test_more_cpus_than_the_cluster_has_is_a_clear_error(model_dirs):
+    proc = serve_on_ray(*server_args(model_dirs), "--replicas", "2", "--replica-cpus", "64")
     assert proc.returncode == 2
     assert "need 128 CPUs; the Ray cluster has" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_replicas_that_cannot_load_their_model_are_a_clear_error(model_dirs, tmp_path):
+    proc = serve_on_ray(*server_args(model_dirs), "--target", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"the replicas did not start: arborspec.models.loading.ModelLoadError: model path " \
+           f"'{tmp_path / 'missing'}' not found" in proc.stderr
 
 
 # ---- a live deployment of 2 replicas --------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 import threading
 
@@ -35,6 +34,7 @@ APP_NAME = "arborspec"
 REPLICA_HEADER = b"x-arborspec-replica"
 BROADCAST_TIMEOUT_S = 10.0  # a replica that does not answer a metrics scrape in time is left out of that scrape
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray's controller notices a dead replica (and starts another)
+CONSTRUCTOR_TRIES = 2  # a replica whose models do not load fails again: give up soon, with its error
 LOCAL_OBJECT_STORE_BYTES = 256 << 20  # replicas pass no tensors through Ray: keep its shared memory small
 
 
@@ -123,7 +123,10 @@ class _Collected:
 # ---- the driver: `arborspec serve --ray` ----------------------------------------------------------------------------
 def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C."""
-    port = args.port or free_port(args.host)  # Ray's proxy needs a number; 0 means "pick one" here as without Ray
+    from .run import describe, listen, url_host
+
+    with listen(args.host, args.port) as sock:  # a taken port fails now, not after Ray has started
+        port = sock.getsockname()[1]  # Ray's proxy needs a number: --port 0 means "pick one", as without Ray
     started = args.ray_address is None
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
              **({"object_store_memory": LOCAL_OBJECT_STORE_BYTES} if started else {}))
@@ -132,11 +135,9 @@ def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
         serve.start(http_options={"host": args.host, "port": port})
         try:
             serve.run(deployment(args).bind(args, spec), name=APP_NAME, route_prefix="/")
-        except Exception as err:  # a replica that cannot load: Ray's message carries the replica's own error
-            raise ValueError(f"the replicas did not start: {last_line(err)}") from None
-        from .run import describe, _url_host
-
-        print(f"[arborspec] serving {args.model_name or args.target!r} on http://{_url_host(args.host)}:{port} "
+        except Exception as err:  # a replica that cannot load (a bad model path, too little memory, ...)
+            raise ValueError(f"the replicas did not start: {replica_error(err)}") from None
+        print(f"[arborspec] serving {args.model_name or args.target!r} on http://{url_host(args.host)}:{port} "
               f"({describe(args, spec)} per replica; {replica_count(args)} on Ray Serve)", file=sys.stderr, flush=True)
         wait_for_signal()
         serve.shutdown()  # replicas get --shutdown-timeout to finish in-flight requests
@@ -155,7 +156,7 @@ def deployment(args: argparse.Namespace):
         ArborspecReplica, name="ArborspecReplica", ray_actor_options={"num_cpus": args.replica_cpus},
         # Ray queues beyond what a replica's scheduler takes, so a replica never answers 429 while another has room
         max_ongoing_requests=args.max_batch + args.max_queue + 4,  # + 4: health checks and scrapes ride along
-        health_check_period_s=HEALTH_CHECK_PERIOD_S, graceful_shutdown_timeout_s=args.shutdown_timeout, **scaling)
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, max_constructor_retry_count=CONSTRUCTOR_TRIES, graceful_shutdown_timeout_s=args.shutdown_timeout, **scaling)
 
 
 def check_room(args: argparse.Namespace) -> None:
@@ -171,12 +172,6 @@ def replica_count(args) -> str:
     return f"{args.autoscale[0]}-{args.autoscale[1]} replicas" if args.autoscale else f"{args.replicas or 1} replicas"
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,6 +180,11 @@ def wait_for_signal() -> None:
         pass
 
 
-def last_line(err: Exception) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+def replica_error(err: Exception) -> str:
+    """The replicas' own error (the last line of the traceback Ray keeps in the deployment's status), else Ray's."""
+    try:
+        text = serve.status().applications[APP_NAME].deployments["ArborspecReplica"].message
+    except Exception:
+        text = ""
+    lines = [line.strip() for line in (text or str(err)).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__

@@ -82,7 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
     with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
         server = build_server(args, spec)
         host, port = sock.getsockname()[:2]
-        print(f"[arborspec] serving {server.limits.model_name!r} on http://{_url_host(host)}:{port} "
+        print(f"[arborspec] serving {server.limits.model_name!r} on http://{url_host(host)}:{port} "
               f"({describe(args, spec)})", file=sys.stderr, flush=True)
         config = uvicorn.Config(server.app, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
@@ -201,7 +201,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
