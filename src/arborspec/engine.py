@@ -23,6 +23,7 @@ from .models.model_info import check_pair, context_window, eos_ids, pair_names
 from .sampling import SamplingConfig, make_generator
 from .tree import ORDERS, DrawRule
 from .verify import VERIFIERS, fits
+from .verify.base import root_optimum
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepStats:
     t_other: float
     tree: dict | None = None  # with record_trees: tokens, parents, probs, accepted path (node indices), bonus
     path: list[int] = field(default_factory=list)  # accepted node indices (as drafted), for policies that learn
+    # with measure_optimum at T > 0: the best rate at which any exact verifier accepts a first token of this tree
+    # (verify.base.root_optimum; None where the root's children were not sampled)
+    root_optimum: float | None = None
 
 
 @dataclass
@@ -51,6 +55,7 @@ class GenerationStats:
     t_prefill: float = 0.0
     t_first_token: float = 0.0  # TTFT: from the call to the first committed token
     t_total: float = 0.0
+    t_measure: float = 0.0  # seconds spent on measure_optimum's statistics, left out of t_total and t_first_token
     steps: list[StepStats] = field(default_factory=list)
     policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration, guard)
 
@@ -92,6 +97,20 @@ class GenerationStats:
         return sum(s.accepted == 0 for s in drafted) / len(drafted) if drafted else 0.0
 
     @property
+    def root_acceptance(self) -> float | None:
+        """Over the steps with a root optimum (measure_optimum, T > 0, sampled root children): the share that
+        accepted a first drafted token. None without such steps."""
+        measured = [s for s in self.steps if s.root_optimum is not None]
+        return sum(s.accepted >= 1 for s in measured) / len(measured) if measured else None
+
+    @property
+    def root_optimum(self) -> float | None:
+        """The mean of the steps' root optimum: what root_acceptance would be under the best exact verifier for the
+        same trees (an upper bound where children were drawn without replacement; rules.py says how tight)."""
+        values = [s.root_optimum for s in self.steps if s.root_optimum is not None]
+        return sum(values) / len(values) if values else None
+
+    @property
     def decode_time(self) -> float:
         return self.t_total - self.t_prefill
 
@@ -114,6 +133,8 @@ class GenerationStats:
             acceptance_rate=self.acceptance_rate,
             accepted_at_depth=self.accepted_at_depth,
             zero_accept_share=self.zero_accept_share,
+            root_acceptance=self.root_acceptance,
+            root_optimum=self.root_optimum,
             tokens_per_s=self.tokens_per_s,
             tpot=self.tpot,
             t_draft=sum(s.t_draft for s in self.steps),
@@ -177,6 +198,7 @@ class SpeculativeDecoder:
         tokenizer=None,
         token_order: str = "bfs",
         record_trees: bool = False,
+        measure_optimum: bool = False,
         ssm_tree: str = "packed",
         ngram: int = 0,
         ngram_len: int = 8,
@@ -188,6 +210,9 @@ class SpeculativeDecoder:
             raise ValueError(f"unknown token order {token_order!r}; choose one of: {', '.join(ORDERS)}")
         self.token_order = token_order  # how tree tokens are laid out in the target's forward (DySpec App. C)
         self.record_trees = record_trees
+        # per step at T > 0, the best first-token acceptance any exact verifier could reach on the tree (the bench's
+        # "distance to the optimum"); a sort of the vocabulary a step, so only on request, and its time is left out
+        self.measure_optimum = measure_optimum
         if ssm_tree not in ("packed", "unrolled"):
             raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
         self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
@@ -356,15 +381,26 @@ class SpeculativeDecoder:
                 if self.record_trees:
                     step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
                                      path=list(verdict.path), bonus=int(verdict.bonus))
+                if self.measure_optimum and not self.sampling.greedy:
+                    step.root_optimum = self._root_optimum(tree, logits, stats)
                 stats.steps.append(step)
                 self.policy.update(step)
                 stats.policy = self.policy.explain()
                 stats.new_tokens = len(new)
                 now = time.perf_counter()
                 if len(stats.steps) == 1:
-                    stats.t_first_token = now - t_start
-                stats.t_total = now - t_start
+                    stats.t_first_token = now - t_start - stats.t_measure
+                stats.t_total = now - t_start - stats.t_measure
             yield GenerationResult(self._decode(new), list(new), stats)
+
+    def _root_optimum(self, tree, logits: torch.Tensor, stats: GenerationStats) -> float | None:
+        """verify.base.root_optimum of this step's tree, from the target's logits at its root (row 0); the time it
+        takes goes to stats.t_measure, so that measuring it does not slow the timings it is compared with."""
+        t = time.perf_counter()
+        try:
+            return root_optimum(tree, logits[0], self.sampling)
+        finally:
+            stats.t_measure += time.perf_counter() - t
 
     def _apply_stops(self, new, proposed, eos, max_new, stop, n_context, window) -> tuple[list[int], str]:
         """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""

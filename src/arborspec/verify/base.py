@@ -20,6 +20,8 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
+from .rules import (acceptance_bound_without_replacement, optimal_acceptance_greedy, optimal_acceptance_iid,
+                    optimal_acceptance_one)
 
 
 @dataclass
@@ -101,6 +103,33 @@ def target_probs(target_logits: torch.Tensor, sampling: SamplingConfig) -> torch
 
 def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(dist, 1, generator=generator))
+
+
+# The best first-token acceptance of each sampled drawing rule, as a function of (p, q, number of children): exact
+# closed forms, and for WITHOUT_REPLACEMENT an upper bound (rules.acceptance_bound_without_replacement).
+ROOT_OPTIMUM = {
+    DrawRule.WITH_REPLACEMENT: optimal_acceptance_iid,
+    DrawRule.WITHOUT_REPLACEMENT: acceptance_bound_without_replacement,
+    DrawRule.GREEDY_TOPK_PLUS_ONE: optimal_acceptance_greedy,
+}
+
+
+def root_optimum(tree: TokenTree, root_logits: torch.Tensor, sampling: SamplingConfig) -> float | None:
+    """The highest probability with which any exact verifier accepts a first token of `tree`, given its root's draft
+    distribution, drawing rule and number of children, and the target's logits at the root (vocab,) warped by
+    `sampling`. None where the root's children were not sampled (deterministic or grafted children, T = 0, none).
+
+    Every exact verifier emits a first token distributed as the warped target and accepts it only if a root child
+    carries it, so its rate of accepting depth 1 is at most this, whatever it does deeper (block, traversal
+    included). The bench sets the measured rate beside it ("root acc / opt")."""
+    rule = tree.child_rule.get(0)
+    kids = sum(1 for parent in tree.parents if parent == 0)
+    if rule not in ROOT_OPTIMUM or kids == 0 or 0 not in tree.child_dist:
+        return None
+    p, q = target_probs(root_logits[None], sampling)[0], tree.child_dist[0]
+    if kids == 1:
+        return optimal_acceptance_one(p, q)
+    return ROOT_OPTIMUM[rule](p, q, kids)
 
 
 def multi_draft_walk(tree: TokenTree, p: torch.Tensor, plan, who: str, generator: torch.Generator | None) -> Verdict:

@@ -165,23 +165,79 @@ def greedy_draft_plan(p: torch.Tensor, q: torch.Tensor, children: list[int]) -> 
 # min-cut on the bipartite graph "draw -> tokens it contains"; Hu et al., ICLR 2025, Sec. 4). For i.i.d. draws the
 # maximising A is among the prefixes of the tokens sorted by p/q ascending (P(S inside A) = q(A)^k is convex in q(A),
 # p(A) is at least the piecewise-linear cheapest cover of q-mass q(A), so the maximum sits on that cover's corners);
-# tests/verify/test_greedy_draft.py checks both closed forms against the linear program.
+# tests/verify/test_greedy_draft.py checks both closed forms against the linear program. Every set A gives an upper
+# bound 1 - P(S inside A) + p(A) on alpha*, which is how `acceptance_bound_without_replacement` bounds the rule that
+# has no closed form. The bench computes these per step at the root (cost: one sort of the vocabulary for the i.i.d.
+# and without-replacement rules, O(vocab) otherwise), so they avoid Python loops over the vocabulary.
+def optimal_acceptance_one(p, q) -> float:
+    """The highest acceptance rate of one child drawn from q: sum min(p, q) = 1 - TV(p, q), which speculative
+    sampling reaches. Every sampled drawing rule is this one draw when k = 1."""
+    return float(min(1.0, np.minimum(_np(p), _np(q)).sum()))
+
+
+def _by_ratio(p_: np.ndarray, q_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(p, q) on the draft's support, ordered by p/q ascending: the candidate sets A are the prefixes. Tokens the
+    draft never proposes only add target mass to A, so they never belong to it. Ties keep any order: a tie group is one
+    straight piece of the cover, so the prefixes that matter end at group boundaries, which every order shares."""
+    pos = q_ > 0
+    pp, qq = p_[pos], q_[pos]
+    order = np.argsort(pp / qq)
+    return pp[order], qq[order]
+
+
 def optimal_acceptance_iid(p, q, k: int) -> float:
     """The highest acceptance rate any exact verifier reaches on k children drawn i.i.d. (WITH replacement) from q."""
-    p_, q_ = _np(p), _np(q)
-    pos = q_ > 0  # tokens the draft never proposes only add target mass to A
-    pp, qq = p_[pos], q_[pos]
-    order = np.argsort(pp / qq, kind="stable")
-    gap = np.cumsum(qq[order]) ** k - np.cumsum(pp[order])
+    pp, qq = _by_ratio(_np(p), _np(q))
+    gap = np.cumsum(qq) ** k - np.cumsum(pp)
     return float(min(1.0, 1.0 - max(0.0, float(gap.max(initial=0.0)))))
+
+
+def acceptance_bound_without_replacement(p, q, k: int) -> float:
+    """An upper bound on the acceptance rate any exact verifier reaches on k children drawn WITHOUT replacement from
+    q: min over the p/q-sorted prefixes A of 1 - L(A) + p(A), with L(A) <= P(S inside A). Exact for k = 1 and when
+    the k draws take the whole support (S is then fixed); for k = 2 L is exact, and the bound equalled the linear
+    program on every instance tested (tests/verify/test_rules.py); for k >= 3 it is a true bound, a few points loose
+    at worst on those instances.
+
+    Drawing one token after another, with mass s of A already drawn, the next draw lands in A with probability
+    (a - s) / (1 - s), a = q(A). So P(first two in A) = sum over x in A of q(x) (a - q(x)) / (1 - q(x)) (prefix sums),
+    and each later draw lands in A with probability at least (a - s_i) / (1 - s_i), where s_i bounds the mass of the
+    i tokens drawn: at most the i largest q in A, itself at most min(i largest q overall, i * max q in A).
+    """
+    p_, q_ = _np(p), _np(q)
+    support = int((q_ > 0).sum())
+    if k >= support:  # every token the draft can propose is drawn
+        return float(min(1.0, p_[q_ > 0].sum()))
+    if k == 1:
+        return optimal_acceptance_one(p_, q_)
+    pp, qq = _by_ratio(p_, q_)
+    a = np.cumsum(qq)  # q(A) of each prefix A
+    inside = a * np.cumsum(qq / (1 - qq)) - np.cumsum(qq * qq / (1 - qq))  # P(first two draws in A), exactly
+    largest = np.cumsum(np.sort(qq)[::-1])  # largest[i - 1]: the i largest q overall
+    biggest_in_a = np.maximum.accumulate(qq)
+    for i in range(2, k):  # draw i + 1, after i draws inside A
+        drawn = np.minimum(largest[i - 1], i * biggest_in_a)  # < 1: k < support
+        inside = inside * np.maximum(a - drawn, 0.0) / (1.0 - drawn)
+    return float(min(1.0, (1.0 - inside + np.cumsum(pp)).min(initial=1.0)))
+
+
+def _top_tokens(q_: np.ndarray, m: int) -> np.ndarray:
+    """The m most probable tokens of q among those it can draw, most probable first, ties to the lower id (as a
+    stable sort orders them), in O(vocab): only the tokens at or above the m-th largest value are sorted."""
+    support = np.flatnonzero(q_ > 0)
+    if m <= 0:
+        return support[:0]
+    if m < len(support):
+        cut = np.partition(q_[support], len(support) - m)[len(support) - m]
+        support = support[q_[support] >= cut]
+    return support[np.argsort(-q_[support], kind="stable")[:m]]
 
 
 def optimal_acceptance_greedy(p, q, k: int) -> float:
     """The highest acceptance rate any exact verifier reaches on greedy multi-draft children: the k-1 most probable
     tokens of q (D) plus one sample from q off D; `greedy_draft_plan` reaches it. p(D) + sum_{x not in D} min(p, q')."""
     p_, q_ = _np(p), _np(q)
-    support = np.flatnonzero(q_ > 0)
-    fixed = support[np.argsort(-q_[support], kind="stable")[: max(k - 1, 0)]]
+    fixed = _top_tokens(q_, k - 1)
     rest = q_.copy()
     rest[fixed] = 0.0
     q1 = normalize(rest)
