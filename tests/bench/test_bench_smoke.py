@@ -63,7 +63,7 @@ def test_report_and_plots(bench_run):
     names = [row.split("|")[1].strip() for row in rows]
     assert names[:3] == ["ar", "hf-assisted", "chain@2"] and len(names) == 10
     ar = rows[0].split("|")
-    assert ar[9].strip() == "1.00"  # speed-up of ar over itself
+    assert ar[12].strip() == "1.00"  # speed-up of ar over itself
     assert ar[4].strip() == "1.00"  # plain decoding commits one token per step
     assert "per category" in report
     # regenerating from results.json alone gives the same report
@@ -83,3 +83,25 @@ def test_check_equal(bench_run, tmp_path, capsys):
     assert main(["report", "--check-equal", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "static@4" in out and "first divergence at token 5" in out
+
+
+def test_acceptance_profile_columns(bench_run):
+    results = json.loads((bench_run / "results.json").read_text())
+    for r in results["runs"]:
+        if r["label"] in ("ar", "hf-assisted"):
+            continue
+        assert len(r["depth_per_step"]) == len(r["root_optimum_per_step"]) == r["steps"]
+        assert r["accepted_at_depth"] and r["zero_accept_share"] is not None
+        if r["temperature"] == 0:
+            assert r["root_optimum"] is None and set(r["root_optimum_per_step"]) == {None}
+        elif r["label"].startswith(("chain", "sps", "asps")):  # sampled roots (static@B: widths, deterministic)
+            assert 0 < r["root_optimum"] <= 1 and 0 <= r["root_acceptance"] <= 1
+    report = (bench_run / "report.md").read_text()
+    section = report.split("## prompts, T=1")[1].split("##")[0]
+    header = next(line for line in section.splitlines() if line.startswith("| method"))
+    assert "| acc@1/2/3 | zero % | root acc / opt |" in header
+    chain = next(line for line in section.splitlines() if line.startswith("| chain@4 ")).split("|")
+    assert re.fullmatch(r" \d\.\d\d/\d\.\d\d/\d\.\d\d ", chain[7]) and re.fullmatch(r" \d+\.\d ", chain[8])
+    assert re.fullmatch(r" \d\.\d\d / \d\.\d\d ", chain[9])
+    ar = next(line for line in section.splitlines() if line.startswith("| ar ")).split("|")
+    assert [c.strip() for c in ar[7:10]] == ["–", "–", "–"]  # plain decoding drafts nothing

@@ -84,3 +84,27 @@ def test_first_divergence():
     assert metrics.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert metrics.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert metrics.first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_acceptance_by_depth_zero_share_and_root_acceptance_by_hand():
+    accepted, depths, drafted = [0, 2, 1, 3, 0], [2, 3, 1, 3, 0], [4, 7, 2, 7, 0]
+    # depth 1: 4 steps reached it, 3 accepted >= 1; depth 2: 3 reached, 2 accepted >= 2; depth 3: 2 reached, 1 did
+    assert metrics.accepted_at_depth(accepted, depths) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert metrics.accepted_at_depth([], []) == []
+    assert metrics.zero_accept_share(accepted, drafted) == pytest.approx(1 / 4)  # the last step drafted nothing
+    assert metrics.zero_accept_share([0], [0]) is None
+    assert metrics.root_acceptance(accepted, [0.5, None, 0.9, 0.7, None]) == pytest.approx((2 / 3, 0.7))
+    assert metrics.root_acceptance(accepted, [None] * 5) is None
+
+
+def test_the_pooled_metrics_are_the_engines_own_on_one_run():
+    from arborspec.engine import GenerationStats, StepStats
+
+    steps = [StepStats(tree_size=n, depth=d, widths=[], accepted=a, committed=a + 1, draft_calls=0, t_draft=0,
+                       t_verify=0, t_other=0, root_optimum=o)
+             for a, d, n, o in [(0, 2, 4, 0.5), (2, 3, 7, None), (1, 1, 2, 0.9), (3, 3, 7, 0.7), (0, 0, 0, None)]]
+    st = GenerationStats("m", "v", False, 3, steps=steps)
+    accepted = [s.accepted for s in steps]
+    assert metrics.accepted_at_depth(accepted, [s.depth for s in steps]) == st.accepted_at_depth
+    assert metrics.zero_accept_share(accepted, [s.tree_size for s in steps]) == st.zero_accept_share
+    assert metrics.root_acceptance(accepted, [s.root_optimum for s in steps]) == (st.root_acceptance, st.root_optimum)

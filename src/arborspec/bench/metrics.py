@@ -7,6 +7,11 @@ Names, because every paper calls the same thing something else:
   *tau*, WETAP's mean generated length *L-bar*, DynaTree's average accepted length, and "ATN" (accepted tokens number)
   elsewhere. `mat` computes it.
 - **acceptance rate** = drafted tokens the target accepted / drafted tokens (bonus tokens are not drafted).
+- **acceptance at depth d** = among steps whose tree reached depth d, the share that accepted at least d drafted tokens;
+  **zero-accept share** = among steps that drafted anything, the share that accepted none.
+- **root acceptance / optimum** = among steps whose root children were sampled, the share that accepted a first
+  drafted token, beside the mean of the best rate any exact verifier could reach on those trees (verify/base.py:
+  root_optimum; an upper bound for children drawn without replacement).
 - **TTFT** = seconds from the call to the first generated token; **TPOT** = seconds per output token after the first.
 - **speed-up** = tokens/s of a method over tokens/s of a baseline measured in the same process on the same prompts.
 """
@@ -37,6 +42,32 @@ def acceptance_rate(accepted: Iterable[int], drafted: Iterable[int]) -> float | 
     """Accepted drafted tokens / drafted tokens, summed over steps (and runs); None when nothing was drafted."""
     n_drafted = sum(drafted)
     return sum(accepted) / n_drafted if n_drafted else None
+
+
+def accepted_at_depth(accepted_per_step: Sequence[int], depth_per_step: Sequence[int]) -> list[float]:
+    """Per-position acceptance: entry d-1 is the share of the steps whose tree reached depth d that accepted at least
+    d drafted tokens (engine.GenerationStats.accepted_at_depth, here over the steps of any number of runs)."""
+    shares = []
+    for d in range(1, max(depth_per_step, default=0) + 1):
+        reached = [a for a, depth in zip(accepted_per_step, depth_per_step) if depth >= d]
+        shares.append(sum(a >= d for a in reached) / len(reached))
+    return shares
+
+
+def zero_accept_share(accepted_per_step: Sequence[int], drafted_per_step: Sequence[int]) -> float | None:
+    """Among steps that drafted anything, the share that accepted none of it; None when nothing was drafted."""
+    drafted = [a for a, n in zip(accepted_per_step, drafted_per_step) if n > 0]
+    return sum(a == 0 for a in drafted) / len(drafted) if drafted else None
+
+
+def root_acceptance(accepted_per_step: Sequence[int],
+                    optimum_per_step: Sequence[float | None]) -> tuple[float, float] | None:
+    """(measured, optimum) over the steps with a recorded root optimum: the share that accepted a first drafted token,
+    and the mean optimum (engine.GenerationStats.root_acceptance / root_optimum). None without such steps."""
+    pairs = [(a >= 1, o) for a, o in zip(accepted_per_step, optimum_per_step) if o is not None]
+    if not pairs:
+        return None
+    return sum(a for a, _ in pairs) / len(pairs), sum(o for _, o in pairs) / len(pairs)
 
 
 def median_iqr(values: Iterable[float]) -> tuple[float, float, float] | None:

@@ -2,7 +2,8 @@
 
 Everything here is recomputed from the recorded runs (tables.py, metrics.py), so a report can be regenerated, or a
 results.json from another machine reported, at any time. Tables: one per dataset x temperature, a row per method
-(x budget): MAT (= tau / M / L-bar, committed tokens per step, bonus included), acceptance rate, tokens/s median and
+(x budget): MAT (= tau / M / L-bar, committed tokens per step, bonus included), acceptance rate, acceptance at depths
+1-3, zero-accept share, root acceptance against the best any exact verifier could reach (T > 0), tokens/s median and
 IQR, speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
 TTFT, TPOT, target perplexity of the output, memory. Per-category tables when a dataset has categories (MT-Bench).
 
@@ -40,6 +41,14 @@ GLOSSARY = """\
   (plain decoding: 1.00). The same number is called *M* / tokens per step (DySpec, Sequoia), *tau* (Medusa, EAGLE),
   *L-bar* mean generated length (WETAP), average acceptance length / ATN elsewhere. *acc./step* excludes the bonus.
 - **acc. rate** = accepted drafted tokens / drafted tokens; **tree** = mean drafted tokens per step.
+- **acc@1/2/3** = per-position acceptance: among steps whose tree reached depth d, the share that accepted at least d
+  drafted tokens, for d = 1, 2, 3. **zero %** = steps that drafted something and accepted none of it, in percent.
+- **root acc / opt** (T > 0) = over steps whose root children were sampled, the share that accepted a first drafted
+  token / the mean best rate any exact verifier could reach on the same trees, given the draft distribution at the
+  root and its number of children (verify/base.py: root_optimum): exact for one child, i.i.d. children and greedy
+  multi-draft children (k-1 top tokens + one sample), an upper bound for children drawn without replacement (exact
+  for 2 children on every instance tested, a few points loose at worst from 3 on). The gap is the distance to the
+  optimum; computing it is left out of the timings.
 - **tok/s** = new tokens / wall time of the whole call (prefill included), median and interquartile range over
   prompts. **speed-up** = aggregate tokens/s over that of `ar` (resp. `hf-assisted`) on the same prompts, measured
   interleaved in the same process.
@@ -57,7 +66,8 @@ def _row(label: str, s: dict, peer: bool = False) -> str:
     tps_text = "–" if tps is None else f"{tps[0]:.2f} [{tps[1]:.2f}–{tps[2]:.2f}]"
     name = f"{label} **LOSSY**" if s["lossy"] else label
     cells = [name, s["verifier"], f"{s['runs'] - s['errors']}/{s['runs']}", fmt(s["mat"]), fmt(s["accepted"]),
-             fmt(s["acceptance_rate"]), fmt(s["tree_size"], 1), tps_text,
+             fmt(s["acceptance_rate"]), depth_cell(s["acc_at_depth"]), fmt(s["zero_accept"], 1, 100),
+             root_cell(s["root"]), fmt(s["tree_size"], 1), tps_text,
              fmt(s["speedup"].get("ar")), fmt(s["speedup"].get("hf-assisted"))]
     cells += [fmt(s["speedup"].get("llamacpp-ar"))] if peer else []
     cells += [fmt(s["ttft"]), fmt(s["tpot"], 1, 1000), fmt(s["perplexity"]), fmt(s["peak_rss"], 0),
@@ -65,10 +75,21 @@ def _row(label: str, s: dict, peer: bool = False) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | tree | tok/s median [IQR] | speed-up vs ar | "
-          "speed-up vs hf-assisted | TTFT s | TPOT ms | ppl | peak RSS MB | ΔRSS MB |\n" + "|---" * 15 + "|")
+def depth_cell(shares: list[float], depths: int = 3) -> str:
+    """Acceptance at depths 1..3 as one compact cell, "0.81/0.62/0.45" (fewer where the trees were shallower)."""
+    return "/".join(f"{x:.2f}" for x in shares[:depths]) or "–"
+
+
+def root_cell(root: tuple[float, float] | None) -> str:
+    """Measured root acceptance and its optimum, "0.71 / 0.78"."""
+    return "–" if root is None else f"{root[0]:.2f} / {root[1]:.2f}"
+
+
+HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | acc@1/2/3 | zero % | root acc / opt | tree | "
+          "tok/s median [IQR] | speed-up vs ar | speed-up vs hf-assisted | TTFT s | TPOT ms | ppl | peak RSS MB | "
+          "ΔRSS MB |\n" + "|---" * 18 + "|")
 PEER_HEADER = HEADER.replace("speed-up vs hf-assisted |", "speed-up vs hf-assisted | speed-up vs llamacpp-ar |",
-                             1).replace("|---" * 15, "|---" * 16)
+                             1).replace("|---" * 18, "|---" * 19)
 
 
 def render(results: dict, plots: list[str]) -> str:

@@ -10,7 +10,10 @@ finished run (datasets take turns, so the old prompts come first). Any other dif
 `arborspec report DIR` turns results.json into report.md and plots (see report.py), and is run automatically at the end.
 
 What one run records (results.json "runs"): the method, its policy/verifier/options/budget, the prompt, the generated
-token ids, per step the committed / accepted / drafted token counts, (draft probability, accepted?) of every drafted
+token ids, per step the committed / accepted / drafted token counts and tree depth, and at T > 0 the best first-token
+acceptance any exact verifier could reach on the step's tree (`root_optimum_per_step`, verify/base.py: root_optimum;
+None where the root's children were not sampled; its computation is left out of the wall time), the run's acceptance
+at each depth, zero-accept share and root acceptance vs that optimum, (draft probability, accepted?) of every drafted
 node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time, TTFT, TPOT, tokens/s (new tokens over
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
 the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
@@ -201,7 +204,7 @@ class Bench:
     def decoder(self, cfg: Config):
         return build_decoder(cfg.spec, self.target, self.draft_for(cfg.spec), temperature=cfg.temperature,
                              top_k=self.s.top_k, top_p=self.s.top_p, draft_temperature=self.s.draft_temperature,
-                             budget=cfg.budget, record_trees=True)
+                             budget=cfg.budget, record_trees=True, measure_optimum=True)
 
     def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Generate once; return the measured fields (no perplexity, no memory)."""
@@ -220,13 +223,16 @@ class Bench:
         dec = self.decoder(cfg)
         start = time.perf_counter()
         res = dec.generate(ids, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=self.s.ignore_eos)
-        wall = time.perf_counter() - start
         st = res.stats
+        wall = time.perf_counter() - start - st.t_measure  # the root optimum is the bench's statistic, not decoding
         nodes = [(round(p, 5), int(a)) for s in st.steps if s.tree for p, a in metrics.node_outcomes(s.tree)]
         return dict(
             token_ids=list(res.token_ids), wall=wall, ttft=st.t_first_token, finish_reason=st.finish_reason,
             committed_per_step=[s.committed for s in st.steps], accepted_per_step=[s.accepted for s in st.steps],
-            drafted_per_step=[s.tree_size for s in st.steps], verifier=st.verifier, lossy=st.lossy,
+            drafted_per_step=[s.tree_size for s in st.steps], depth_per_step=[s.depth for s in st.steps],
+            root_optimum_per_step=[None if s.root_optimum is None else round(s.root_optimum, 5) for s in st.steps],
+            accepted_at_depth=st.accepted_at_depth, zero_accept_share=st.zero_accept_share,
+            root_acceptance=st.root_acceptance, root_optimum=st.root_optimum, verifier=st.verifier, lossy=st.lossy,
             t_prefill=st.t_prefill, t_draft=sum(s.t_draft for s in st.steps),
             t_verify=sum(s.t_verify for s in st.steps), node_outcomes=nodes,
         )

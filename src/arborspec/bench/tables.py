@@ -44,12 +44,27 @@ def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
         acceptance_rate=metrics.acceptance_rate([n for r in has_drafts for n in r["accepted_per_step"]],
                                                 [n for r in has_drafts for n in r["drafted_per_step"]]),
         tree_size=metrics.mean(n for r in has_drafts for n in r["drafted_per_step"]),
+        **acceptance_profile(has_drafts),
         tps=tps, speedup={b: metrics.speedup(ok, base) if base else None for b, base in baselines.items()},
         ttft=metrics.mean(r.get("ttft") for r in ok), tpot=metrics.mean(r.get("tpot") for r in ok),
         perplexity=metrics.mean(r.get("perplexity") for r in ok),
         peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
         rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
         new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
+    )
+
+
+def acceptance_profile(runs: list[dict]) -> dict:
+    """How the drafted steps of `runs` were accepted, pooled over their steps: acceptance at each depth, the
+    zero-accept share, and (measured, optimum) root acceptance; None / [] where the runs did not record them (runs
+    made before these fields existed, baselines)."""
+    steps = [r for r in runs if r.get("depth_per_step") is not None]
+    accepted = [a for r in steps for a in r["accepted_per_step"]]
+    optimum = [o for r in steps for o in r.get("root_optimum_per_step") or [None] * len(r["accepted_per_step"])]
+    return dict(
+        acc_at_depth=metrics.accepted_at_depth(accepted, [d for r in steps for d in r["depth_per_step"]]),
+        zero_accept=metrics.zero_accept_share(accepted, [n for r in steps for n in r["drafted_per_step"]]),
+        root=metrics.root_acceptance(accepted, optimum),
     )
 
 
