@@ -1,0 +1,121 @@
+"""Every exact verifier on the same drafts, on the default real pair: what each accepts and how fast it decodes.
+
+One `arborspec bench` run (results.json + report.md in the usual format), every method interleaved per prompt so
+that drift of the machine hits all alike, at sampling temperatures 0.6 and 1 (the verifiers differ only when
+sampling), on HumanEval and MT-Bench, target qwen2.5-coder-1.5b drafted by qwen2.5-coder-0.5b on llama.cpp:
+
+    ar                                          plain decoding on the same backend: the speed-up baseline
+    sps@4, asps@4, chain(verifier=block)@4      a chain of 4 drafted tokens
+    static(depth=3,branch=2,verifier=V)         a binary tree of 14 drafted tokens, children sampled without
+                                                replacement, for V = naive, mbr, traversal
+    static(depth=3,branch=2,draw=iid,verifier=V)    the same shape, children drawn i.i.d. (SpecInfer's scheme), for
+                                                V = mss, traversal (mss is exact only for i.i.d. children)
+    static(depth=3,branch=2,draw=greedy)        the same shape, greedy multi-draft (the draft's top token + one draw
+                                                off it), verified by greedy-draft, the optimal rule for it
+
+Per method and temperature the report gives tokens/step (MAT), tok/s and the speed-up over ar, the acceptance at
+depths 1-3, the zero-accept share, and "root acc / opt": how often a first drafted token was accepted beside the best
+any exact verifier could reach on the same trees (an upper bound for children drawn without replacement; docs/
+verifiers.md, "distance to optimum"). This script also writes verifiers.md into --out: the same rows pooled over
+both datasets, one table per temperature.
+
+The full run (20 + 20 prompts x 10 methods x 2 temperatures x up to 128 tokens = 800 runs; on an otherwise idle
+2-core CPU about 20 s a run, so some 4-6 hours; `--resume` carries on an interrupted one):
+
+    python benchmarks/verifiers.py
+
+which runs
+
+    arborspec bench --backend llamacpp --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+        --dataset humaneval,mt-bench --prompts 20 --temperatures 0.6,1 --max-new-tokens 128 --no-perplexity \\
+        --out results/verifiers --methods 'ar,sps@4,asps@4,chain(verifier=block)@4,static(depth=3,branch=2,verifier=naive),static(depth=3,branch=2,verifier=mbr),static(depth=3,branch=2,verifier=traversal),static(depth=3,branch=2,draw=iid,verifier=mss),static(depth=3,branch=2,draw=iid,verifier=traversal),static(depth=3,branch=2,draw=greedy)'
+
+A smoke check of the whole pipeline (one prompt of each dataset, 16 tokens, 40 runs; its timings mean nothing):
+
+    python benchmarks/verifiers.py --prompts 1 --max-new-tokens 16 --out /tmp/verifiers-smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections import defaultdict
+from pathlib import Path
+
+from arborspec.bench.report import depth_cell, root_cell
+from arborspec.bench.tables import BASELINES, fmt, summarize
+from arborspec.cli import main as arborspec_main
+from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET
+
+TREE = "static(depth=3,branch=2{})"
+METHODS = [
+    "ar",
+    "sps@4", "asps@4", "chain(verifier=block)@4",
+    *[TREE.format(f",verifier={v}") for v in ("naive", "mbr", "traversal")],
+    *[TREE.format(f",draw=iid,verifier={v}") for v in ("mss", "traversal")],
+    TREE.format(",draw=greedy"),
+]
+
+
+def bench_argv(args) -> list[str]:
+    """The `arborspec bench` arguments this benchmark runs."""
+    argv = ["bench", "--backend", args.backend, "--target", args.target, "--draft", args.draft,
+            "--dataset", args.dataset, "--prompts", str(args.prompts), "--temperatures", args.temperatures,
+            "--max-new-tokens", str(args.max_new_tokens), "--no-perplexity", "--out", args.out,
+            "--methods", ",".join(METHODS)]
+    return argv + (["--resume"] if args.resume else [])
+
+
+def pooled_tables(results: dict) -> str:
+    """verifiers.md: one table per temperature, a row per method, pooled over every dataset's prompts."""
+    groups: dict[float, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        groups[r["temperature"]][r["label"]].append(r)
+    lines = ["# Verifiers on the same drafts", "", f"Command: `{results.get('command', '')}`", "",
+             "Pooled over " + ", ".join(results["settings"]["datasets"]) + f" ({len(results['prompts'])} prompts). "
+             "root acc / opt: first drafted token accepted / the best any exact verifier could reach (an upper "
+             "bound for children drawn without replacement). report.md has the per-dataset tables.", ""]
+    for temp in sorted(groups):
+        by_label = groups[temp]
+        baselines = {b: by_label.get(b, []) for b in BASELINES}
+        lines += [f"## T={temp:g}", "",
+                  "| method | verifier | MAT | acc@1/2/3 | zero % | root acc / opt | tok/s median | speed-up vs ar |",
+                  "|---" * 8 + "|"]
+        for label in [m for m in METHODS if m in by_label]:
+            s = summarize(by_label[label], baselines)
+            lines.append(f"| {label} | {s['verifier']} | {fmt(s['mat'])} | {depth_cell(s['acc_at_depth'])} "
+                         f"| {fmt(s['zero_accept'], 1, 100)} | {root_cell(s['root'])} "
+                         f"| {fmt(s['tps'][0] if s['tps'] else None)} | {fmt(s['speedup'].get('ar'))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", default="0.6,1")
+    ap.add_argument("--dataset", default="humaneval,mt-bench")
+    ap.add_argument("--backend", default="llamacpp")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--out", default="results/verifiers")
+    ap.add_argument("--resume", action="store_true", help="carry on an interrupted run in --out")
+    ap.add_argument("--print-only", action="store_true", help="print the arborspec bench command and stop")
+    args = ap.parse_args(argv)
+    bench = bench_argv(args)
+    print("arborspec " + shlex.join(bench), flush=True)
+    if args.print_only:
+        return 0
+    code = arborspec_main(bench)
+    if code:
+        return code
+    results = json.loads((Path(args.out) / "results.json").read_text())
+    text = pooled_tables(results)
+    (Path(args.out) / "verifiers.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

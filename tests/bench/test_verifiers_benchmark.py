@@ -1,0 +1,45 @@
+"""benchmarks/verifiers.py: every method of its line-up parses, is exact, and gets the verifier its label promises
+(a refused pairing would only show hours into the benchmark, as a skipped row); its pooled table renders."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from arborspec.spec import build_decoder, parse
+from tests.conftest import noisy_copy, tiny_model
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verifiers.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("verifiers_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_method_runs_with_the_verifier_it_names(script):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.5)
+    verifiers = []
+    for name in script.METHODS:
+        dec = build_decoder(parse(name), target, draft, temperature=0.6)
+        res = dec.generate([4, 9, 12], max_new_tokens=6, ignore_eos=True, seed=0)
+        assert len(res.token_ids) == 6 and not res.stats.lossy
+        verifiers.append(dec.verifier.name)
+    assert verifiers == ["naive", "sps", "asps", "block", "naive", "mbr", "traversal", "mss", "traversal",
+                         "greedy-draft"]
+
+
+def test_the_command_and_the_pooled_table(script, capsys):
+    assert script.main(["--print-only", "--prompts", "2"]) == 0
+    command = capsys.readouterr().out
+    assert "--backend llamacpp" in command and "--temperatures 0.6,1" in command and "--prompts 2" in command
+    run = dict(dataset="humaneval", temperature=1.0, prompt_key="p0", error=None, committed_per_step=[3, 1],
+               accepted_per_step=[2, 0], drafted_per_step=[4, 4], depth_per_step=[4, 4],
+               root_optimum_per_step=[0.8, 0.6], tokens_per_s=5.0, wall=1.0, new_tokens=4, verifier="sps",
+               lossy=False, label="sps@4")
+    results = dict(command="arborspec bench ...", settings=dict(datasets=["humaneval"]), prompts=[{}], runs=[run])
+    table = script.pooled_tables(results)
+    assert "| sps@4 | sps | 2.00 | 0.50/0.50/0.00 | 50.0 | 0.50 / 0.70 | 5.00 | – |" in table
