@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from ..spec import RunSpec
+from .build import build_server, describe, listen, url_host
 
 APP_NAME = "arborspec"
 REPLICA_HEADER = b"x-arborspec-replica"
@@ -43,8 +44,6 @@ class ArborspecReplica:
     """One replica: one engine behind `arborspec serve`'s app."""
 
     def __init__(self, args: argparse.Namespace, spec: RunSpec):
-        from .run import build_server  # run.py imports this module lazily; importing it back here is safe
-
         use_threads(args)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.server = build_server(args, spec, render_metrics=self.all_metrics)
@@ -123,8 +122,6 @@ class _Collected:
 # ---- the driver: `arborspec serve --ray` ----------------------------------------------------------------------------
 def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C."""
-    from .run import describe, listen, url_host
-
     with listen(args.host, args.port) as sock:  # a taken port fails now, not after Ray has started
         port = sock.getsockname()[1]  # Ray's proxy needs a number: --port 0 means "pick one", as without Ray
     started = args.ray_address is None

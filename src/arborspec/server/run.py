@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import uvicorn
-from fastapi import FastAPI
 
-from ..models.loading import ModelLoadError, check_tokenizers_compatible, load_model
-from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, llama_options,
-                    parse, prepare_draft)
-from .app import create_app
-from .decoders import Decoders, Sampling
-from .metrics import Metrics
-from .protocol import Limits
+from ..models.loading import ModelLoadError
+from ..spec import DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, parse
+from .build import build_server, describe, listen, url_host
 from .scheduler import Scheduler
 
-WARMUP_PROMPT = "def"  # any short prompt: the first forwards pay one-time kernel set-up, better before a client waits
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,32 +83,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass
-class Built:
-    """One engine behind one app: what `arborspec serve` runs, once per process or once per Ray replica."""
-
-    app: FastAPI
-    scheduler: Scheduler
-    metrics: Metrics
-    limits: Limits
-
-
-def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -> Built:
-    """Load the pair, warm it up, and make the app (`render_metrics`: what GET /metrics answers, default this
-    server's own metrics)."""
-    decoders = load_decoders(args, spec)
-    limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
-                    args.max_body_bytes, args.api_key or None)
-    metrics = Metrics()
-    scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
-    return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
-
-
-def describe(args, spec: RunSpec) -> str:
-    return (f"method {spec.name}, {args.max_batch} at once, {args.max_queue} queued"
-            f"{', API key required' if args.api_key else ''}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m arborspec.server ...`: the same as `arborspec serve ...`."""
     parser = argparse.ArgumentParser(prog="arborspec serve", description="OpenAI-compatible speculative decoding")
@@ -172,37 +139,6 @@ def server_spec(args) -> RunSpec:
     spec = replace(spec, verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    allow_lossy=args.allow_lossy)
     return check_lossy(spec)
-
-
-def load_decoders(args, spec: RunSpec) -> Decoders:
-    """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
-    method levers are checked against), and one warm-up generation, which also checks the sampling flags."""
-    llama = llama_options(args)
-    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend, llama=llama), None, "none"
-    if spec.needs_draft:
-        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend, llama=llama)
-        check_tokenizers_compatible(target, draft)
-        draft, quant = prepare_draft(target, draft, spec.quant, spec.vocab)
-    decoders = Decoders(spec, target, draft, quant, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-                        args.draft_temperature, dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
-    decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
-    return decoders
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A bound socket (port 0: a free one), so the address printed is the one served."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    return sock
-
-
-def url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class Server(uvicorn.Server):

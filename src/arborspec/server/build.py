@@ -1,0 +1,76 @@
+"""One engine behind one app, made the same way by `arborspec serve` (run.py) and by each Ray Serve replica
+(replicas.py): load the pair, warm it up, make the scheduler, the metrics and the routes; and the listening socket."""
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from ..models.loading import check_tokenizers_compatible, load_model
+from ..spec import RunSpec, llama_options, prepare_draft
+from .app import create_app
+from .decoders import Decoders, Sampling
+from .metrics import Metrics
+from .protocol import Limits
+from .scheduler import Scheduler
+
+WARMUP_PROMPT = "def"  # any short prompt: the first forwards pay one-time kernel set-up, better before a client waits
+
+
+@dataclass
+class Built:
+    """One engine behind one app: what `arborspec serve` runs, once per process or once per Ray replica."""
+
+    app: FastAPI
+    scheduler: Scheduler
+    metrics: Metrics
+    limits: Limits
+
+
+def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -> Built:
+    """Load the pair, warm it up, and make the app (`render_metrics`: what GET /metrics answers, default this
+    server's own metrics)."""
+    decoders = load_decoders(args, spec)
+    limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
+                    args.max_body_bytes, args.api_key or None)
+    metrics = Metrics()
+    scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
+    return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
+
+
+def describe(args, spec: RunSpec) -> str:
+    return (f"method {spec.name}, {args.max_batch} at once, {args.max_queue} queued"
+            f"{', API key required' if args.api_key else ''}")
+
+
+def load_decoders(args, spec: RunSpec) -> Decoders:
+    """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
+    method levers are checked against), and one warm-up generation, which also checks the sampling flags."""
+    llama = llama_options(args)
+    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend, llama=llama), None, "none"
+    if spec.needs_draft:
+        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend, llama=llama)
+        check_tokenizers_compatible(target, draft)
+        draft, quant = prepare_draft(target, draft, spec.quant, spec.vocab)
+    decoders = Decoders(spec, target, draft, quant, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                        args.draft_temperature, dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
+    decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
+    return decoders
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket (port 0: a free one), so the address printed is the one served."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
