@@ -223,3 +223,17 @@ def test_sigterm_stops_the_deployment_and_ray(ray_server, url):
     assert ray_server.proc.wait(STOP_TIMEOUT_S) == 0
     time.sleep(2)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "replica processes outlived the server"
+
+
+def test_deployment_options_follow_the_flags():
+    from arborspec.server.replicas import deployment
+
+    args = flags("--ray", "--autoscale", "1,3", "--replica-cpus", "0.5", "--max-batch", "4", "--max-queue", "6")
+    check_ray_flags(args)
+    d = deployment(args)
+    scaling = d._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 4)
+    assert d.ray_actor_options["num_cpus"] == 0.5 and d.max_ongoing_requests == 4 + 6 + 4
+    fixed = flags("--ray", "--replicas", "3")
+    check_ray_flags(fixed)
+    assert deployment(fixed).num_replicas == 3
