@@ -36,8 +36,12 @@ class SamplingConfig:
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
-    """Refuse NaN/inf logits loudly: a NaN would otherwise turn into a silent argmax of 0 or a sampling crash."""
-    if not torch.isfinite(logits).all():
+    """Refuse NaN/inf logits loudly: a NaN would otherwise turn into a silent argmax of 0 or a sampling crash.
+
+    A sum is finite only if every element is, and over a 150k vocabulary it costs ~15 us against ~0.5 ms for
+    `isfinite().all()` (one CPU thread), which a plain decoding step would pay every token; the full test runs only
+    when the sum is not finite (a NaN or inf, or finite logits whose sum overflows)."""
+    if not math.isfinite(float(logits.sum())) and not torch.isfinite(logits).all():
         raise FloatingPointError(
             f"the {who} model produced non-finite logits (NaN or inf); check the weights and the dtype"
         )
@@ -74,6 +78,19 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 def sample(probs: torch.Tensor, generator: torch.Generator | None, num: int = 1, replacement: bool = True) -> list[int]:
     """Draw `num` token ids from a (vocab,) distribution."""
     return torch.multinomial(probs, num, replacement=replacement, generator=generator).tolist()
+
+
+def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id drawn from a (vocab,) distribution (unnormalised is fine) by inverse CDF: one uniform from
+    `generator` against the cumulative sums. Exact like `torch.multinomial(probs, 1)`, but ~0.2 ms instead of ~6 ms
+    over a 150k vocabulary on one CPU thread, a tenth of a plain llama.cpp step. A token with no mass is never drawn
+    (its cumulative sum equals its predecessor's, so it is never the first to exceed the uniform)."""
+    cdf = torch.cumsum(probs, 0)
+    u = torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1]
+    token = int(torch.searchsorted(cdf, u, right=True))
+    if token >= len(cdf):  # u rounded up to the total: the last token with mass
+        token = int(torch.nonzero(probs)[-1])
+    return token
 
 
 def uniform(generator: torch.Generator | None) -> float:

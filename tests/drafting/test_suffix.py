@@ -276,7 +276,15 @@ def test_suffix_drafts_keep_the_target_distribution(registered, which):
     probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
     policy = SuffixPolicy(store=32) if which == "suffix" else POLICIES[which](depth=2, branch=2)
     dec = TableDecoder(t_table, d_table, method=policy, verifier="naive", temperature=1.0, horizon=horizon)
+    index, matched = dec.policy.index, []
+    speculate = index.speculate
+
+    def recorded(*args, **kwargs):  # each speculation a tree was drafted from: did it match and add nodes?
+        spec = speculate(*args, **kwargs)
+        matched.append(spec.match > 0 and bool(spec.nodes))
+        return spec
+
+    index.speculate = recorded
     counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
     assert_same_distribution(counts, probs, tv=0.05)
-    drafted = dec.policy.index.speculate(8)
-    assert drafted.match > 0 and drafted.nodes  # suffix branches really were in the trees
+    assert sum(matched) > len(matched) / 10  # suffix branches really were in the trees
