@@ -44,6 +44,41 @@ def test_ar_matches_plain_greedy(pair):
         assert res.stats.n_steps == 20
 
 
+def test_sample_one_draws_the_distribution():
+    """sampling.sample_one (every verifier's bonus draw, the plain loop's pick): inverse CDF, so frequencies follow the
+    (unnormalised) weights and a zero-weight token is never drawn, not even at the ends of the vocabulary."""
+    from arborspec.sampling import make_generator, sample_one
+
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, 0.0, 0.5, 0.0], dtype=torch.float64)
+    gen = make_generator(0)
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample_one(weights, gen) for _ in range(n)]), minlength=len(weights))
+    expected = n * weights / weights.sum()
+    assert counts[weights == 0].sum() == 0
+    chi2 = float(((counts - expected)[weights > 0] ** 2 / expected[weights > 0]).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+    assert sample_one(torch.tensor([0.0, 1e-300, 0.0], dtype=torch.float64), gen) == 1
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_plain_loop_equals_the_general_loop(pair, temperature, top_p):
+    """`ar` (and `auto` when no tree can pay) runs the engine's plain loop: one forward and one pick a step, the whole
+    prompt in the first forward, no verifier. It commits what the general loop commits with root-only trees: the
+    argmax at T = 0, the same seeded draws at T > 0."""
+    target, _ = pair
+    rng = random.Random(2)
+    for seed in range(3):
+        prompt = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 10))]
+        plain = SpeculativeDecoder(target, method="ar", temperature=temperature, top_p=top_p)
+        plain.verifier.verify = lambda *args: pytest.fail("the plain loop runs no verifier")
+        general = SpeculativeDecoder(target, method="ar", temperature=temperature, top_p=top_p)
+        general.policy.plain = False  # the same policy, stepped through draft -> verify -> commit
+        a = plain.generate(prompt, max_new_tokens=20, seed=seed, ignore_eos=True)
+        b = general.generate(prompt, max_new_tokens=20, seed=seed, ignore_eos=True)
+        assert a.token_ids == b.token_ids and a.stats.n_steps == b.stats.n_steps == 20
+        assert 0 < a.stats.t_prefill <= a.stats.t_first_token <= a.stats.t_total
+
+
 @pytest.mark.parametrize("method,options", SHAPES)
 def test_speculative_matches_ar(pair, method, options):
     target, draft = pair

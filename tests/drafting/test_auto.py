@@ -467,7 +467,8 @@ def test_stats_explain_the_choices(cheap_profile):
     assert data["policy"]["summary"] == info["summary"] and "path" in data["per_step"][0]
     json.dumps(data)
     again = dec.generate([9, 9, 2], max_new_tokens=5, ignore_eos=True)  # a new generation: a new account
-    assert len(again.stats.policy["steps"]) == again.stats.n_steps
+    # (the costs measured so far may leave no tree that pays: then it is a plain generation, with no steps to explain)
+    assert len(again.stats.policy["steps"]) == (0 if again.stats.policy["plain"] else again.stats.n_steps)
     with pytest.raises(RuntimeError, match="cost profile"):
         POLICIES["auto"]().draft(fake_context(FakeSession()))
 
@@ -565,7 +566,7 @@ def test_auto_leaves_the_draft_alone_when_no_tree_could_pay():
     res = dec.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
     assert res.token_ids == ref.token_ids
     assert sum(s.draft_calls for s in res.stats.steps) == 0 and res.stats.tokens_per_step == 1.0
-    assert {s["mode"] for s in res.stats.policy["steps"]} == {"ar (cannot pay)"}
+    assert res.stats.policy["plain"] and res.stats.policy["summary"].startswith("auto: plain decoding")
     dec.policy.use_costs(gentle)
     res = dec.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
     assert res.token_ids == ref.token_ids and sum(s.draft_calls for s in res.stats.steps) > 0

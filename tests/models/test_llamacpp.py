@@ -366,6 +366,26 @@ def test_greedy_speculative_output_equals_plain_decoding(gguf_dir, method, optio
 
 
 @needs_llama
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_loop_equals_the_general_loop(gguf_dir, temperature):
+    """The engine's plain loop (`ar`, `auto` when no tree pays: one llama_decode and one pick a step, the prompt in
+    the first decode) commits what draft -> verify -> commit does with root-only trees, greedy and seeded."""
+    from arborspec.engine import SpeculativeDecoder
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    prompt = "def fib(n):\n    return"
+    for seed in range(2):
+        plain = SpeculativeDecoder(target, method="ar", temperature=temperature)
+        plain.verifier.verify = lambda *args: pytest.fail("the plain loop runs no verifier")
+        general = SpeculativeDecoder(target, method="ar", temperature=temperature)
+        general.policy.plain = False  # the same policy, stepped through draft -> verify -> commit
+        a = plain.generate(prompt, max_new_tokens=32, seed=seed, ignore_eos=True)
+        b = general.generate(prompt, max_new_tokens=32, seed=seed, ignore_eos=True)
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert len(set(a.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
 def test_pair_tokenizer_and_model_attributes(gguf_dir):
     pair = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_ctx=128)
     model = pair.model

@@ -9,6 +9,7 @@ class AutoregressivePolicy(Policy):
     name = "ar"
     summary = "plain decoding with the target model (the baseline every speed-up is measured against)"
     needs_draft = False
+    plain = True  # the engine's plain loop runs it; `draft` serves callers that step the policy themselves
 
     def draft(self, ctx: DraftContext) -> TokenTree:
         return TokenTree.root(ctx.context[-1])

@@ -40,6 +40,9 @@ class Policy:
     summary: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     needs_draft: ClassVar[bool] = True
+    # Every tree is the bare root (plain decoding, one target token a step): the engine then runs its plain loop
+    # (SpeculativeDecoder._plain_steps), which calls neither `draft` nor `update`.
+    plain: ClassVar[bool] = False
     # How children are drawn when the draft samples (T > 0); at T = 0 every policy picks them deterministically.
     sampled_rule: ClassVar[DrawRule] = DrawRule.DETERMINISTIC
 
@@ -76,7 +79,8 @@ class Policy:
 
     def uses_draft(self) -> bool:
         """Whether the next generation calls the draft model at all; the engine neither opens nor prefills a draft
-        session otherwise (auto says no when its measured costs leave no tree that could beat plain decoding)."""
+        session otherwise (auto says no when its measured costs leave no tree that could beat plain decoding). A
+        policy that needs a draft and says no drafts only bare roots: the engine decodes plainly (see `plain`)."""
         return self.needs_draft
 
     def update(self, step) -> None:

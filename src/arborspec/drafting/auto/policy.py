@@ -218,18 +218,23 @@ class AutoPolicy(Policy):
         self._prev_context = list(context)
 
     def explain(self) -> dict:
-        steps = self.run["steps"]
-        spec = [s for s in steps if s["mode"] in ("spec", "probe")]
         c = self.costs
-        n = len(steps)
-        summary = (f"auto: {len(spec)}/{n} steps drafted"
-                   + (f", mean tree {np.mean([sum(s['widths']) - 1 for s in spec]):.1f} nodes in "
-                      f"{np.mean([len(s['widths']) - 1 for s in spec]):.1f} layers, predicted "
-                      f"{np.mean([s['expected'] for s in spec]):.2f} tokens/step, got "
-                      f"{np.mean([s.get('committed', 0) for s in spec]):.2f}" if spec else "")
-                   + f"; guard: {sum(d['action'] == 'fallback' for d in self.run['guard'])} fallback(s)"
-                   + f"; costs: {self.source.get('costs', '?')}")
-        out = {"summary": summary, "steps": steps, "guard": self.run["guard"],
+        if self.cannot_pay:  # a plain generation: the engine consults the policy at no step (engine._plain_steps)
+            steps, guard = [], []
+            summary = (f"auto: plain decoding, the draft unused: no tree can beat it under the measured costs "
+                       f"(ceiling {ceiling_rate(c):.2f} <= plain {1 / c.plain_step():.2f} tokens/s); "
+                       f"costs: {self.source.get('costs', '?')}")
+        else:
+            steps, guard = self.run["steps"], self.run["guard"]
+            spec = [s for s in steps if s["mode"] in ("spec", "probe")]
+            summary = (f"auto: {len(spec)}/{len(steps)} steps drafted"
+                       + (f", mean tree {np.mean([sum(s['widths']) - 1 for s in spec]):.1f} nodes in "
+                          f"{np.mean([len(s['widths']) - 1 for s in spec]):.1f} layers, predicted "
+                          f"{np.mean([s['expected'] for s in spec]):.2f} tokens/step, got "
+                          f"{np.mean([s.get('committed', 0) for s in spec]):.2f}" if spec else "")
+                       + f"; guard: {sum(d['action'] == 'fallback' for d in guard)} fallback(s)"
+                       + f"; costs: {self.source.get('costs', '?')}")
+        out = {"summary": summary, "plain": self.cannot_pay, "steps": steps, "guard": guard,
                "calibration": self.calibrator.describe(), "source": dict(self.source),
                "child_probs": {"greedy": [round(float(v), 4) for v in self.child_probs[True]],
                                "sampled": [round(float(v), 4) for v in self.child_probs[False]]}}
