@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,22 +22,44 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be compiled here (no C++ compiler, no ninja, ...): the message says what is missing."""
 
 
-class _Reference:
-    """Stand-in while the C++ kernels are being written: the scalar reference (slow, same numerics)."""
-
-    name = "reference"
-
-    def matmul(self, matrix, x: torch.Tensor) -> torch.Tensor:
-        from .reference import reference_matmul
-        return reference_matmul(matrix, x)
-
-
 @functools.cache
-def library():
-    """The loaded kernels (an object with `matmul(matrix, x)`)."""
-    if not SOURCE.exists():
-        return _Reference()
-    raise NotImplementedError
+def library() -> "Kernels":
+    """The kernels, compiled for this CPU on first use (about a minute) and loaded from the cache afterwards."""
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load(name="arborspec_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
+        raise KernelBuildError(f"could not compile arborspec's kernels ({explain(exc)}); they need a C++ compiler "
+                               "(g++ or clang++) and ninja (pip install ninja)") from exc
+    kernels = Kernels()
+    if kernels.isa == "scalar":
+        warnings.warn("this CPU has no AVX2: arborspec's kernels run their portable scalar code (several times "
+                      "slower); the llama.cpp backend is the faster choice here", stacklevel=2)
+    return kernels
+
+
+class Kernels:
+    """The compiled operators (torch.ops.arborspec_kernels)."""
+
+    def __init__(self):
+        self.ops = torch.ops.arborspec_kernels
+        self.isa = self.ops.isa()  # "avx2" or "scalar": what this build runs
+
+    def activations(self, x: torch.Tensor, qtype) -> torch.Tensor:
+        """x (m, k) as the kernels quantize it (dequantized, float32): for tests against the reference."""
+        return self.ops.dequantized_activations(x.contiguous(), int(qtype))
+
+
+def explain(exc: Exception) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if "error" in line.lower() or "not found" in line.lower():
+            return line.strip()[:200]
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def cache_key() -> str:
@@ -49,7 +71,7 @@ def cache_key() -> str:
                 break
     except OSError:
         pass
-    text = SOURCE.read_bytes() + flags.encode() + torch.__version__.encode()
+    text = SOURCE.read_bytes() + Path(__file__).read_bytes() + flags.encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 

@@ -17,9 +17,13 @@ class QuantMatrix:
 
     `self(x)` computes x · Wᵀ for x (m, k) float32 -> (m, n) float32, with the activations quantized to 8 bits per
     block as llama.cpp does for these types (so results agree with llama.cpp's numerics, not with a float matmul).
+
+    Q4_K matrices with a multiple of 8 rows are repacked at load into groups of 8 interleaved rows (the same bits,
+    rearranged; see gguf_mm.cpp) because that layout needs about half the multiply instructions per row of X;
+    `pack=False` keeps the file's layout (an embedding table, whose rows are looked up one by one).
     """
 
-    def __init__(self, data: np.ndarray | torch.Tensor, qtype, n: int, k: int):
+    def __init__(self, data: np.ndarray | torch.Tensor, qtype, n: int, k: int, pack: bool = True):
         self.qtype = QT(qtype)
         if not supported(self.qtype):
             raise ValueError(f"no kernel for GGUF type {self.qtype.name}; covered: "
@@ -30,27 +34,45 @@ class QuantMatrix:
         self.n, self.k = n, k
         self.row_bytes = k // block * nbytes
         data = torch.as_tensor(np.ascontiguousarray(data)).view(torch.uint8).reshape(n, self.row_bytes)
-        self.data = data  # (n, row_bytes) uint8, as in the file
+        self.packed = pack and self.qtype == QT.Q4_K and n % 8 == 0
+        # (n, row_bytes) as in the file, or (n / 8, blocks x 1184) interleaved groups
+        self.data = _kernels().ops.repack_q4k8(data, k) if self.packed else data
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.k
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (m, k) float32 -> (m, n) float32."""
-        from .build import library
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def __call__(self, x: torch.Tensor, scalar: bool = False) -> torch.Tensor:
+        """x (m, k) float32 -> (m, n) float32; `scalar` runs the portable code instead of AVX2 (tests)."""
         if x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"expected activations (m, {self.k}), got {tuple(x.shape)}")
         x = x.to(torch.float32).contiguous()
-        return library().matmul(self, x)
+        ops = _kernels().ops
+        if self.packed:
+            return ops.matmul_q4k8(self.data, self.k, x, scalar)
+        return ops.matmul(self.data, int(self.qtype), self.k, x, scalar)
+
+    def blocks(self) -> torch.Tensor:
+        """W's blocks in the file's layout, (n, row_bytes) uint8."""
+        return _kernels().ops.unpack_q4k8(self.data, self.k) if self.packed else self.data
 
     def dequantize(self) -> torch.Tensor:
-        """W (n, k) float32: for tests, embeddings and the reference (not used on the hot path)."""
+        """W (n, k) float32: for tests and the reference (not used on the hot path)."""
         from gguf.quants import dequantize
-        return torch.from_numpy(dequantize(self.data.numpy(), self.qtype)).reshape(self.n, self.k)
+        return torch.from_numpy(dequantize(self.blocks().numpy(), self.qtype)).reshape(self.n, self.k)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows `index` of W dequantized, float32 (len(index), k): an embedding lookup without a float copy of W."""
+        """Rows `index` of W dequantized, float32 (*index.shape, k): an embedding lookup without a float copy of W."""
         from gguf.quants import dequantize
-        picked = self.data.index_select(0, index.reshape(-1).to(torch.long)).numpy()
+        source = self.blocks() if self.packed else self.data
+        picked = source.index_select(0, index.reshape(-1).to(torch.long)).numpy()
         return torch.from_numpy(dequantize(picked, self.qtype)).reshape(*index.shape, self.k)
+
+
+def _kernels():
+    from .build import library
+    return library()

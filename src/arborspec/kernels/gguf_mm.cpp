@@ -1,0 +1,733 @@
+// arborspec's matrix kernels for GGUF weights: Y (m x n) = X (m x k) · Wᵀ, W (n x k) kept in its GGUF blocks.
+//
+// Built for small m (verifying a tree of 2-32 tokens): each weight block is loaded and unpacked once and applied to
+// every row of X before the next block, so m rows cost one pass over the weights (memory time) plus m times the
+// integer dot products (compute time), instead of m passes. Activations are quantized to 8 bits per block first, as
+// llama.cpp does for these types (256-value blocks with a float scale and per-16 sums for the K-quants, 32-value
+// blocks with a float16 scale for Q5_0 / Q8_0), so results agree with its numerics; the dot products are exact
+// integers and only the per-block scales are float.
+//
+// Block layouts (bytes), as GGUF files store them:
+//   Q4_K (256 weights, 144 B): d f16, dmin f16, 12 B of packed 6-bit scales and mins for 8 sub-blocks of 32,
+//        128 B of 4-bit values; w = d * scale[s] * q - dmin * min[s].
+//   Q6_K (256 weights, 210 B): 128 B low 4 bits, 64 B high 2 bits, 16 int8 scales (one per 16 weights), d f16;
+//        w = d * scale[g] * (q - 32).
+//   Q5_0 (32 weights, 22 B): d f16, 4 B of 5th bits, 16 B of 4-bit values; w = d * (q - 16).
+//   Q8_0 (32 weights, 34 B): d f16, 32 int8; w = d * q.
+//
+// Two implementations of each: AVX2 (256-bit integer multiply-adds) and a portable scalar one, which is also the
+// fallback on CPUs without AVX2. Output columns are split across torch's thread pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ARB_AVX2 1
+#endif
+
+namespace {
+
+enum QType : int64_t { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+constexpr int64_t kTile = 16;  // rows of X handled together (accumulators live on the stack)
+constexpr int64_t kColumns = 16;  // columns per sweep over the row tiles (their weights stay in L2)
+
+// 8-bit activations for the K-quants: 256 values, their scale, and sums of each 16 (for the mins / the -32 offset)
+struct ActK {
+  float d;
+  int8_t qs[256];
+  int16_t bsums[16];
+  int16_t bsum32[8];  // sums of each 32 (the Q4_K sub-blocks), for the interleaved kernel's mins term
+};
+
+// 8-bit activations for the 32-blocks: scale (rounded through float16 as the format stores it) and the sum of q
+struct Act32 {
+  float d;
+  int32_t sum;
+  int8_t qs[32];
+};
+
+float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// ---------------------------------------------------------------------------------------------- activations
+
+// One 256-block: d = max / -127 where max is the value of largest magnitude (sign kept), q = round(x / d).
+void quantize_k(const float* x, ActK* out) {
+  float amax = 0.f, peak = 0.f;
+  for (int i = 0; i < 256; ++i) {
+    float a = std::fabs(x[i]);
+    if (a > amax) {
+      amax = a;
+      peak = x[i];
+    }
+  }
+  if (amax == 0.f) {
+    std::memset(out, 0, sizeof(ActK));
+    return;
+  }
+  const float iscale = -127.f / peak;
+  for (int i = 0; i < 256; ++i) {
+    int v = (int)std::nearbyint(iscale * x[i]);
+    out->qs[i] = (int8_t)(v > 127 ? 127 : v);
+  }
+  for (int g = 0; g < 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += out->qs[16 * g + i];
+    out->bsums[g] = (int16_t)s;
+  }
+  for (int g = 0; g < 8; ++g) out->bsum32[g] = (int16_t)(out->bsums[2 * g] + out->bsums[2 * g + 1]);
+  out->d = 1.f / iscale;
+}
+
+// One 32-block: d = amax / 127, q = round(x / d), d kept as float16.
+void quantize_32(const float* x, Act32* out) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float d = amax / 127.f;
+  const float inv = d != 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    int v = (int)std::nearbyint(x[i] * inv);
+    out->qs[i] = (int8_t)v;
+    sum += v;
+  }
+  out->sum = sum;
+  out->d = static_cast<float>(c10::Half(d));
+}
+
+bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+  }
+  return 0;
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K block (packed 12 bytes: 8 scales and 8 mins).
+void q4k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The arguments every kernel gets: weights of columns [c0, c1), activations of rows [r0, r1) (r1 - r0 <= kTile).
+struct Job {
+  const uint8_t* w;  // (n, row_bytes)
+  int64_t row_bytes;
+  const void* act;  // (m, blocks) ActK or Act32
+  int64_t blocks;  // activation blocks per row
+  float* y;  // (m, n)
+  int64_t n;
+};
+
+// ---------------------------------------------------------------------------------------------- scalar kernels
+
+void q4k_scalar(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  for (int64_t c = c0; c < c1; ++c) {
+    float acc[kTile] = {0};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * 144;
+      const float d = half(blk), dmin = half(blk + 2);
+      int q[256], sc[8], mn[8];
+      for (int s = 0; s < 8; ++s) q4k_scale_min(blk + 4, s, &sc[s], &mn[s]);
+      for (int h = 0; h < 4; ++h)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * h + l] = blk[16 + 32 * h + l] & 0x0F;
+          q[64 * h + 32 + l] = blk[16 + 32 * h + l] >> 4;
+        }
+      for (int64_t r = r0; r < r1; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        int sumi = 0, summ = 0;
+        for (int s = 0; s < 8; ++s) {
+          int dot = 0;
+          for (int l = 0; l < 32; ++l) dot += q[32 * s + l] * a.qs[32 * s + l];
+          sumi += sc[s] * dot;
+          summ += mn[s] * (a.bsums[2 * s] + a.bsums[2 * s + 1]);
+        }
+        acc[r - r0] += a.d * d * (float)sumi - a.d * dmin * (float)summ;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = acc[r - r0];
+  }
+}
+
+void q6k_scalar(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  for (int64_t c = c0; c < c1; ++c) {
+    float acc[kTile] = {0};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * 210;
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = half(blk + 208);
+      int q[256];  // unsigned 0..63; the -32 offset is applied through the activation sums
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
+          q[128 * h + l] = (lo0 & 0x0F) | ((hi & 3) << 4);
+          q[128 * h + 32 + l] = (lo1 & 0x0F) | (((hi >> 2) & 3) << 4);
+          q[128 * h + 64 + l] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
+          q[128 * h + 96 + l] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
+        }
+      for (int64_t r = r0; r < r1; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        int sumi = 0;
+        for (int g = 0; g < 16; ++g) {
+          int dot = 0;
+          for (int l = 0; l < 16; ++l) dot += q[16 * g + l] * a.qs[16 * g + l];
+          sumi += sc[g] * (dot - 32 * a.bsums[g]);
+        }
+        acc[r - r0] += a.d * d * (float)sumi;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = acc[r - r0];
+  }
+}
+
+// Q5_0 and Q8_0: 32-blocks with one float16 scale; `q` gets the block's integer weights (signed)
+void unpack_32(int64_t qtype, const uint8_t* blk, int* q) {
+  if (qtype == Q8_0) {
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(blk[2 + l]);
+    return;
+  }
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  for (int l = 0; l < 16; ++l) {
+    q[l] = ((blk[6 + l] & 0x0F) | (((qh >> l) & 1) << 4)) - 16;
+    q[l + 16] = ((blk[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16;
+  }
+}
+
+void q32_scalar(int64_t qtype, const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const Act32* act = static_cast<const Act32*>(j.act);
+  const int64_t bytes = block_bytes(qtype);
+  for (int64_t c = c0; c < c1; ++c) {
+    float acc[kTile] = {0};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * bytes;
+      const float d = half(blk);
+      int q[32];
+      unpack_32(qtype, blk, q);
+      for (int64_t r = r0; r < r1; ++r) {
+        const Act32& a = act[r * j.blocks + b];
+        int dot = 0;
+        for (int l = 0; l < 32; ++l) dot += q[l] * a.qs[l];
+        acc[r - r0] += a.d * d * (float)dot;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = acc[r - r0];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- AVX2 kernels
+#ifdef ARB_AVX2
+
+float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline float half_avx(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// pick[s]: a byte shuffle that broadcasts int16 lane s of a 128-bit half to the whole half (s = 0..7); pair[s]:
+// int16 lane 2s to the low half and lane 2s + 1 to the high half (s = 0..3), for Q6_K's two scales a register.
+struct Shuffles {
+  __m256i pick[8], pair[4];
+  Shuffles() {
+    for (int s = 0; s < 8; ++s) pick[s] = _mm256_set1_epi16((int16_t)((2 * s + 1) << 8 | (2 * s)));
+    for (int s = 0; s < 4; ++s)
+      pair[s] = _mm256_setr_m128i(_mm_set1_epi16((int16_t)((4 * s + 1) << 8 | (4 * s))),
+                                  _mm_set1_epi16((int16_t)((4 * s + 3) << 8 | (4 * s + 2))));
+  }
+};
+const Shuffles kShuffles;
+
+// Q4_K's 12 bytes of packed 6-bit scales and mins -> 16 bytes: the 8 scales, then the 8 mins.
+inline __m128i q4k_scales(const uint8_t* s) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t sc_lo = a & 0x3f3f3f3f, mn_lo = b & 0x3f3f3f3f;
+  const uint32_t sc_hi = (c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4);
+  const uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4);
+  return _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi);
+}
+
+// Q4_K: per block, the 256 4-bit values become 8 registers of 32 bytes (sub-blocks in order) and the 8 scales 8
+// int16 broadcasts, once; every row then costs 8 u8 x s8 multiply-adds, 8 scaled pair sums and the mins term.
+void q4k_avx2(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m128i dup_mins = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  for (int64_t c = c0; c < c1; ++c) {
+    __m256 acc[kTile];
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * 144;
+      const float d = half_avx(blk), dmin = half_avx(blk + 2);
+      const __m128i packed = q4k_scales(blk + 4);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));  // 8 scales as int16, twice
+      // each min twice: it weighs the two 16-sums of its 32-value sub-block
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(packed, dup_mins));
+      __m256i wv[8], scale[8];
+      for (int s = 0; s < 8; ++s) scale[s] = _mm256_shuffle_epi8(sc16, kShuffles.pick[s]);
+      for (int h = 0; h < 4; ++h) {
+        const __m256i raw = load(blk + 16 + 32 * h);
+        wv[2 * h] = _mm256_and_si256(raw, low4);
+        wv[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        __m256i sum = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+          const __m256i p = _mm256_maddubs_epi16(wv[s], load(a.qs + 32 * s));  // (16,) int16 pair sums
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale[s]));  // (8,) int32, scaled
+        }
+        const __m256i msum = _mm256_madd_epi16(load(a.bsums), mins);
+        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a.d * d), acc[r - r0]);
+        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(-a.d * dmin), f);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = hsum(acc[r - r0]);
+  }
+}
+
+// Q6_K: the 6-bit values (0..63, offset 32 applied through the activation sums) become 8 registers; each register
+// holds two groups of 16 with their own int8 scales, applied by one pair-sum multiply.
+void q6k_avx2(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+  for (int64_t c = c0; c < c1; ++c) {
+    __m256 acc[kTile];
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * 210;
+      const float d = half_avx(blk + 208);
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));  // 16 int8 scales
+      const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+      const __m256i sc_lo = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sc16));  // scales 0..7, twice
+      const __m256i sc_hi = _mm256_broadcastsi128_si256(_mm256_extracti128_si256(sc16, 1));  // scales 8..15
+      __m256i wv[8], scale[8];
+      for (int s = 0; s < 8; ++s) scale[s] = _mm256_shuffle_epi8(s < 4 ? sc_lo : sc_hi, kShuffles.pair[s % 4]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load(blk + 64 * h), l1 = load(blk + 64 * h + 32), hi = load(blk + 128 + 32 * h);
+        const auto high = [&](int shift) {
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), low2), 4);
+        };
+        wv[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low4), high(0));
+        wv[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), high(2));
+        wv[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4));
+        wv[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6));
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        __m256i sum = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+          const __m256i p = _mm256_maddubs_epi16(wv[s], load(a.qs + 32 * s));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale[s]));
+        }
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(load(a.bsums), sc16), 5);  // 32 x scaled sums
+        sum = _mm256_sub_epi32(sum, offset);
+        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(a.d * d), acc[r - r0]);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = hsum(acc[r - r0]);
+  }
+}
+
+// The 32 bits of `bits` as 32 bytes, 0xFF where the bit is set (byte i <- bit i).
+__m256i expand_bits(uint32_t bits) {
+  const __m256i pick = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                          0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// Q5_0 and Q8_0: one 32-block is one register. u8 x s8 multiply-adds need an unsigned side: Q5_0's values are
+// unsigned 0..31 before the -16 offset (applied through the activation sum); Q8_0 multiplies |w| by sign(w) x a.
+void q32_avx2(int64_t qtype, const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  const Act32* act = static_cast<const Act32*>(j.act);
+  const int64_t bytes = block_bytes(qtype);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t c = c0; c < c1; ++c) {
+    __m256 acc[kTile];
+    float offset[kTile] = {0};
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + c * j.row_bytes + b * bytes;
+      const float d = half_avx(blk);
+      __m256i wv, wsign;
+      if (qtype == Q8_0) {
+        wsign = load(blk + 2);
+        wv = _mm256_sign_epi8(wsign, wsign);  // |w|
+      } else {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+        const __m256i nib = _mm256_setr_m128i(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+        wv = _mm256_or_si256(nib, _mm256_and_si256(expand_bits(qh), _mm256_set1_epi8(0x10)));
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const Act32& a = act[r * j.blocks + b];
+        const __m256i av = load(a.qs);
+        const __m256i p = _mm256_maddubs_epi16(wv, qtype == Q8_0 ? _mm256_sign_epi8(av, wsign) : av);
+        const float dd = a.d * d;
+        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(dd),
+                                      acc[r - r0]);
+        if (qtype == Q5_0) offset[r - r0] -= 16.f * dd * (float)a.sum;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = hsum(acc[r - r0]) + offset[r - r0];
+  }
+}
+
+#endif  // ARB_AVX2
+
+// ---- Q4_K interleaved by 8 columns ("q4_K x8") -----------------------------------------------------------------
+// Why: in the row layout every 32 weights of every row cost two multiply instructions (the u8 x s8 product and the
+// scaled pair sum), so a few rows make the kernel compute-bound on AVX2. With 8 columns side by side, 4 weights of
+// each column in one 32-bit lane, one broadcast of 4 activation bytes serves 8 columns, and the 16-bit products of a
+// whole 32-weight sub-block can be summed before the one scaled widening (8 x 2 x 15 x 127 < 32767): about 9 instead
+// of 16 multiplies per 256 weights and row. The repacked group is the same bits, rearranged (+2.8% bytes):
+//   d[8], dmin[8] (float16), scales[8 sub-blocks][8 columns], mins[4 pairs][8 columns][2] (uint8),
+//   qs[8 sub-blocks][4 chunks][8 columns][4 bytes]: in chunk q of sub-block s, byte i of column c holds weight
+//   32 s + 8 q + i (low nibble) and 32 s + 8 q + 4 + i (high nibble).
+constexpr int64_t kGroup = 8;
+constexpr int64_t kGroupBytes = 16 + 16 + 64 + 64 + 1024;
+
+void repack_q4k_group(const uint8_t* src, int64_t row_bytes, int64_t block, uint8_t* out) {
+  for (int c = 0; c < kGroup; ++c) {
+    const uint8_t* blk = src + c * row_bytes + block * 144;
+    std::memcpy(out + 2 * c, blk, 2);
+    std::memcpy(out + 16 + 2 * c, blk + 2, 2);
+    int sc[8], mn[8], q[256];
+    for (int s = 0; s < 8; ++s) q4k_scale_min(blk + 4, s, &sc[s], &mn[s]);
+    for (int s = 0; s < 8; ++s) {
+      out[32 + 8 * s + c] = (uint8_t)sc[s];
+      out[96 + 16 * (s / 2) + 2 * c + (s % 2)] = (uint8_t)mn[s];
+    }
+    for (int h = 0; h < 4; ++h)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * h + l] = blk[16 + 32 * h + l] & 0x0F;
+        q[64 * h + 32 + l] = blk[16 + 32 * h + l] >> 4;
+      }
+    for (int s = 0; s < 8; ++s)
+      for (int ch = 0; ch < 4; ++ch)
+        for (int i = 0; i < 4; ++i) {
+          const int w = 32 * s + 8 * ch + i;
+          out[160 + ((s * 4 + ch) * kGroup + c) * 4 + i] = (uint8_t)(q[w] | (q[w + 4] << 4));
+        }
+  }
+}
+
+// Scalar form of the interleaved kernel: the same sums from the repacked bytes (the reference for the AVX2 one and
+// the fallback on CPUs without AVX2).
+void q4k8_scalar(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  for (int64_t g = g0; g < g1; ++g) {
+    float acc[kTile][kGroup] = {{0}};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* grp = j.w + g * j.row_bytes + b * kGroupBytes;
+      for (int c = 0; c < kGroup; ++c) {
+        const float d = half(grp + 2 * c), dmin = half(grp + 16 + 2 * c);
+        for (int64_t r = r0; r < r1; ++r) {
+          const ActK& a = act[r * j.blocks + b];
+          int sumi = 0, summ = 0;
+          for (int s = 0; s < 8; ++s) {
+            int dot = 0;
+            for (int ch = 0; ch < 4; ++ch)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t v = grp[160 + ((s * 4 + ch) * kGroup + c) * 4 + i];
+                dot += (v & 0x0F) * a.qs[32 * s + 8 * ch + i] + (v >> 4) * a.qs[32 * s + 8 * ch + 4 + i];
+              }
+            sumi += grp[32 + 8 * s + c] * dot;
+            summ += grp[96 + 16 * (s / 2) + 2 * c + (s % 2)] * a.bsum32[s];
+          }
+          acc[r - r0][c] += a.d * d * (float)sumi - a.d * dmin * (float)summ;
+        }
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int c = 0; c < kGroup; ++c) j.y[r * j.n + g * kGroup + c] = acc[r - r0][c];
+  }
+}
+
+#ifdef ARB_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[kTile];
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* grp = j.w + g * j.row_bytes + b * kGroupBytes;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 columns,)
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16)));
+      __m256i isum[kTile];
+      for (int64_t r = r0; r < r1; ++r) isum[r - r0] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 32 + 8 * s));
+        const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each column's scale twice
+        __m256i w[8];
+        for (int ch = 0; ch < 4; ++ch) {
+          const __m256i v = load(grp + 160 + (s * 4 + ch) * 32);
+          w[2 * ch] = _mm256_and_si256(v, low4);
+          w[2 * ch + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const int8_t* aq = act[r * j.blocks + b].qs + 32 * s;
+          __m256i p = _mm256_maddubs_epi16(w[0], bcast4(aq));  // (8 columns x 2,) int16
+          for (int i = 1; i < 8; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], bcast4(aq + 4 * i)));
+          isum[r - r0] = _mm256_add_epi32(isum[r - r0], _mm256_madd_epi16(p, scale));  // (8 columns,) int32
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        __m256i msum = _mm256_setzero_si256();
+        for (int pr = 0; pr < 4; ++pr) {
+          const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 96 + 16 * pr)));
+          int32_t pair;
+          std::memcpy(&pair, a.bsum32 + 2 * pr, 4);
+          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
+        }
+        const __m256 ad = _mm256_set1_ps(a.d);
+        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r - r0]), _mm256_mul_ps(d, ad), acc[r - r0]);
+        acc[r - r0] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), f);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kGroup, acc[r - r0]);
+  }
+}
+#endif
+
+
+// ---------------------------------------------------------------------------------------------- dispatch
+
+void run_tile(int64_t qtype, bool scalar, const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+#ifdef ARB_AVX2
+  if (!scalar) {
+    switch (qtype) {
+      case Q4_K: return q4k_avx2(j, c0, c1, r0, r1);
+      case Q6_K: return q6k_avx2(j, c0, c1, r0, r1);
+      default: return q32_avx2(qtype, j, c0, c1, r0, r1);
+    }
+  }
+#endif
+  switch (qtype) {
+    case Q4_K: return q4k_scalar(j, c0, c1, r0, r1);
+    case Q6_K: return q6k_scalar(j, c0, c1, r0, r1);
+    default: return q32_scalar(qtype, j, c0, c1, r0, r1);
+  }
+}
+
+void check_args(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& x) {
+  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K || qtype == Q5_0 || qtype == Q8_0, "no kernel for GGUF type ", qtype);
+  const int64_t block = k_quant(qtype) ? 256 : 32;
+  TORCH_CHECK(k > 0 && k % block == 0, "row length ", k, " is not a multiple of the block of ", block);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "weights: contiguous uint8 (n, row_bytes)");
+  TORCH_CHECK(w.size(1) == k / block * block_bytes(qtype), "weights: ", w.size(1), " bytes a row, expected ",
+              k / block * block_bytes(qtype));
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "activations: contiguous float32 (m, ", k, ")");
+}
+
+// X (m, k) quantized to 8-bit blocks: a byte tensor holding m x (k / block) ActK or Act32 records.
+at::Tensor quantize_rows(const at::Tensor& x, int64_t qtype) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const bool kq = k_quant(qtype);
+  const int64_t block = kq ? 256 : 32, blocks = k / block;
+  const int64_t rec = kq ? sizeof(ActK) : sizeof(Act32);
+  at::Tensor out = at::empty({m * blocks * rec}, x.options().dtype(at::kByte));
+  const float* px = x.data_ptr<float>();
+  uint8_t* po = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < m * blocks; ++i) {
+    if (kq)
+      quantize_k(px + i * block, reinterpret_cast<ActK*>(po) + i);
+    else
+      quantize_32(px + i * block, reinterpret_cast<Act32*>(po) + i);
+  }
+  return out;
+}
+
+at::Tensor matmul(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
+  check_args(w, qtype, k, x);
+  const int64_t m = x.size(0), n = w.size(0);
+  const at::Tensor act = quantize_rows(x, qtype);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const Job job{w.data_ptr<uint8_t>(), w.size(1), act.data_ptr<uint8_t>(), k / (k_quant(qtype) ? 256 : 32),
+                y.data_ptr<float>(), n};
+  const int64_t sweeps = (n + kColumns - 1) / kColumns;
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t c0 = s * kColumns, c1 = std::min(n, c0 + kColumns);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) run_tile(qtype, scalar, job, c0, c1, r0, std::min(m, r0 + kTile));
+    }
+  });
+  return y;
+}
+
+// W (n, row_bytes) Q4_K, n a multiple of 8 -> (n / 8, blocks x kGroupBytes): groups of 8 columns interleaved.
+at::Tensor repack_q4k8(const at::Tensor& w, int64_t k) {
+  check_args(w, Q4_K, k, at::empty({0, k}, at::kFloat));
+  const int64_t n = w.size(0), blocks = k / 256;
+  TORCH_CHECK(n % kGroup == 0, "repack_q4k8: ", n, " columns is not a multiple of ", kGroup);
+  at::Tensor out = at::empty({n / kGroup, blocks * kGroupBytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kGroup, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        repack_q4k_group(src + g * kGroup * w.size(1), w.size(1), b, dst + (g * blocks + b) * kGroupBytes);
+  });
+  return out;
+}
+
+// The inverse of repack_q4k8 (for dequantizing a packed matrix: tests, an embedding that shares the head's weights).
+at::Tensor unpack_q4k8(const at::Tensor& packed, int64_t k) {
+  TORCH_CHECK(k > 0 && k % 256 == 0 && packed.dim() == 2 && packed.size(1) == k / 256 * kGroupBytes,
+              "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
+  const int64_t groups = packed.size(0), blocks = k / 256, row_bytes = blocks * 144;
+  at::Tensor out = at::empty({groups * kGroup, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* grp = src + (g * blocks + b) * kGroupBytes;
+      for (int c = 0; c < kGroup; ++c) {
+        uint8_t* blk = dst + (g * kGroup + c) * row_bytes + b * 144;
+        std::memcpy(blk, grp + 2 * c, 2);
+        std::memcpy(blk + 2, grp + 16 + 2 * c, 2);
+        int sc[8], mn[8], q[256];
+        for (int s = 0; s < 8; ++s) {
+          sc[s] = grp[32 + 8 * s + c];
+          mn[s] = grp[96 + 16 * (s / 2) + 2 * c + (s % 2)];
+        }
+        uint8_t* p = blk + 4;  // pack 8 scales and 8 mins of 6 bits back into 12 bytes
+        for (int i = 0; i < 4; ++i) {
+          p[i] = (uint8_t)((sc[i] & 63) | ((sc[i + 4] >> 4) << 6));
+          p[i + 4] = (uint8_t)((mn[i] & 63) | ((mn[i + 4] >> 4) << 6));
+          p[i + 8] = (uint8_t)((sc[i + 4] & 15) | ((mn[i + 4] & 15) << 4));
+        }
+        for (int s = 0; s < 8; ++s)
+          for (int ch = 0; ch < 4; ++ch)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = grp[160 + ((s * 4 + ch) * kGroup + c) * 4 + i];
+              q[32 * s + 8 * ch + i] = v & 0x0F;
+              q[32 * s + 8 * ch + 4 + i] = v >> 4;
+            }
+        for (int h = 0; h < 4; ++h)
+          for (int l = 0; l < 32; ++l) blk[16 + 32 * h + l] = (uint8_t)(q[64 * h + l] | (q[64 * h + 32 + l] << 4));
+      }
+    }
+  return out;
+}
+
+// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
+at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
+  TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "activations: contiguous float32 (m, ", k, ")");
+  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kGroup;
+  const at::Tensor act = quantize_rows(x, Q4_K);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / 256, y.data_ptr<float>(), n};
+  const int64_t per_sweep = kColumns / kGroup, sweeps = (groups + per_sweep - 1) / per_sweep;
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int64_t r1 = std::min(m, r0 + kTile);
+#ifdef ARB_AVX2
+        if (!scalar) {
+          q4k8_avx2(job, g0, g1, r0, r1);
+          continue;
+        }
+#endif
+        q4k8_scalar(job, g0, g1, r0, r1);
+      }
+    }
+  });
+  return y;
+}
+
+// The activations as the kernels see them (q x d, float32 (m, k)): for tests against the reference quantizer.
+at::Tensor dequantized_activations(const at::Tensor& x, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "activations: float32 (m, k)");
+  const int64_t m = x.size(0), k = x.size(1), block = k_quant(qtype) ? 256 : 32;
+  TORCH_CHECK(k % block == 0, "row length ", k, " is not a multiple of ", block);
+  const at::Tensor act = quantize_rows(x, qtype);
+  at::Tensor out = at::empty({m, k}, x.options());
+  float* po = out.data_ptr<float>();
+  const uint8_t* pa = act.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < m * k / block; ++i) {
+    for (int64_t l = 0; l < block; ++l) {
+      if (block == 256) {
+        const ActK& a = reinterpret_cast<const ActK*>(pa)[i];
+        po[i * block + l] = a.d * a.qs[l];
+      } else {
+        const Act32& a = reinterpret_cast<const Act32*>(pa)[i];
+        po[i * block + l] = a.d * a.qs[l];
+      }
+    }
+  }
+  return out;
+}
+
+std::string isa() {
+#ifdef ARB_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(arborspec_kernels, m) {
+  m.def("matmul(Tensor w, int qtype, int k, Tensor x, bool scalar) -> Tensor", &matmul);
+  m.def("dequantized_activations(Tensor x, int qtype) -> Tensor", &dequantized_activations);
+  m.def("isa() -> str", &isa);
+  m.def("repack_q4k8(Tensor w, int k) -> Tensor", &repack_q4k8);
+  m.def("unpack_q4k8(Tensor packed, int k) -> Tensor", &unpack_q4k8);
+  m.def("matmul_q4k8(Tensor packed, int k, Tensor x, bool scalar) -> Tensor", &matmul_q4k8);
+}
