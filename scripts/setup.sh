@@ -23,3 +23,6 @@ if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ 
 -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         .venv/bin/python -m pip install -q -c constraints.txt "llama-cpp-python==0.3.36"
 fi
+# arborspec's own GGUF kernels (the `native` backend): compiled for this CPU with the system's C++ compiler, once
+# (~20-40 s), into the arborspec cache; a machine without a compiler gets a one-line note and the other backends.
+.venv/bin/arborspec kernels build || echo "[arborspec] the native backend's kernels did not build (see above)" >&2

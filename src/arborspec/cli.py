@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("alias", nargs="?")
 
     sub.add_parser("methods", help="list tree policies, their options, and verifiers")
+    kern = sub.add_parser("kernels", help="arborspec's own GGUF kernels (the native backend): build, or say what runs")
+    kern.add_argument("action", choices=["build", "info"])
 
     trees = sub.add_parser("trees", help="draw the trees a method drafts in the first steps (PNG)")
     _add_generation_args(trees)
@@ -276,6 +279,18 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """Compile the kernels for this CPU now (the set-up scripts run this) and say which code path they run."""
+    from .kernels.build import KernelBuildError, build_dir, library
+    start = time.perf_counter()
+    try:
+        kernels = library()
+    except KernelBuildError as err:
+        raise CliError(str(err)) from None
+    print(f"arborspec kernels: {kernels.isa} code, in {build_dir()} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
 def cmd_methods(args) -> int:
     for name, policy in POLICIES.items():
         print(f"{name}: {policy.summary}")
@@ -386,7 +401,7 @@ def _profile_pair(args, sizes: list[int]) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "models": cmd_models, "methods": cmd_methods, "trees": cmd_trees,
+COMMANDS = {"generate": cmd_generate, "models": cmd_models, "kernels": cmd_kernels, "methods": cmd_methods, "trees": cmd_trees,
             "calibrate": cmd_calibrate, "bench": run_from_args, "report": report_from_args, "profile": cmd_profile,
             "serve": run_serve}
 

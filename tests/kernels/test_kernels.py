@@ -1,0 +1,96 @@
+"""The kernels (kernels/gguf_mm.cpp) against the scalar reference (kernels/reference.py: weights dequantized by the
+`gguf` package, activations quantized the same way), for every block type, both code paths, and M across a tile."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from hypothesis import given, settings, strategies as st
+
+from arborspec.kernels import QuantMatrix, supported
+from arborspec.kernels.build import library
+from arborspec.kernels.reference import ACTIVATION_BLOCK, quantize_activations, reference_matmul
+
+from .blocks import KINDS, random_blocks
+
+PATHS = [False, True] if library().isa != "scalar" else [True]  # AVX2 (where the CPU has it) and the scalar code
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to float rounding of the block scales: the integer dot products are exact in both."""
+    scale = ref.abs().max().clamp(min=1e-6)
+    assert ((y - ref).abs().max() / scale).item() < 2e-6, ((y - ref).abs().max() / scale).item()
+
+
+@settings(max_examples=60, deadline=None)
+@given(qtype=st.sampled_from(KINDS), n=st.integers(1, 40), blocks=st.integers(1, 3), m=st.integers(1, 33),
+       seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([1e-3, 1.0, 40.0]))
+def test_kernels_equal_the_reference(qtype, n, blocks, m, seed, magnitude):
+    rng = np.random.default_rng(seed)
+    k = blocks * ACTIVATION_BLOCK[qtype]
+    matrix = QuantMatrix(random_blocks(qtype, n, k, rng, magnitude), qtype, n, k)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * float(rng.choice([1e-3, 1.0, 30.0]))
+    ref = reference_matmul(matrix, x)
+    for scalar in PATHS:
+        assert_close(matrix(x, scalar=scalar), ref)
+
+
+@pytest.mark.parametrize("qtype", KINDS)
+def test_activation_quantization_equals_the_reference(qtype):
+    rng = np.random.default_rng(1)
+    k = 2 * ACTIVATION_BLOCK[qtype]
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+    x[1, : ACTIVATION_BLOCK[qtype]] = 0.0  # an all-zero block: scale 0, no division by zero
+    x[2, 7] = -50.0  # the largest magnitude negative: the K-quant scale keeps its sign
+    got = library().activations(x, qtype)
+    want = quantize_activations(x, qtype)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert torch.all(got[1, : ACTIVATION_BLOCK[qtype]] == 0)
+
+
+@pytest.mark.parametrize("n", [8, 16, 13])
+def test_packed_q4k_keeps_every_bit(n):
+    """Q4_K with a multiple of 8 rows is repacked into interleaved groups; unpacking gives the file's bytes back."""
+    raw = random_blocks(QT.Q4_K, n, 512, np.random.default_rng(n))
+    matrix = QuantMatrix(raw, QT.Q4_K, n, 512)
+    assert matrix.packed == (n % 8 == 0)
+    assert torch.equal(matrix.blocks(), torch.from_numpy(raw))
+    plain = QuantMatrix(raw, QT.Q4_K, n, 512, pack=False)
+    x = torch.randn(3, 512)
+    assert_close(matrix(x), plain(x))
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Columns are split across threads and each is summed in a fixed order: bit-identical results."""
+    rng = np.random.default_rng(2)
+    mats = [QuantMatrix(random_blocks(t, 64, 512, rng), t, 64, 512) for t in KINDS]
+    x = torch.randn(6, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [m(x) for m in mats]
+        torch.set_num_threads(2)
+        two = [m(x) for m in mats]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_embedding_rows_equal_the_dequantized_matrix():
+    raw = random_blocks(QT.Q6_K, 12, 256, np.random.default_rng(3))
+    matrix = QuantMatrix(raw, QT.Q6_K, 12, 256)
+    index = torch.tensor([[3, 0], [11, 3]])
+    assert torch.equal(matrix.rows(index), matrix.dequantize()[index])
+
+
+def test_bad_input_gets_a_clear_error():
+    rng = np.random.default_rng(4)
+    assert not supported(QT.F16) and not supported(QT.Q4_0)
+    with pytest.raises(ValueError, match="no kernel for GGUF type Q4_0"):
+        QuantMatrix(np.zeros((2, 18), np.uint8), QT.Q4_0, 2, 32)
+    with pytest.raises(ValueError, match="not a multiple of Q4_K's block of 256"):
+        QuantMatrix(np.zeros((2, 144), np.uint8), QT.Q4_K, 2, 128)
+    matrix = QuantMatrix(random_blocks(QT.Q8_0, 4, 64, rng), QT.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match=r"expected activations \(m, 64\)"):
+        matrix(torch.zeros(2, 32))
