@@ -64,25 +64,55 @@ float half(const uint8_t* p) {
 
 // ---------------------------------------------------------------------------------------------- activations
 
-// One 256-block: d = max / -127 where max is the value of largest magnitude (sign kept), q = round(x / d).
-void quantize_k(const float* x, ActK* out) {
-  float amax = 0.f, peak = 0.f;
-  for (int i = 0; i < 256; ++i) {
-    float a = std::fabs(x[i]);
-    if (a > amax) {
-      amax = a;
-      peak = x[i];
-    }
+#ifdef ARB_AVX2
+// round(x[i] * scale) for 32 values, clamped to 127, as int8 in order (the rounding mode is nearest-even, as
+// nearbyint's); the packing instructions interleave 128-bit lanes, the final permute puts the values back in order.
+inline void round_32(const float* x, float scale, int8_t* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i top = _mm256_set1_epi32(127);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), s)), top);
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(packed, order));
+}
+
+inline float abs_max(const float* x, int count) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < count; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#else
+inline void round_32(const float* x, float scale, int8_t* out) {
+  for (int i = 0; i < 32; ++i) {
+    const int v = (int)std::nearbyint(x[i] * scale);
+    out[i] = (int8_t)(v > 127 ? 127 : v);
   }
+}
+
+inline float abs_max(const float* x, int count) {
+  float m = 0.f;
+  for (int i = 0; i < count; ++i) m = std::fmax(m, std::fabs(x[i]));
+  return m;
+}
+#endif
+
+// One 256-block: d = max / -127 where max is the value of largest magnitude (sign kept: the first such value), q =
+// round(x / d).
+void quantize_k(const float* x, ActK* out) {
+  const float amax = abs_max(x, 256);
   if (amax == 0.f) {
     std::memset(out, 0, sizeof(ActK));
     return;
   }
-  const float iscale = -127.f / peak;
-  for (int i = 0; i < 256; ++i) {
-    int v = (int)std::nearbyint(iscale * x[i]);
-    out->qs[i] = (int8_t)(v > 127 ? 127 : v);
-  }
+  int at = 0;
+  while (std::fabs(x[at]) != amax) ++at;
+  const float iscale = -127.f / x[at];
+  for (int c = 0; c < 8; ++c) round_32(x + 32 * c, iscale, out->qs + 32 * c);
   for (int g = 0; g < 16; ++g) {
     int s = 0;
     for (int i = 0; i < 16; ++i) s += out->qs[16 * g + i];
@@ -94,16 +124,12 @@ void quantize_k(const float* x, ActK* out) {
 
 // One 32-block: d = amax / 127, q = round(x / d), d kept as float16.
 void quantize_32(const float* x, Act32* out) {
-  float amax = 0.f;
-  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float amax = abs_max(x, 32);
   const float d = amax / 127.f;
   const float inv = d != 0.f ? 1.f / d : 0.f;
+  round_32(x, inv, out->qs);
   int sum = 0;
-  for (int i = 0; i < 32; ++i) {
-    int v = (int)std::nearbyint(x[i] * inv);
-    out->qs[i] = (int8_t)v;
-    sum += v;
-  }
+  for (int i = 0; i < 32; ++i) sum += out->qs[i];
   out->sum = sum;
   out->d = static_cast<float>(c10::Half(d));
 }
