@@ -43,6 +43,7 @@ from .engine import SpeculativeDecoder
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
 from .models.loading import BACKENDS, check_tokenizers_compatible, load_model
+from .models.native import is_native
 from .verify import VERIFIERS
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -286,8 +287,9 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     """--backend and --draft-backend (every command that loads models)."""
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS,
                    help="what runs the models: llamacpp (llama.cpp's quantized CPU kernels on the GGUF itself), torch "
-                        "(transformers), or auto (default): llamacpp for an alias or .gguf when llama-cpp-python is "
-                        "installed, else torch")
+                        "(transformers), native (transformers' layers over the GGUF's blocks on arborspec's own "
+                        "kernels; docs/kernels.md), or auto (default): llamacpp for an alias or .gguf when "
+                        "llama-cpp-python is installed, else torch")
     p.add_argument("--draft-backend", default=None, choices=BACKENDS,
                    help="the draft's backend when it differs from --backend (e.g. a llama.cpp target with an int8 "
                         "PyTorch draft: --backend llamacpp --draft-backend torch)")
@@ -306,18 +308,22 @@ def llama_options(args) -> dict:
 
 # ---- models ------------------------------------------------------------------------------------------------------
 def is_torch_model(loaded) -> bool:
-    return isinstance(loaded.model, torch.nn.Module)
+    """A model with dense PyTorch weights: the draft levers (int8 / int4, a pruned head) and the draft-variant
+    measurement apply to it. A GGUF run as it is (llama.cpp, or native: a torch module over GGUF blocks) is not one."""
+    return isinstance(loaded.model, torch.nn.Module) and not is_native(loaded.model)
 
 
 def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
     """The draft quantization to run: `quant`, or for "auto" the variant measured fastest for this pair on this
-    machine (models/draft_choice.py; measured once, then cached). A llama.cpp draft runs its GGUF as it is ("none")."""
+    machine (models/draft_choice.py; measured once, then cached). A GGUF draft on llama.cpp or the native backend runs
+    its GGUF as it is ("none")."""
     if not is_torch_model(draft) or not is_torch_model(target):
         if quant in ("auto", "none"):
             return "none"
         if not is_torch_model(draft):
-            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a llama.cpp draft runs its GGUF's "
-                             "own quantization (use --draft-backend torch for an int8/int4 draft)")
+            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp or "
+                             "the native backend runs its GGUF's own quantization (use --draft-backend torch for an "
+                             "int8/int4 draft)")
     if quant != "auto":
         return quant
     quant, record, source = choose_draft_quant(target, draft, progress=progress)
@@ -336,7 +342,8 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
     if quant == "none" and not vocab:
         return draft, quant
     if not is_torch_model(draft):
-        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch drafts, not llama.cpp")
+        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch drafts, not to GGUF "
+                         "drafts on llama.cpp or the native backend")
     if progress:
         print(f"[arborspec] preparing the draft (quantization {quant}, vocabulary {vocab or 'full'}) ...",
               file=sys.stderr)

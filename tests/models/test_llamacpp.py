@@ -65,8 +65,9 @@ def random_tree(rng: random.Random, root: int, n: int, max_children: int = 3) ->
 
 
 def chain_logits(model, context: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits after `tokens` (tokens[0] == context[-1]) forwarded as a plain sequence on a fresh session."""
-    session = model.new_session()
+    """Logits after `tokens` (tokens[0] == context[-1]) forwarded as a plain sequence on a fresh session (of any
+    backend: test_native reuses it)."""
+    session = make_session(model)
     session.prefill(context[:-1])
     chain = TokenTree.from_parents(tokens, [-1] + list(range(len(tokens) - 1)))
     return session.forward(context, chain, list(range(len(chain))))[-1]
@@ -468,10 +469,11 @@ def test_a_finished_sessions_context_is_reused_cleared(target):
 
 
 def exact_first_two(model, prompt: list[int], sampling) -> torch.Tensor:
-    """P(first two generated tokens) under the warped target, read from llama.cpp itself: one forward after the
-    prompt, and one after each first token the warp allows (top-k keeps this to a handful)."""
+    """P(first two generated tokens) under the warped target, read from the model itself (llama.cpp here, any
+    backend's session): one forward after the prompt, and one after each first token the warp allows (top-k keeps
+    this to a handful)."""
     def next_probs(context: list[int]) -> torch.Tensor:
-        session = model.new_session()
+        session = make_session(model)
         session.prefill(context[:-1])
         root = TokenTree.from_parents([context[-1]], [-1])
         return sampling.probs(session.forward(context, root, [0]))[0].double()

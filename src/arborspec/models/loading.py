@@ -32,15 +32,18 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache import atomic_write, cache_dir
-from . import llamacpp
+from . import llamacpp, native
 from .model_info import check_pair, pair_names
 
 DEFAULT_DTYPE = torch.bfloat16
 # Which code runs a model: "torch" (transformers, weights dequantized to dense tensors), "llamacpp" (llama.cpp's
-# quantized CPU kernels on the GGUF file itself), or "auto": llama.cpp for a GGUF (an alias or a .gguf file) when
-# llama-cpp-python is installed, because on the CPUs this project is built for it decodes the default pair's Q4_K_M
-# files 4-5x faster than transformers' bf16 (docs/llamacpp.md), and transformers for everything else.
-BACKENDS = ("auto", "torch", "llamacpp")
+# quantized CPU kernels on the GGUF file itself), "native" (transformers' layers with the GGUF's weights kept as
+# blocks, on arborspec's own kernels: models/native.py, docs/kernels.md), or "auto": llama.cpp for a GGUF (an alias
+# or a .gguf file) when llama-cpp-python is installed, because on the CPUs this project is built for it decodes the
+# default pair's Q4_K_M files 4-5x faster than transformers' bf16 (docs/llamacpp.md), and transformers for
+# everything else.
+BACKENDS = ("auto", "torch", "llamacpp", "native")
+_GGUF_BACKENDS = {"llamacpp": "the llama.cpp backend", "native": "the native backend"}
 MARKER_NAME = "arborspec-alias.json"
 _CHUNK = 1 << 20  # bytes copied per read while assembling
 
@@ -352,15 +355,15 @@ def _resolve(spec: str, progress: bool) -> tuple[str, str | None, bool]:
 
 
 def resolve_backend(spec: str, backend: str = "auto") -> str:
-    """"torch" or "llamacpp" for model `spec` (see BACKENDS)."""
+    """"torch", "llamacpp" or "native" for model `spec` (see BACKENDS)."""
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     gguf = spec in ALIASES or spec.endswith(".gguf")
     if backend == "auto":
         return "llamacpp" if gguf and llamacpp.available() else "torch"
-    if backend == "llamacpp" and not gguf:
-        raise ModelLoadError(f"the llama.cpp backend runs GGUF files: give an alias ({', '.join(sorted(ALIASES))}) "
-                             f"or a .gguf file, not {spec!r}")
+    if backend in _GGUF_BACKENDS and not gguf:
+        raise ModelLoadError(f"{_GGUF_BACKENDS[backend]} runs GGUF files: give an alias "
+                             f"({', '.join(sorted(ALIASES))}) or a .gguf file, not {spec!r}")
     return backend
 
 
@@ -372,6 +375,29 @@ def load_llamacpp_model(spec: str, progress: bool = True, **options):
         return llamacpp.load_llamacpp_pair(path, name=spec, **options)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def load_native_model(spec: str, progress: bool = True) -> LoadedModel | None:
+    """An alias's kept GGUF or a .gguf file on the native backend (models/native.py), with the tokenizer llama.cpp's
+    backend builds; None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight
+    types, its architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
+    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"model path {spec!r} not found")
+    _say(f"loading {spec} on arborspec's kernels (native)", progress)
+    start = time.perf_counter()
+    try:
+        model = native.load_native(path)
+        tokenizer = llamacpp.gguf_tokenizer(path)
+    except native.NotNative as exc:
+        other = "llama.cpp" if llamacpp.available() else "transformers (torch)"
+        print(f"[arborspec] note: {spec} is not run natively: {exc}; loading it on {other} instead", file=sys.stderr,
+              flush=True)
+        return None
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(path))
 
 
 def load_model(
@@ -386,8 +412,16 @@ def load_model(
 
     `backend` "llamacpp" (or "auto" on a GGUF with llama-cpp-python installed) loads it on llama.cpp instead: a
     `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged; `llama`: its options
-    (n_threads, n_ctx, n_batch, ... of models.llamacpp.load_llamacpp)."""
-    if resolve_backend(spec, backend) == "llamacpp":
+    (n_threads, n_ctx, n_batch, ... of models.llamacpp.load_llamacpp). "native" keeps a GGUF's weights as blocks on
+    arborspec's kernels (a LoadedModel; `dtype` does not apply: activations are float32); a GGUF it does not cover
+    goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr."""
+    chosen = resolve_backend(spec, backend)
+    if chosen == "native":
+        loaded = load_native_model(spec, progress)
+        if loaded is not None:
+            return loaded
+        chosen = "llamacpp" if llamacpp.available() else "torch"
+    if chosen == "llamacpp":
         return load_llamacpp_model(spec, progress, **(llama or {}))
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)

@@ -1,0 +1,258 @@
+"""The native backend: a GGUF model run by transformers' own layers with its weights kept as GGUF blocks.
+
+The torch backend dequantizes a GGUF into dense bf16 tensors (the 1.5B target: ~3 GB resident); llama.cpp keeps the
+blocks but runs its own kernels, one sequence-id set per tree node. Here the model is transformers' skeleton in
+float32 (so `hf.TreeSession`'s tree attention, and with it every policy and verifier, runs unchanged) whose every
+linear layer and output head is a `QuantLinear` and whose embedding is a `QuantEmbedding`: both hold a
+`kernels.QuantMatrix` over the file's blocks (nothing is dequantized up front), and the matrix products run on
+arborspec's own kernels, which read the blocks once for all rows of a tree (docs/kernels.md). Norms, biases and the
+rotary tables are the only float tensors made; a tied head reads the embedding's blocks.
+
+The skeleton is built on the meta device (no weight memory) from the config transformers reads from the GGUF, then
+each GGUF tensor replaces the module it belongs to. Every tensor of the file must find its module and every
+parameter of the skeleton must be filled, so a file with something this mapping does not know (another architecture's
+extra tensors, Llama 3.1's rope_freqs) is refused with `NotNative` instead of running wrong; the loader then runs it
+on another backend. llama.cpp's converter stores the llama architecture's attn_q / attn_k rows permuted for its rope
+layout (pairs of adjacent dimensions); transformers rotates halves, so those rows are put back in order here, a
+permutation of whole rows of blocks (each row is independent).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import MethodType
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..cache import sha256_key
+from ..kernels import QuantMatrix, supported
+from ..kernels.matrix import SUPPORTED_TYPES
+from .llamacpp import read_gguf_info
+
+ARCHITECTURES = ("qwen2", "llama")  # GGUF general.architecture values whose tensors map onto transformers' classes
+# how the backend names its weight format (blocks as in the GGUF, float32 activations), as llama.cpp's "gguf-q4_k_m":
+# in the cost-profile fingerprint. model.dtype itself stays torch.float32: TreeSession builds its attention mask in it.
+DTYPE = "gguf-native"
+
+# GGUF tensor name (blk.N.<part> or <part>) -> the transformers module it fills
+_BLOCK_MODULES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MODULES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ROPE_PERMUTED = {"llama": {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}}
+
+
+class NotNative(ValueError):
+    """A readable GGUF that the native backend does not cover (the message says why); the loader runs it elsewhere."""
+
+
+# ----------------------------------------------------------------------------------------------- the modules
+
+
+class QuantLinear(nn.Module):
+    """y = x · Wᵀ + b with W kept as GGUF blocks (a `QuantMatrix`); b float32 or None. The blocks are a buffer so the
+    module's memory shows in `buffers()`, uint8, as in the file: no float copy of W exists."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.matrix = matrix
+        self.in_features, self.out_features = matrix.k, matrix.n
+        self.register_buffer("blocks", matrix.data, persistent=False)  # uint8: the file's blocks, maybe repacked
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32), requires_grad=False)  # (n,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.numel() == 0:  # an empty forward (no tokens): nothing for the kernels to do
+            return x.new_zeros(*lead, self.out_features)
+        y = self.matrix(x.reshape(-1, self.in_features))  # (m, k) -> (m, n)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)  # (..., n)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.matrix.qtype.name}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: each lookup dequantizes just the rows asked for."""
+
+    def __init__(self, matrix: QuantMatrix):
+        super().__init__()
+        self.matrix = matrix
+        self.num_embeddings, self.embedding_dim = matrix.n, matrix.k
+        self.register_buffer("blocks", matrix.data, persistent=False)  # (vocab, row_bytes) uint8, the file's layout
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() == 0:
+            return torch.zeros(*ids.shape, self.embedding_dim)
+        return self.matrix.rows(ids)  # (..., ) -> (..., embedding_dim) float32
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.matrix.qtype.name}"
+
+
+# ----------------------------------------------------------------------------------------------- the file
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """What a native model was loaded from; its presence on a model marks the model as native (`is_native`)."""
+
+    path: Path
+    weight_type: str  # e.g. "Q4_K_M", as read_gguf_info reports it
+
+
+def is_native(model) -> bool:
+    return isinstance(getattr(model, "native_gguf", None), NativeInfo)
+
+
+def _module_path(name: str) -> tuple[str, str]:
+    """GGUF tensor name -> (transformers module path, "weight" or "bias"); NotNative for a name it does not know."""
+    stem, _, kind = name.rpartition(".")
+    parts = stem.split(".")
+    if kind in ("weight", "bias"):
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_MODULES:
+            return f"model.layers.{parts[1]}.{_BLOCK_MODULES[parts[2]]}", kind
+        if len(parts) == 1 and parts[0] in _TOP_MODULES:
+            return _TOP_MODULES[parts[0]], kind
+    raise NotNative(f"tensor {name!r} has no place in the native backend's mapping")
+
+
+def _check_covered(arch: str, tensors: list) -> None:
+    """NotNative unless the architecture is mapped and every 2-D weight has a kernel."""
+    if arch not in ARCHITECTURES:
+        raise NotNative(f"architecture {arch!r} is not covered (native runs {', '.join(ARCHITECTURES)})")
+    uncovered = sorted({t.tensor_type.name for t in tensors if len(t.shape) == 2 and not supported(t.tensor_type)})
+    if uncovered:
+        raise NotNative(f"weight type(s) {', '.join(uncovered)} have no native kernel (covered: "
+                        f"{', '.join(t.name for t in SUPPORTED_TYPES)})")
+
+
+def _rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's rope permutation: within each head, the file holds dimension pairs
+    interleaved, row (head, i, half) at head * 2d + 2i + half; transformers wants (head, half, i)."""
+    d = rows // heads // 2
+    return torch.arange(rows).reshape(heads, d, 2).transpose(1, 2).reshape(-1)
+
+
+def _float(tensor) -> torch.Tensor:
+    """A 1-D GGUF tensor (norm weight, bias) as a float32 torch tensor of its own (small: copied)."""
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+    return torch.from_numpy(values.reshape(-1).copy())
+
+
+def _matrix(tensor, config, arch: str, lookup: bool = False) -> QuantMatrix:
+    """A 2-D GGUF tensor as a QuantMatrix over a copy of its blocks, rows put back in order for the llama rope layout.
+
+    Copied, not memory-mapped: the kernels may repack a matrix's blocks into their own layout (kernels/matrix.py),
+    and a map of the file would then keep a second, stale copy of those pages resident. `lookup`: an embedding
+    table, read row by row, which keeps the file's layout."""
+    n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF shapes are (k, n): innermost first
+    blocks = torch.from_numpy(np.array(tensor.data)).reshape(n, -1)  # (n, row_bytes) uint8
+    heads = _rope_heads(tensor.name, config, arch)
+    if heads:
+        blocks = blocks[_rope_rows(n, heads)]
+    return QuantMatrix(blocks, tensor.tensor_type, n, k, pack=not lookup)
+
+
+def _rope_heads(name: str, config, arch: str) -> int | None:
+    part = name.split(".")[2] if name.startswith("blk.") else None
+    key = _ROPE_PERMUTED.get(arch, {}).get(part)
+    return getattr(config, key) if key else None
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_native(path: str | Path) -> PreTrainedModel:
+    """The GGUF at `path` as a float32 transformers model with GGUF-block linear layers (see the module docstring).
+
+    ValueError (one line) for an unreadable file; NotNative for a readable one this backend does not cover."""
+    path = Path(path).expanduser().resolve()
+    info = read_gguf_info(path)  # a whole, readable model GGUF, or ValueError
+    reader = gguf.GGUFReader(path)  # the file is mapped while loading; every tensor kept is copied out of it
+    _check_covered(info.arch, reader.tensors)
+    groups: dict[str, dict[str, object]] = {}  # module path -> {"weight": tensor, "bias": tensor}
+    for tensor in reader.tensors:
+        module, kind = _module_path(tensor.name)
+        groups.setdefault(module, {})[kind] = tensor
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise NotNative(f"transformers cannot read its config ({str(exc).strip().splitlines()[0]})") from None
+    with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    for module, tensors in groups.items():
+        _fill(model, module, tensors, config, info.arch)
+    if "lm_head" not in groups and config.tie_word_embeddings:
+        model.lm_head = QuantLinear(model.model.embed_tokens.matrix)  # the head reads the embedding's blocks
+    _rebuild_rotary(model)
+    _check_filled(model)
+    model.eval()
+    model.requires_grad_(False)
+    model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
+    model.native_gguf = NativeInfo(path, info.weight_type)
+    model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
+    return model
+
+
+def _fill(model: PreTrainedModel, path: str, tensors: dict, config, arch: str) -> None:
+    """Replace the skeleton's module at `path` by one over the GGUF tensors (weight, optional bias) given."""
+    try:
+        old = model.get_submodule(path)
+    except AttributeError:
+        raise NotNative(f"the {type(model).__name__} skeleton has no module {path}") from None
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    if weight is None:
+        raise NotNative(f"{path} has a bias but no weight in the file")
+    if isinstance(old, (nn.Linear, nn.Embedding)):
+        have, want = (int(weight.shape[1]), int(weight.shape[0])), tuple(old.weight.shape)  # (out, in) / (vocab, dim)
+        if have != want:
+            raise NotNative(f"{weight.name} is {have[0]}x{have[1]}, the config wants {path} {want[0]}x{want[1]}")
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(_matrix(weight, config, arch, lookup=True))
+        else:
+            b = _float(bias) if bias is not None else None
+            if b is not None and _rope_heads(bias.name, config, arch):
+                b = b[_rope_rows(len(b), _rope_heads(bias.name, config, arch))]
+            new = QuantLinear(_matrix(weight, config, arch), b)
+        model.set_submodule(path, new)
+        return
+    values = _float(weight)
+    if bias is not None or getattr(old, "weight", None) is None or tuple(old.weight.shape) != tuple(values.shape):
+        raise NotNative(f"{weight.name} {tuple(values.shape)} does not fit {path} ({type(old).__name__})")
+    old.weight = nn.Parameter(values, requires_grad=False)
+
+
+def _rebuild_rotary(model: PreTrainedModel) -> None:
+    """The rotary tables were computed on the meta device with the skeleton: compute them again for real."""
+    for path, module in list(model.named_modules()):
+        if path and any(b.is_meta for b in module.buffers(recurse=False)) and "Rotary" in type(module).__name__:
+            model.set_submodule(path, type(module)(config=model.config))
+
+
+def _check_filled(model: PreTrainedModel) -> None:
+    """NotNative if any parameter or buffer of the skeleton was left without data by the file."""
+    empty = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if empty:
+        more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+        raise NotNative(f"the file leaves {', '.join(empty[:3])}{more} of the transformers model empty")
+
+
+def fingerprint(model) -> str:
+    """A native model's identity for cached cost profiles: the file (path, size, mtime), this backend and the
+    kernels' build key (their source, this CPU, torch), since a profile records those kernels' timings. The default
+    fingerprint would see only the config and the norms, the same for every quantization of one model."""
+    from ..kernels.build import cache_key
+
+    info: NativeInfo = model.native_gguf
+    stat = info.path.stat()
+    return sha256_key({"gguf": str(info.path), "size": stat.st_size, "mtime": stat.st_mtime_ns, "backend": DTYPE,
+                       "weights": info.weight_type, "kernels": cache_key()})
