@@ -155,6 +155,8 @@ def test_quant_modules_equal_their_dequantized_float_counterparts(native, name):
 def test_weights_and_logits_match_transformers_dequantized(native, ggufs, name):
     ours = native(name).model
     theirs = load_model(str(ggufs[name]), dtype="fp32", progress=False).model  # the torch backend
+    settings = [{k: v for k, v in m.config.to_dict().items() if k != "_name_or_path"} for m in (ours, theirs)]
+    assert settings[0] == settings[1]  # the config native builds from the metadata is the one transformers reads
     for path, module in ours.named_modules():
         if isinstance(module, QuantLinear):  # transformers un-permutes llama's q/k rows as it dequantizes
             dense = theirs.get_submodule(path)
@@ -277,9 +279,13 @@ def test_bad_specs_are_one_line_errors(tmp_path, ggufs):
         resolve_backend(str(tmp_path), "native")
     with pytest.raises(ModelLoadError, match="not found"):
         load_model(str(tmp_path / "missing.gguf"), backend="native", progress=False)
-    (tmp_path / "cut.gguf").write_bytes(ggufs["q4_k"].read_bytes()[:5000])
-    with pytest.raises(ModelLoadError, match="truncated or corrupt GGUF"):
-        load_model(str(tmp_path / "cut.gguf"), backend="native", progress=False)
+    whole = ggufs["q4_k"].read_bytes()
+    cases = {"data-cut": (whole[:-1000], "is a truncated"), "header-cut": (whole[:200], "is a truncated or corrupt"),
+             "text": (b"not a model\n" * 10, "is not a GGUF file"), "empty": (b"", "is a truncated or corrupt")}
+    for name, (data, message) in cases.items():  # the messages llama.cpp's backend gives for these files
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(str(tmp_path / f"{name}.gguf"), backend="native", progress=False)
 
 
 def test_the_command_line_runs_native_and_prints_what_plain_decoding_prints(ggufs, capsys):

@@ -18,16 +18,21 @@ permutation of whole rows of blocks (each row is independent).
 """
 from __future__ import annotations
 
+import struct
+from collections import Counter
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from types import MethodType
 
 import gguf
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
 from ..cache import sha256_key
 from ..kernels import QuantMatrix, supported
@@ -99,6 +104,147 @@ class QuantEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- the file
+# gguf's GGUFReader builds Python objects for every vocabulary entry (Qwen2.5: 150k tokens and 150k merges: ~10 s
+# and ~0.5 GB while it lives), and transformers' config reading for qwen2 / llama parses the file with it once more.
+# The loader needs the scalar metadata and the tensor table only: `read_gguf` walks them in a fraction of a second,
+# skipping arrays (their length is kept: the vocabulary size).
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order: (rows n, row length k) for a matrix
+    qtype: QT
+    path: Path
+    offset: int  # of its bytes in the file
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        """Its bytes (uint8), read into memory of their own: a file read, not a map, so the process never holds
+        the file's pages and a copy of them at once (the kernels keep their own, maybe repacked, copy)."""
+        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
+
+    @property
+    def part(self) -> str:
+        """"attn_q" for "blk.3.attn_q.weight", "output" for "output.weight"."""
+        return self.name.split(".")[-2]
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    metadata: dict  # key -> value; an array's value is its length
+    tensors: list[GgufTensor]
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a byte buffer, front to back."""
+
+    def __init__(self, blob: np.ndarray):
+        self.blob, self.pos = blob, 0
+
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.blob, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = self.take("<Q")
+        self.pos += length
+        return bytes(self.blob[self.pos - length:self.pos]).decode("utf-8")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])[0]
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.take("<IQ")
+        if item in _SCALARS:
+            self.pos += count * struct.calcsize(_SCALARS[item])
+        else:  # strings (or nested arrays) have their own lengths: walk them
+            for _ in range(count):
+                self.value(item)
+        return count
+
+
+def read_gguf(path: Path) -> GgufFile:
+    """The file's metadata and tensor table (no tensor data is read); ValueError or struct.error for a file that is
+    not a whole GGUF v2/v3."""
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    cursor = _Cursor(blob)
+    magic, version, n_tensors, n_values = cursor.take("<4sIQQ")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+    metadata = {}
+    for _ in range(n_values):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.take("<I")[0])
+    table = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        (dims,) = cursor.take("<I")
+        shape = tuple(reversed(cursor.take(f"<{dims}Q")))  # the file lists the innermost dimension first
+        kind, offset = cursor.take("<IQ")
+        table.append((name, shape, QT(kind), offset))
+    align = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.pos // align) * align  # tensor data begins at the next aligned offset
+    tensors = []
+    for name, shape, qtype, offset in table:
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        begin, size = start + offset, prod(shape) // block * block_bytes
+        if begin + size > len(blob):
+            raise ValueError(f"tensor {name} ends past the end of the file")
+        tensors.append(GgufTensor(name, shape, qtype, path, begin, size))
+    return GgufFile(metadata, tensors)
+
+
+def _open(path: Path) -> GgufFile:
+    """`read_gguf(path)`; for a file it cannot read, the one-line ValueError llama.cpp's backend gives (from gguf's
+    own, slower reader), or NotNative if gguf reads what this reader does not."""
+    try:
+        return read_gguf(path)
+    except Exception as exc:
+        reason = str(exc) or type(exc).__name__
+    read_gguf_info(path)  # raises for a bad file
+    raise NotNative(f"its header could not be read here ({reason})")
+
+
+def _check_model(path: Path, file: GgufFile) -> str:
+    """The architecture of a causal-LM GGUF; ValueError for one that is not a model or not causal."""
+    arch = file.metadata.get("general.architecture")
+    if not isinstance(arch, str) or not file.tensors:
+        raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
+    if file.metadata.get(f"{arch}.pooling_type") or file.metadata.get(f"{arch}.attention.causal") is False:
+        raise ValueError(f"{path} is an embedding model ({arch} with pooling / non-causal attention), not a causal LM")
+    return arch
+
+
+def _weight_type(file: GgufFile) -> str:
+    """"Q4_K_M" from general.file_type, else the most common matrix type (as read_gguf_info reports it)."""
+    try:
+        return gguf.LlamaFileType(int(file.metadata["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, TypeError, ValueError):
+        kinds = Counter(t.qtype.name for t in file.tensors if len(t.shape) == 2)
+        return kinds.most_common(1)[0][0] if kinds else "unknown"
+
+
+def _config(file: GgufFile, arch: str) -> PretrainedConfig:
+    """transformers' config of the file: its metadata renamed by transformers' own GGUF key table, as
+    `AutoConfig.from_pretrained(gguf_file=...)` does for these architectures (without parsing the file again)."""
+    table = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    values = {}
+    for key, value in file.metadata.items():
+        prefix, _, rest = key.partition(".")
+        name = table[prefix].get(rest) if prefix in (arch, "general", "tokenizer") else None
+        if name not in (None, -1):
+            values[name] = value
+    values["tie_word_embeddings"] = all(t.name != "output.weight" for t in file.tensors)
+    values.setdefault("vocab_size", file.metadata.get("tokenizer.ggml.tokens"))
+    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 @dataclass(frozen=True)
@@ -125,11 +271,11 @@ def _module_path(name: str) -> tuple[str, str]:
     raise NotNative(f"tensor {name!r} has no place in the native backend's mapping")
 
 
-def _check_covered(arch: str, tensors: list) -> None:
+def _check_covered(arch: str, tensors: list[GgufTensor]) -> None:
     """NotNative unless the architecture is mapped and every 2-D weight has a kernel."""
     if arch not in ARCHITECTURES:
         raise NotNative(f"architecture {arch!r} is not covered (native runs {', '.join(ARCHITECTURES)})")
-    uncovered = sorted({t.tensor_type.name for t in tensors if len(t.shape) == 2 and not supported(t.tensor_type)})
+    uncovered = sorted({t.qtype.name for t in tensors if len(t.shape) == 2 and not supported(t.qtype)})
     if uncovered:
         raise NotNative(f"weight type(s) {', '.join(uncovered)} have no native kernel (covered: "
                         f"{', '.join(t.name for t in SUPPORTED_TYPES)})")
@@ -142,29 +288,27 @@ def _rope_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, d, 2).transpose(1, 2).reshape(-1)
 
 
-def _float(tensor) -> torch.Tensor:
+def _float(tensor: GgufTensor) -> torch.Tensor:
     """A 1-D GGUF tensor (norm weight, bias) as a float32 torch tensor of its own (small: copied)."""
-    values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
-    return torch.from_numpy(values.reshape(-1).copy())
+    values = dequantize(tensor.read(), tensor.qtype).astype(np.float32)
+    return torch.from_numpy(values.reshape(-1))
 
 
-def _matrix(tensor, config, arch: str, lookup: bool = False) -> QuantMatrix:
-    """A 2-D GGUF tensor as a QuantMatrix over a copy of its blocks, rows put back in order for the llama rope layout.
-
-    Copied, not memory-mapped: the kernels may repack a matrix's blocks into their own layout (kernels/matrix.py),
-    and a map of the file would then keep a second, stale copy of those pages resident. `lookup`: an embedding
-    table, read row by row, which keeps the file's layout."""
-    n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF shapes are (k, n): innermost first
-    blocks = torch.from_numpy(np.array(tensor.data)).reshape(n, -1)  # (n, row_bytes) uint8
-    heads = _rope_heads(tensor.name, config, arch)
+def _matrix(tensor: GgufTensor, config, arch: str, lookup: bool = False) -> QuantMatrix:
+    """A 2-D GGUF tensor as a QuantMatrix over its blocks read from the file, rows put back in order for the llama
+    rope layout. `lookup`: an embedding table, read row by row, which keeps the file's layout (the kernels may
+    repack a matrix for their products, kernels/matrix.py)."""
+    n, k = tensor.shape
+    blocks = torch.from_numpy(tensor.read()).reshape(n, -1)  # (n, row_bytes) uint8
+    heads = _rope_heads(tensor, config, arch)
     if heads:
         blocks = blocks[_rope_rows(n, heads)]
-    return QuantMatrix(blocks, tensor.tensor_type, n, k, pack=not lookup)
+    return QuantMatrix(blocks, tensor.qtype, n, k, pack=not lookup)
 
 
-def _rope_heads(name: str, config, arch: str) -> int | None:
-    part = name.split(".")[2] if name.startswith("blk.") else None
-    key = _ROPE_PERMUTED.get(arch, {}).get(part)
+def _rope_heads(tensor: GgufTensor, config, arch: str) -> int | None:
+    """The head count whose rope permutation `tensor` (a q or k weight or bias of a llama GGUF) carries, else None."""
+    key = _ROPE_PERMUTED.get(arch, {}).get(tensor.part) if tensor.name.startswith("blk.") else None
     return getattr(config, key) if key else None
 
 
@@ -176,21 +320,21 @@ def load_native(path: str | Path) -> PreTrainedModel:
 
     ValueError (one line) for an unreadable file; NotNative for a readable one this backend does not cover."""
     path = Path(path).expanduser().resolve()
-    info = read_gguf_info(path)  # a whole, readable model GGUF, or ValueError
-    reader = gguf.GGUFReader(path)  # the file is mapped while loading; every tensor kept is copied out of it
-    _check_covered(info.arch, reader.tensors)
-    groups: dict[str, dict[str, object]] = {}  # module path -> {"weight": tensor, "bias": tensor}
-    for tensor in reader.tensors:
+    file = _open(path)
+    arch = _check_model(path, file)
+    _check_covered(arch, file.tensors)
+    groups: dict[str, dict[str, GgufTensor]] = {}  # module path -> {"weight": tensor, "bias": tensor}
+    for tensor in file.tensors:
         module, kind = _module_path(tensor.name)
         groups.setdefault(module, {})[kind] = tensor
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = _config(file, arch)
     except Exception as exc:
-        raise NotNative(f"transformers cannot read its config ({str(exc).strip().splitlines()[0]})") from None
+        raise NotNative(f"transformers cannot make its config ({str(exc).strip().splitlines()[0]})") from None
     with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     for module, tensors in groups.items():
-        _fill(model, module, tensors, config, info.arch)
+        _fill(model, module, tensors, config, arch)
     if "lm_head" not in groups and config.tie_word_embeddings:
         model.lm_head = QuantLinear(model.model.embed_tokens.matrix)  # the head reads the embedding's blocks
     _rebuild_rotary(model)
@@ -198,7 +342,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
-    model.native_gguf = NativeInfo(path, info.weight_type)
+    model.native_gguf = NativeInfo(path, _weight_type(file))
     model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
     return model
 
@@ -213,15 +357,15 @@ def _fill(model: PreTrainedModel, path: str, tensors: dict, config, arch: str) -
     if weight is None:
         raise NotNative(f"{path} has a bias but no weight in the file")
     if isinstance(old, (nn.Linear, nn.Embedding)):
-        have, want = (int(weight.shape[1]), int(weight.shape[0])), tuple(old.weight.shape)  # (out, in) / (vocab, dim)
+        have, want = weight.shape, tuple(old.weight.shape)  # (out, in) / (vocab, dim)
         if have != want:
             raise NotNative(f"{weight.name} is {have[0]}x{have[1]}, the config wants {path} {want[0]}x{want[1]}")
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(_matrix(weight, config, arch, lookup=True))
         else:
             b = _float(bias) if bias is not None else None
-            if b is not None and _rope_heads(bias.name, config, arch):
-                b = b[_rope_rows(len(b), _rope_heads(bias.name, config, arch))]
+            if b is not None and _rope_heads(bias, config, arch):
+                b = b[_rope_rows(len(b), _rope_heads(bias, config, arch))]
             new = QuantLinear(_matrix(weight, config, arch), b)
         model.set_submodule(path, new)
         return
