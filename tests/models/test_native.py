@@ -29,7 +29,8 @@ from gguf import GGUFReader
 from torch import nn
 
 from arborspec.engine import SpeculativeDecoder
-from arborspec.kernels.build import library
+from arborspec.kernels import build
+from arborspec.kernels.build import KernelBuildError, library
 from arborspec.kernels.reference import reference_matmul
 from arborspec.models import check_session_support, llamacpp
 from arborspec.models.hf import TreeSession
@@ -255,6 +256,8 @@ def test_sampled_speculative_output_follows_the_target_distribution(native):
 
 
 def test_a_gguf_the_kernels_do_not_cover_loads_elsewhere_with_a_note(tmp_path, capsys, monkeypatch):
+    """F16 weights, another architecture, kernels that cannot be compiled here: llama.cpp (or transformers) runs
+    the file instead, after one line on stderr."""
     f16 = write_tiny_gguf(tmp_path / "f16.gguf", dtype="f16")  # F16 weights: no native kernel
     with pytest.raises(NotNative, match="weight type\\(s\\) F16 have no native kernel"):
         load_native(f16)
@@ -270,6 +273,13 @@ def test_a_gguf_the_kernels_do_not_cover_loads_elsewhere_with_a_note(tmp_path, c
     other = write_tiny_gguf(tmp_path / "other.gguf", dtype="q4_k", arch="no-such-arch", **K_QUANT)
     with pytest.raises(NotNative, match="architecture 'no-such-arch' is not covered"):
         load_native(other)
+    q4_k = write_tiny_gguf(tmp_path / "q4_k.gguf", dtype="q4_k", **K_QUANT)
+
+    def no_compiler():
+        raise KernelBuildError("could not compile arborspec's kernels (g++: not found)")
+    monkeypatch.setattr(build, "library", no_compiler)
+    loaded = load_model(str(q4_k), backend="native", dtype="fp32", progress=False)
+    assert not is_native(loaded.model) and "g++: not found" in capsys.readouterr().err
 
 
 def test_bad_specs_are_one_line_errors(tmp_path, ggufs):

@@ -281,6 +281,16 @@ def _check_covered(arch: str, tensors: list[GgufTensor]) -> None:
                         f"{', '.join(t.name for t in SUPPORTED_TYPES)})")
 
 
+def _check_kernels() -> None:
+    """NotNative if arborspec's kernels cannot be compiled here (no C++ compiler, ...; compiled once per CPU)."""
+    from ..kernels.build import KernelBuildError, library
+
+    try:
+        library()
+    except KernelBuildError as exc:
+        raise NotNative(str(exc)) from None
+
+
 def _rope_rows(rows: int, heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's rope permutation: within each head, the file holds dimension pairs
     interleaved, row (head, i, half) at head * 2d + 2i + half; transformers wants (head, half, i)."""
@@ -323,6 +333,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     file = _open(path)
     arch = _check_model(path, file)
     _check_covered(arch, file.tensors)
+    _check_kernels()
     groups: dict[str, dict[str, GgufTensor]] = {}  # module path -> {"weight": tensor, "bias": tensor}
     for tensor in file.tensors:
         module, kind = _module_path(tensor.name)
