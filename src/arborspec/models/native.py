@@ -8,8 +8,9 @@ linear layer and output head is a `QuantLinear` and whose embedding is a `QuantE
 arborspec's own kernels, which read the blocks once for all rows of a tree (docs/kernels.md). Norms, biases and the
 rotary tables are the only float tensors made; a tied head reads the embedding's blocks.
 
-The skeleton is built on the meta device (no weight memory) from the config transformers reads from the GGUF, then
-each GGUF tensor replaces the module it belongs to. Every tensor of the file must find its module and every
+The skeleton is built on the meta device (no weight memory) from the GGUF's config (its metadata renamed by
+transformers' GGUF key table: what transformers itself reads), then each GGUF tensor replaces the module it belongs
+to, its blocks read from the file. Every tensor of the file must find its module and every
 parameter of the skeleton must be filled, so a file with something this mapping does not know (another architecture's
 extra tensors, Llama 3.1's rope_freqs) is refused with `NotNative` instead of running wrong; the loader then runs it
 on another backend. llama.cpp's converter stores the llama architecture's attn_q / attn_k rows permuted for its rope
