@@ -38,6 +38,25 @@ class QuantMatrix:
         # (n, row_bytes) as in the file, or (n / 8, blocks x 1184) interleaved groups
         self.data = _kernels().ops.repack_q4k8(data, k) if self.packed else data
 
+    @classmethod
+    def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix":
+        """One matrix whose rows are `parts`' rows in order (same type and k): several products over the same input
+        (q, k, v; gate, up) become one kernel call. Each part is then rebound as a view of its rows of the result,
+        so no memory is held twice."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.k != first.k or p.packed != first.packed for p in parts):
+            raise ValueError("concat needs matrices of one type, row length and layout")
+        whole = cls.__new__(cls)
+        whole.qtype, whole.k, whole.row_bytes, whole.packed = first.qtype, first.k, first.row_bytes, first.packed
+        whole.n = sum(p.n for p in parts)
+        whole.data = torch.cat([p.data for p in parts])
+        start = 0
+        for p in parts:
+            rows = p.data.shape[0]
+            p.data = whole.data[start:start + rows]  # a view: the part keeps working on its own rows
+            start += rows
+        return whole
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.n, self.k
