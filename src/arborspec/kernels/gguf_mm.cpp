@@ -403,42 +403,54 @@ __m256i expand_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-// Q5_0 and Q8_0: one 32-block is one register. u8 x s8 multiply-adds need an unsigned side: Q5_0's values are
-// unsigned 0..31 before the -16 offset (applied through the activation sum); Q8_0 multiplies |w| by sign(w) x a.
-void q32_avx2(int64_t qtype, const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+// A Q5_0 or Q8_0 block as signed bytes (Q5_0: the 4 low bits, the 5th from its bit field, minus 16).
+inline __m256i signed_32(int64_t qtype, const uint8_t* blk) {
+  if (qtype == Q8_0) return load(blk + 2);
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+  const __m256i nib = _mm256_setr_m128i(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+  const __m256i w = _mm256_or_si256(nib, _mm256_and_si256(expand_bits(qh), _mm256_set1_epi8(0x10)));
+  return _mm256_sub_epi8(w, _mm256_set1_epi8(16));
+}
+
+// Q5_0 and Q8_0 for R rows of X: one 32-block is one register, and R accumulators (two per row, for alternate
+// blocks, so consecutive blocks do not wait on each other's multiply-add) stay in registers for the whole column.
+// u8 x s8 multiply-adds need an unsigned side: |w| times sign(w) x a.
+template <int R>
+void q32_rows(int64_t qtype, const Job& j, int64_t c, int64_t r0) {
   const Act32* act = static_cast<const Act32*>(j.act);
   const int64_t bytes = block_bytes(qtype);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t c = c0; c < c1; ++c) {
-    __m256 acc[kTile];
-    float offset[kTile] = {0};
-    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < j.blocks; ++b) {
-      const uint8_t* blk = j.w + c * j.row_bytes + b * bytes;
-      const float d = half_avx(blk);
-      __m256i wv, wsign;
-      if (qtype == Q8_0) {
-        wsign = load(blk + 2);
-        wv = _mm256_sign_epi8(wsign, wsign);  // |w|
-      } else {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-        const __m256i nib = _mm256_setr_m128i(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
-        wv = _mm256_or_si256(nib, _mm256_and_si256(expand_bits(qh), _mm256_set1_epi8(0x10)));
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        const Act32& a = act[r * j.blocks + b];
-        const __m256i av = load(a.qs);
-        const __m256i p = _mm256_maddubs_epi16(wv, qtype == Q8_0 ? _mm256_sign_epi8(av, wsign) : av);
-        const float dd = a.d * d;
-        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(dd),
-                                      acc[r - r0]);
-        if (qtype == Q5_0) offset[r - r0] -= 16.f * dd * (float)a.sum;
-      }
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const uint8_t* row = j.w + c * j.row_bytes;
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    prefetch(blk + 8 * bytes);
+    const float d = half_avx(blk);
+    const __m256i w = signed_32(qtype, blk);
+    const __m256i wabs = _mm256_sign_epi8(w, w);
+    for (int i = 0; i < R; ++i) {
+      const Act32& a = act[(r0 + i) * j.blocks + b];
+      const __m256i p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(load(a.qs), w));  // (16,) int16
+      acc[i][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(a.d * d),
+                                      acc[i][b & 1]);
     }
-    for (int64_t r = r0; r < r1; ++r) j.y[r * j.n + c] = hsum(acc[r - r0]) + offset[r - r0];
+  }
+  for (int i = 0; i < R; ++i) j.y[(r0 + i) * j.n + c] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+void q32_avx2(int64_t qtype, const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) q32_rows<4>(qtype, j, c, r);
+    switch (r1 - r) {
+      case 3: q32_rows<3>(qtype, j, c, r); break;
+      case 2: q32_rows<2>(qtype, j, c, r); break;
+      case 1: q32_rows<1>(qtype, j, c, r); break;
+    }
   }
 }
 
