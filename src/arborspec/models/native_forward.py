@@ -105,16 +105,23 @@ class FastForward:
         h = self.embed(ids)[0]  # (q, hidden)
         cos, sin = self.rotary(h[None], positions)  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # (1, 1, q, head_dim)
+        seen = visible_keys(mask)
         for index, layer in enumerate(self.layers):
-            h = h + self.attention(layer, index, F.rms_norm(h, (self.dim,), layer.norm1, layer.eps), cos, sin, mask,
+            h = h + self.attention(layer, index, F.rms_norm(h, (self.dim,), layer.norm1, layer.eps), cos, sin, seen,
                                    cache)
             h = h + layer.mlp(F.rms_norm(h, (self.dim,), layer.norm2, layer.eps))
         h = F.rms_norm(h[keep], (self.dim,), self.norm.weight, self.norm.variance_epsilon)
         return self.head(h)[None]  # (1, keep, vocab)
 
     @staticmethod
-    def attention(layer: Layer, index: int, x, cos, sin, mask, cache) -> torch.Tensor:
-        """x (q, hidden) -> (q, hidden): tree attention over the cache plus these tokens, under `mask`."""
+    def attention(layer: Layer, index: int, x, cos, sin, seen, cache) -> torch.Tensor:
+        """x (q, hidden) -> (q, hidden): tree attention over the cache plus these tokens; row i sees keys seen[i].
+
+        Each row attends on its own, to exactly the keys it may see, in cache order: the same call, on the same
+        numbers, as when that token is decoded alone after its path was committed. So a token's logits do not
+        depend on which other nodes share its forward, and greedy speculation reproduces plain greedy decoding
+        token for token (a masked batch would round differently, and 8-bit activations turn such rounding into
+        ~1% logit differences at quantization-step boundaries; docs/kernels.md)."""
         q_len, d = x.shape[0], layer.head_dim
         qkv = layer.project_qkv(x)  # (q, (H + 2 KV) d)
         q, k, v = qkv.split([layer.heads * d, layer.kv_heads * d, layer.kv_heads * d], dim=-1)
@@ -122,8 +129,19 @@ class FastForward:
         k = rotate(k.view(q_len, layer.kv_heads, d).transpose(0, 1)[None], cos, sin)  # (1, KV, q, d)
         v = v.reshape(q_len, layer.kv_heads, d).transpose(0, 1)[None]
         keys, values = cache.update(k, v, index)  # (1, KV, past + q, d)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (1, H, q, d)
+        rows = []
+        for i, idx in enumerate(seen):
+            kk, vv = (keys, values) if idx is None else (keys.index_select(2, idx), values.index_select(2, idx))
+            rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], kk, vv, enable_gqa=True))  # (1, H, 1, d)
+        out = torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]  # (1, H, q, d)
         return layer.o(out[0].transpose(0, 1).reshape(q_len, layer.heads * d))
+
+
+def visible_keys(mask: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per query row of an additive mask (1, 1, q, kv): the indices of the keys it may see (None: all of them)."""
+    allowed = mask[0, 0] == 0  # (q, kv)
+    kv = allowed.shape[1]
+    return [None if bool(row.all()) else row.nonzero().squeeze(1) for row in allowed]
 
 
 def install(model) -> None:
