@@ -131,17 +131,23 @@ class FastForward:
         keys, values = cache.update(k, v, index)  # (1, KV, past + q, d)
         rows = []
         for i, idx in enumerate(seen):
-            kk, vv = (keys, values) if idx is None else (keys.index_select(2, idx), values.index_select(2, idx))
+            if isinstance(idx, int):  # the first idx keys: a view, no copy
+                kk, vv = keys[:, :, :idx], values[:, :, :idx]
+            else:
+                kk, vv = keys.index_select(2, idx), values.index_select(2, idx)
             rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], kk, vv, enable_gqa=True))  # (1, H, 1, d)
         out = torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]  # (1, H, q, d)
         return layer.o(out[0].transpose(0, 1).reshape(q_len, layer.heads * d))
 
 
-def visible_keys(mask: torch.Tensor) -> list[torch.Tensor | None]:
-    """Per query row of an additive mask (1, 1, q, kv): the indices of the keys it may see (None: all of them)."""
-    allowed = mask[0, 0] == 0  # (q, kv)
-    kv = allowed.shape[1]
-    return [None if bool(row.all()) else row.nonzero().squeeze(1) for row in allowed]
+def visible_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:
+    """Per query row of an additive mask (1, 1, q, kv): the keys it may see, as a count when they are the first
+    ones (a causal prefix, a chain's rows, a tree's first path: no gather needed), else their indices."""
+    out = []
+    for row in (mask[0, 0] == 0):  # (kv,) bool
+        idx = row.nonzero().squeeze(1)
+        out.append(len(idx) if int(idx[-1]) == len(idx) - 1 else idx)
+    return out
 
 
 def install(model) -> None:
