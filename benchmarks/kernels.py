@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +23,7 @@ import gguf
 import numpy as np
 import torch
 
+from arborspec.bench.runner import cpu_model
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import library
 from arborspec.plotting import pyplot, save_figure
@@ -84,18 +84,8 @@ def measure(path: Path, sizes, repeats: int) -> dict:
             rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": t,
                          "memory_roofline": nbytes / bw, "compute_roofline": m * macs / rate})
     return {"model": str(path), "bandwidth_GBps": bw / 1e9, "multiply_add_G_per_s": rate / 1e9,
-            "threads": torch.get_num_threads(), "isa": library().isa, "cpu": platform.processor() or cpu_name(),
+            "threads": torch.get_num_threads(), "isa": library().isa, "cpu": cpu_model(),
             "rows": rows}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def totals(result: dict) -> dict[int, dict[str, float]]:
