@@ -367,12 +367,38 @@ def test_merged_products_share_the_blocks_of_their_modules(native):
     model = native("q4_k").model
     layer = model.model.layers[0]
     merged = model.forward.layers[0]
-    assert merged.qkv is not None and merged.gate_up is not None
-    for module, merged_matrix in ((layer.self_attn.q_proj, merged.qkv), (layer.self_attn.v_proj, merged.qkv),
-                                  (layer.mlp.up_proj, merged.gate_up)):
+    assert len(merged.qkv) == 1 and len(merged.gate_up) == 1  # one kernel call each
+    qkv, gate_up = merged.qkv[0].matrix, merged.gate_up[0].matrix
+    for module, merged_matrix in ((layer.self_attn.q_proj, qkv), (layer.self_attn.v_proj, qkv),
+                                  (layer.mlp.up_proj, gate_up)):
         assert module.matrix.data.untyped_storage().data_ptr() == merged_matrix.data.untyped_storage().data_ptr()
         assert module.blocks.data_ptr() == module.matrix.data.data_ptr()
     x = torch.randn(3, model.config.hidden_size)
-    q, k, v = merged.qkv(x).split([layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
+    q, k, v = qkv(x).split([layer.self_attn.q_proj.out_features, layer.self_attn.k_proj.out_features,
                                   layer.self_attn.v_proj.out_features], dim=-1)
     assert torch.equal(q, layer.self_attn.q_proj.matrix(x)) and torch.equal(v, layer.self_attn.v_proj.matrix(x))
+
+
+def test_merged_products_keep_every_modules_bias():
+    """Merging q/k/v or gate/up into one call keeps each module's bias in its own columns, also where only some of
+    the merged modules have one (a llama file with mlp or attention biases); types that differ stay separate calls."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    from arborspec.kernels import QuantMatrix
+    from arborspec.models.native_forward import merge, run
+    from tests.kernels.blocks import random_blocks
+
+    rng = np.random.default_rng(0)
+
+    def linear(qtype, n, bias):
+        matrix = QuantMatrix(random_blocks(qtype, n, 256, rng), qtype, n, 256)
+        return QuantLinear(matrix, torch.randn(n) if bias else None)
+
+    x = torch.randn(3, 256)
+    for kinds in ([(QT.Q4_K, True), (QT.Q4_K, False), (QT.Q4_K, True)], [(QT.Q4_K, False), (QT.Q6_K, True)]):
+        linears = [linear(qtype, 16, bias) for qtype, bias in kinds]
+        want = torch.cat([lin(x) for lin in linears], dim=-1)
+        products = merge(linears)
+        assert len(products) == len({qtype for qtype, _ in kinds})
+        assert torch.equal(run(products, x), want)

@@ -21,15 +21,33 @@ import torch.nn.functional as F
 from ..kernels import QuantMatrix
 
 
-def merge(linears) -> QuantMatrix | None:
-    """One matrix over the rows of `linears` (QuantLinear modules over one input), or None if their types differ."""
-    mats = [lin.matrix for lin in linears]
-    if any(m.qtype != mats[0].qtype or m.packed != mats[0].packed for m in mats):
-        return None
-    whole = QuantMatrix.concat(mats)
-    for lin in linears:  # the modules' buffers follow their matrices to the views (or the blocks are held twice)
+def merge(linears) -> list:
+    """The products of `linears` (QuantLinear modules over one input, in output order) as few kernel calls as their
+    block types allow: consecutive modules of one type become one QuantLinear over their rows (a view of their own
+    blocks) with their biases side by side (zeros for a module without one)."""
+    groups = [[linears[0]]]
+    for lin in linears[1:]:
+        last = groups[-1][0].matrix
+        if lin.matrix.qtype == last.qtype and lin.matrix.packed == last.packed:
+            groups[-1].append(lin)
+        else:
+            groups.append([lin])
+    return [group[0] if len(group) == 1 else _merged(group) for group in groups]
+
+
+def _merged(group):
+    whole = QuantMatrix.concat([lin.matrix for lin in group])
+    for lin in group:  # the modules' buffers follow their matrices to the views (or the blocks are held twice)
         lin.blocks = lin.matrix.data
-    return whole
+    biases = [lin.bias for lin in group]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [torch.zeros(lin.out_features) if b is None else b for lin, b in zip(group, biases)])
+    return type(group[0])(whole, bias)  # a QuantLinear (models/native.py imports this module: no import back)
+
+
+def run(products, x: torch.Tensor) -> torch.Tensor:
+    """x (m, k) through `merge`'s products -> their outputs side by side (m, sum of out_features)."""
+    return products[0](x) if len(products) == 1 else torch.cat([p(x) for p in products], dim=-1)
 
 
 class Layer:
@@ -41,33 +59,17 @@ class Layer:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv = merge(projections)  # (q + 2 kv) rows, or None: q and k merged, v alone
-        self.qk = None if self.qkv is not None else merge(projections[:2])
-        self.projections = projections
-        biases = [p.bias for p in projections]
-        self.qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        self.qkv = merge([attn.q_proj, attn.k_proj, attn.v_proj])  # one call where the three share a block type
         self.o = attn.o_proj
         self.gate_up = merge([mlp.gate_proj, mlp.up_proj])
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.down = mlp.down_proj
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x (m, hidden) -> (m, (heads + 2 kv_heads) x head_dim): q, k, v side by side."""
-        if self.qkv is not None:
-            y = self.qkv(x)
-        elif self.qk is not None:
-            y = torch.cat([self.qk(x), self.projections[2].matrix(x)], dim=-1)
-        else:
-            y = torch.cat([p.matrix(x) for p in self.projections], dim=-1)
-        if self.qkv_bias is not None:
-            y = y + self.qkv_bias
-        return y
+        return run(self.qkv, x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate.matrix(x), self.up.matrix(x)
+        gate, up = run(self.gate_up, x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
