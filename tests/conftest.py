@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package), for tests of their pieces."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz ():=+-*/0123456789\n_.,'\"#[]")
 VOCAB = 64  # 56 tokenizer entries + padding rows, like real models whose embedding is larger than the tokenizer

@@ -1,22 +1,14 @@
 """benchmarks/verifiers.py: every method of its line-up parses, is exact, and gets the verifier its label promises
 (a refused pairing would only show hours into the benchmark, as a skipped row); its pooled table renders."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from arborspec.spec import build_decoder, parse
-from tests.conftest import noisy_copy, tiny_model
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verifiers.py"
+from tests.conftest import load_benchmark, noisy_copy, tiny_model
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("verifiers_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("verifiers")
 
 
 def test_every_method_runs_with_the_verifier_it_names(script):

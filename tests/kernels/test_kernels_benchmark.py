@@ -1,21 +1,14 @@
 """benchmarks/kernels.py on a tiny K-quant GGUF: it finds and groups the matrices the kernels cover (the embedding
 table left out), times them, and its whole-model table adds the groups up and divides by the right rooflines."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from tests.conftest import load_benchmark
 from tests.models.tiny_gguf import write_tiny_gguf
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("kernels_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kernels")
 
 
 def test_groups_cover_every_layer_matrix_and_the_head(script, tmp_path):

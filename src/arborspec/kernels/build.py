@@ -62,7 +62,9 @@ def explain(exc: Exception) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
+@functools.cache
 def cache_key() -> str:
+    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

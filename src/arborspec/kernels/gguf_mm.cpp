@@ -157,6 +157,16 @@ void q4k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
   }
 }
 
+// A Q4_K block's 256 4-bit values in order (q), and its 8 sub-block scales and mins.
+void unpack_q4k(const uint8_t* blk, int* q, int* sc, int* mn) {
+  for (int s = 0; s < 8; ++s) q4k_scale_min(blk + 4, s, &sc[s], &mn[s]);
+  for (int h = 0; h < 4; ++h)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * h + l] = blk[16 + 32 * h + l] & 0x0F;
+      q[64 * h + 32 + l] = blk[16 + 32 * h + l] >> 4;
+    }
+}
+
 // The arguments every kernel gets: weights of columns [c0, c1), activations of rows [r0, r1) (r1 - r0 <= kTile).
 struct Job {
   const uint8_t* w;  // (n, row_bytes)
@@ -177,12 +187,7 @@ void q4k_scalar(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
       const uint8_t* blk = j.w + c * j.row_bytes + b * 144;
       const float d = half(blk), dmin = half(blk + 2);
       int q[256], sc[8], mn[8];
-      for (int s = 0; s < 8; ++s) q4k_scale_min(blk + 4, s, &sc[s], &mn[s]);
-      for (int h = 0; h < 4; ++h)
-        for (int l = 0; l < 32; ++l) {
-          q[64 * h + l] = blk[16 + 32 * h + l] & 0x0F;
-          q[64 * h + 32 + l] = blk[16 + 32 * h + l] >> 4;
-        }
+      unpack_q4k(blk, q, sc, mn);
       for (int64_t r = r0; r < r1; ++r) {
         const ActK& a = act[r * j.blocks + b];
         int sumi = 0, summ = 0;
@@ -475,16 +480,11 @@ void repack_q4k_group(const uint8_t* src, int64_t row_bytes, int64_t block, uint
     std::memcpy(out + 2 * c, blk, 2);
     std::memcpy(out + 16 + 2 * c, blk + 2, 2);
     int sc[8], mn[8], q[256];
-    for (int s = 0; s < 8; ++s) q4k_scale_min(blk + 4, s, &sc[s], &mn[s]);
+    unpack_q4k(blk, q, sc, mn);
     for (int s = 0; s < 8; ++s) {
       out[32 + 8 * s + c] = (uint8_t)sc[s];
       out[96 + 16 * (s / 2) + 2 * c + (s % 2)] = (uint8_t)mn[s];
     }
-    for (int h = 0; h < 4; ++h)
-      for (int l = 0; l < 32; ++l) {
-        q[64 * h + l] = blk[16 + 32 * h + l] & 0x0F;
-        q[64 * h + 32 + l] = blk[16 + 32 * h + l] >> 4;
-      }
     for (int s = 0; s < 8; ++s)
       for (int ch = 0; ch < 4; ++ch)
         for (int i = 0; i < 4; ++i) {

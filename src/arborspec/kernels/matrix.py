@@ -87,8 +87,7 @@ class QuantMatrix:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of W dequantized, float32 (*index.shape, k): an embedding lookup without a float copy of W."""
         from gguf.quants import dequantize
-        source = self.blocks() if self.packed else self.data
-        picked = source.index_select(0, index.reshape(-1).to(torch.long)).numpy()
+        picked = self.blocks().index_select(0, index.reshape(-1).to(torch.long)).numpy()
         return torch.from_numpy(dequantize(picked, self.qtype)).reshape(*index.shape, self.k)
 
 

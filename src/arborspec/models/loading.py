@@ -360,11 +360,16 @@ def resolve_backend(spec: str, backend: str = "auto") -> str:
         raise ModelLoadError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
     gguf = spec in ALIASES or spec.endswith(".gguf")
     if backend == "auto":
-        return "llamacpp" if gguf and llamacpp.available() else "torch"
+        return gguf_fallback() if gguf else "torch"
     if backend in _GGUF_BACKENDS and not gguf:
         raise ModelLoadError(f"{_GGUF_BACKENDS[backend]} runs GGUF files: give an alias "
                              f"({', '.join(sorted(ALIASES))}) or a .gguf file, not {spec!r}")
     return backend
+
+
+def gguf_fallback() -> str:
+    """The backend a GGUF runs on when not on native: llama.cpp where llama-cpp-python is installed, else torch."""
+    return "llamacpp" if llamacpp.available() else "torch"
 
 
 def load_llamacpp_model(spec: str, progress: bool = True, **options):
@@ -398,7 +403,7 @@ def load_native_model(spec: str, progress: bool = True) -> LoadedModel | None:
         model = native.load_native(path)
         tokenizer = _gguf_tokenizer(spec, path)
     except native.NotNative as exc:
-        other = "llama.cpp" if llamacpp.available() else "transformers (torch)"
+        other = {"llamacpp": "llama.cpp", "torch": "transformers (torch)"}[gguf_fallback()]
         print(f"[arborspec] note: {spec} is not run natively: {exc}; loading it on {other} instead", file=sys.stderr,
               flush=True)
         return None
@@ -428,7 +433,7 @@ def load_model(
         loaded = load_native_model(spec, progress)
         if loaded is not None:
             return loaded
-        chosen = "llamacpp" if llamacpp.available() else "torch"
+        chosen = gguf_fallback()
     if chosen == "llamacpp":
         return load_llamacpp_model(spec, progress, **(llama or {}))
     torch_dtype = resolve_dtype(dtype)
