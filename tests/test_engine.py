@@ -202,3 +202,40 @@ def test_per_position_acceptance_and_zero_accept_share():
     steps = [s for s in noisy.steps if s.tree_size]
     assert 0 < noisy.zero_accept_share == sum(s.accepted == 0 for s in steps) / len(steps)
     assert noisy.to_dict()["accepted_at_depth"] == shares
+
+
+# ---- which source supplied the accepted tokens -------------------------------------------------------------------
+def repeating_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 56) for _ in range(8)] * 3  # repeats, so n-gram and suffix branches get drafted
+
+
+def test_per_source_counts_add_up_to_the_steps_counts():
+    import json
+
+    target = tiny_model("llama", seed=0)
+    dec = SpeculativeDecoder(target, noisy_copy(target, 0.5), method="static", depth=2, branch=2, ngram=3,
+                             suffix=6)
+    seen = set()
+    for seed in range(3):
+        res = dec.generate(repeating_prompt(seed), max_new_tokens=24, ignore_eos=True)
+        for step in res.stats.steps:
+            assert sum(c["accepted"] for c in step.sources.values()) == step.accepted
+            assert sum(c["proposed"] for c in step.sources.values()) == step.tree_size
+            assert all(c["accepted"] <= c["proposed"] for c in step.sources.values())
+            seen |= {s for s, c in step.sources.items() if c["accepted"]}
+        total = res.stats.sources
+        assert sum(c["accepted"] for c in total.values()) == sum(s.accepted for s in res.stats.steps)
+        assert json.loads(json.dumps(res.stats.to_dict(per_step=True)))["sources"] == total
+    assert "draft" in seen and seen & {"ngram", "suffix"}  # several sources supplied tokens: the sums mean something
+
+
+def test_a_suffix_only_run_credits_everything_to_suffix():
+    target = tiny_model("llama", seed=0)
+    dec = SpeculativeDecoder(target, method="suffix")
+    res = dec.generate(repeating_prompt(1), max_new_tokens=24, ignore_eos=True)
+    total = res.stats.sources
+    assert set(total) == {"suffix"} and total["suffix"]["accepted"] == sum(s.accepted for s in res.stats.steps) > 0
+    assert total["suffix"]["proposed"] == sum(s.tree_size for s in res.stats.steps)
+    plain = SpeculativeDecoder(target, method="ar").generate(repeating_prompt(1), max_new_tokens=8, ignore_eos=True)
+    assert plain.stats.sources == {} and plain.stats.to_dict()["sources"] == {}

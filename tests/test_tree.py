@@ -80,3 +80,41 @@ def test_block_count_counts_nonzero_tiles():
     assert block_count(chain, prefix_len=32, block=32) == 5
     star = TokenTree.from_parents(list(range(64)), [-1] + [0] * 63)
     assert block_count(star, prefix_len=0, block=32) == 3  # column 0 in every row tile + the diagonal tiles
+
+
+# ---- sources: who proposed each node -----------------------------------------------------------------------------
+def test_sources_are_credited_to_the_first_proposer_and_counted_per_step():
+    from arborspec.drafting.ngram import graft
+
+    tree = TokenTree.root(1)
+    a = tree.add(0, 2)  # the draft model's (the default source)
+    tree.add(a, 3)
+    graft(tree, [2, 4, 5])  # 2 is the draft's already; 4 and 5 are new
+    chain = graft(tree, [2, 4, 6], source="suffix")
+    assert tree.sources == ["", "draft", "draft", "ngram", "ngram", "suffix"]
+    assert tree.also == {1: ["ngram", "suffix"], 3: ["suffix"]}
+    counts = tree.by_source(chain[:2])  # accepted: 2 (draft's) and 4 (ngram's)
+    assert counts == {"draft": {"proposed": 2, "accepted": 1, "also_accepted": 0},
+                      "ngram": {"proposed": 2, "accepted": 1, "also_accepted": 1},
+                      "suffix": {"proposed": 1, "accepted": 0, "also_accepted": 2}}
+    assert sum(c["accepted"] for c in counts.values()) == 2
+    assert sum(c["proposed"] for c in counts.values()) == len(tree) - 1
+    tree.propose_again(1, "draft")  # its own source again, or a source already noted: no change
+    tree.propose_again(1, "ngram")
+    assert tree.also[1] == ["ngram", "suffix"]
+
+
+@given(trees(), st.sampled_from(["bfs", "dfs", "heavy"]), st.randoms(use_true_random=False))
+@settings(max_examples=40, deadline=None)
+def test_reshaping_keeps_each_nodes_sources(tree, order, rnd):
+    for i in range(1, len(tree)):
+        tree.sources[i] = rnd.choice(["draft", "ngram", "suffix"])
+        if rnd.random() < 0.3:
+            tree.propose_again(i, "lookahead")
+    out = packed(tree, order)
+    where = {old: new for new, old in enumerate({"bfs": bfs_order, "dfs": dfs_order,
+                                                 "heavy": heavy_path_order}[order](tree))}
+    for old, new in where.items():
+        assert out.sources[new] == tree.sources[old] and out.also.get(new) == tree.also.get(old)
+    path = tree.path(len(tree) - 1)[1:]
+    assert out.by_source([where[n] for n in path]) == tree.by_source(path)

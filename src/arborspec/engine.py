@@ -42,6 +42,9 @@ class StepStats:
     # with measure_optimum at T > 0: the best rate at which any exact verifier accepts a first token of this tree
     # (verify.base.root_optimum; None where the root's children were not sampled)
     root_optimum: float | None = None
+    # who proposed the tree's nodes and the accepted ones: {source: {proposed, accepted, also_accepted}}, credited to
+    # the first source that proposed a node (tree.py: TokenTree.by_source); accepted adds up to `accepted`
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +114,17 @@ class GenerationStats:
         return sum(values) / len(values) if values else None
 
     @property
+    def sources(self) -> dict[str, dict[str, int]]:
+        """The steps' per-source counts summed (StepStats.sources): which source supplied the accepted tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for step in self.steps:
+            for source, counts in step.sources.items():
+                total = out.setdefault(source, dict.fromkeys(counts, 0))
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        return out
+
+    @property
     def decode_time(self) -> float:
         return self.t_total - self.t_prefill
 
@@ -142,6 +156,7 @@ class GenerationStats:
             t_other=sum(s.t_other for s in self.steps),
             mean_tree_size=sum(s.tree_size for s in self.steps) / max(self.n_steps, 1),
             draft_calls=sum(s.draft_calls for s in self.steps),
+            sources=self.sources,
         )
         if per_step:
             out["per_step"] = [asdict(s) for s in self.steps]
@@ -380,10 +395,11 @@ class SpeculativeDecoder:
                     tree_size=len(tree) - 1, depth=tree.depth, widths=tree.widths(), accepted=len(verdict.path),
                     committed=len(kept), draft_calls=(draft.forwards - calls0) if draft else 0,
                     t_draft=t1 - t0, t_verify=t2 - t1, t_other=time.perf_counter() - t2, path=list(verdict.path),
+                    sources=tree.by_source(verdict.path),
                 )
                 if self.record_trees:
                     step.tree = dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs),
-                                     path=list(verdict.path), bonus=int(verdict.bonus))
+                                     path=list(verdict.path), bonus=int(verdict.bonus), sources=list(tree.sources))
                 if self.measure_optimum and not self.sampling.greedy:
                     step.root_optimum = self._root_optimum(tree, logits, stats)
                 stats.steps.append(step)

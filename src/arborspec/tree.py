@@ -8,6 +8,13 @@ For exact verification a tree must remember, per expanded node, the draft distri
 and *how* they were drawn (see `DrawRule`): multi-branch rejection is exact only for children drawn without
 replacement, SpecInfer's multi-step speculative sampling only for children drawn with replacement, and target sampling
 (draw from the target, follow the child carrying that token) for any tree, deterministic children included.
+
+Every drafted node also records its *source*, who proposed it: the draft model (`"draft"`, what every policy's `add`
+means unless it says otherwise) or a draft-free source grafted onto the tree (suffix statistics, prompt-lookup
+n-grams, lookahead's n-gram pool). A node two sources propose is one node (the graft reuses the child carrying the
+same token), credited to the *first* source that proposed it; the later ones are kept in `also`. Crediting the first
+makes the per-source accepted counts of a step add up to its accepted tokens, and `also` still says how much of a
+source's yield another source would have supplied anyway (what mixing sources buys over the best single one).
 """
 from __future__ import annotations
 
@@ -15,6 +22,11 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+
+# The sources the engine grafts from, in the order it grafts them (reports and plots list them in this order; a new
+# source is any other string, shown after these).
+SOURCES = ("draft", "ngram", "suffix", "lookahead")
 
 
 class DrawRule(str, enum.Enum):
@@ -40,6 +52,8 @@ class TokenTree:
     child_dist: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> (vocab,) draft dist of its children
     child_rule: dict[int, DrawRule] = field(default_factory=dict)  # node -> how its children were drawn
     # A DETERMINISTIC node may lack a child_dist (e.g. n-gram branches chosen without any draft model).
+    sources: list[str] = field(default_factory=lambda: [""])  # who proposed each node (module docstring); root: ""
+    also: dict[int, list[str]] = field(default_factory=dict)  # node -> later sources that proposed it again
 
     @classmethod
     def root(cls, token: int) -> "TokenTree":
@@ -54,15 +68,21 @@ class TokenTree:
         return tree
 
     # ---- building -------------------------------------------------------------------------------------------
-    def add(self, parent: int, token: int, prob: float = 1.0) -> int:
-        """Append a child of `parent`; returns the new node's index."""
+    def add(self, parent: int, token: int, prob: float = 1.0, source: str = "draft") -> int:
+        """Append a child of `parent` proposed by `source`; returns the new node's index."""
         if not 0 <= parent < len(self.tokens):
             raise IndexError(f"parent {parent} is not a node of this tree (size {len(self.tokens)})")
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.probs.append(float(prob))
+        self.sources.append(source)
         return len(self.tokens) - 1
+
+    def propose_again(self, node: int, source: str) -> None:
+        """Record that `source` proposed `node` too (after the source it is credited to)."""
+        if node > 0 and source != self.sources[node] and source not in self.also.get(node, ()):
+            self.also.setdefault(node, []).append(source)
 
     def set_children_dist(self, node: int, dist: torch.Tensor, rule: DrawRule) -> None:
         """Record the draft distribution `dist` (vocab,) that node's children were (or will be) drawn from."""
@@ -101,6 +121,25 @@ class TokenTree:
         for i in self.path(node)[1:]:
             p *= self.probs[i]
         return p
+
+    def by_source(self, path: list[int]) -> dict[str, dict[str, int]]:
+        """Per source, for a step whose accepted nodes are `path`: `proposed` (nodes credited to it), `accepted`
+        (accepted nodes credited to it; these add up to len(path)) and `also_accepted` (accepted nodes it proposed
+        too, credited to an earlier source). Sources appear in the order they first proposed a node."""
+        out: dict[str, dict[str, int]] = {}
+        accepted = set(path)
+
+        def row(source: str) -> dict[str, int]:
+            return out.setdefault(source, {"proposed": 0, "accepted": 0, "also_accepted": 0})
+
+        for node in range(1, len(self.tokens)):
+            rec = row(self.sources[node])
+            rec["proposed"] += 1
+            rec["accepted"] += node in accepted
+        for node, others in self.also.items():
+            for source in others:
+                row(source)["also_accepted"] += node in accepted
+        return out
 
     def widths(self) -> list[int]:
         """Number of nodes at each depth, root layer included."""
@@ -163,7 +202,9 @@ class TokenTree:
             parent = new_index.get(self.parents[old])
             if parent is None or parent >= len(out):
                 raise ValueError(f"node {old} is listed before (or without) its parent {self.parents[old]}")
-            out.add(parent, self.tokens[old], self.probs[old])
+            out.add(parent, self.tokens[old], self.probs[old], self.sources[old])
+            if old in self.also:
+                out.also[len(out) - 1] = list(self.also[old])
         self._copy_rules(out, new_index)
         return out
 

@@ -51,12 +51,20 @@ def test_results_json_records_every_run(bench_run):
     assert second[0]["label"] == first[1]["label"] and second[0]["temperature"] == first[1]["temperature"]
     chain = next(r for r in results["runs"] if r["label"] == "chain@4")
     assert chain["node_outcomes"] and all(0 <= p <= 1 and a in (0, 1) for p, a in chain["node_outcomes"])
+    for r in results["runs"]:  # which source supplied the accepted tokens: here the draft model, or nothing (ar)
+        if r["label"] == "hf-assisted":
+            assert r["sources"] is None
+        else:
+            assert set(r["sources"]) <= {"draft"}
+            assert sum(c["accepted"] for c in r["sources"].values()) == sum(r["accepted_per_step"])
+            assert sum(c["proposed"] for c in r["sources"].values()) == sum(r["drafted_per_step"])
 
 
 def test_report_and_plots(bench_run):
     report = (bench_run / "report.md").read_text()
     assert "Machine:" in report and "Command: `arborspec bench" in report
-    for png in ["throughput.png", "mat_vs_tree_size.png", "acceptance_vs_draft_prob.png", "sps_vs_asps.png"]:
+    for png in ["throughput.png", "mat_vs_tree_size.png", "acceptance_vs_draft_prob.png", "sps_vs_asps.png",
+                "accepted_by_source.png"]:
         assert (bench_run / png).stat().st_size > 1000
     section = report.split("## prompts, T=0")[1].split("##")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| method")]
@@ -66,6 +74,7 @@ def test_report_and_plots(bench_run):
     assert ar[12].strip() == "1.00"  # speed-up of ar over itself
     assert ar[4].strip() == "1.00"  # plain decoding commits one token per step
     assert "per category" in report
+    assert "## Accepted by source" in report and "| prompts | 0 | chain@2 | draft |" in report
     # regenerating from results.json alone gives the same report
     before = report
     assert main(["report", str(bench_run)]) == 0

@@ -108,3 +108,16 @@ def test_the_pooled_metrics_are_the_engines_own_on_one_run():
     assert metrics.accepted_at_depth(accepted, [s.depth for s in steps]) == st.accepted_at_depth
     assert metrics.zero_accept_share(accepted, [s.tree_size for s in steps]) == st.zero_accept_share
     assert metrics.root_acceptance(accepted, [s.root_optimum for s in steps]) == (st.root_acceptance, st.root_optimum)
+
+
+def test_by_source_pools_runs_per_step_by_hand():
+    runs = [{"draft": {"proposed": 10, "accepted": 4, "also_accepted": 0},
+             "suffix": {"proposed": 6, "accepted": 2, "also_accepted": 3}},
+            {"suffix": {"proposed": 4, "accepted": 2, "also_accepted": 0},
+             "ngram": {"proposed": 0, "accepted": 0, "also_accepted": 0}}]
+    out = metrics.by_source(runs, steps=4)
+    assert set(out) == {"draft", "suffix"}  # ngram proposed nothing
+    assert out["draft"] == pytest.approx(dict(proposed=2.5, accepted=1.0, rate=0.4, share=0.5, also=0.0))
+    assert out["suffix"] == pytest.approx(dict(proposed=2.5, accepted=1.0, rate=0.4, share=0.5, also=0.75))
+    assert metrics.by_source([], steps=0) == {}
+    assert metrics.by_source([{"ngram": {"proposed": 3, "accepted": 0, "also_accepted": 0}}], 3)["ngram"]["share"] is None

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..plotting import grid, save_figure
 from ..spec import split_label
 from . import metrics
-from .tables import tables
+from .tables import ordered_sources, tables
 
 
 def throughput_plot(results: dict, path: Path) -> str | None:
@@ -111,11 +111,39 @@ def sps_vs_asps_plot(results: dict, path: Path) -> str | None:
     return save_figure(fig, path)
 
 
+def accepted_by_source_plot(results: dict, path: Path) -> str | None:
+    """Which source supplied the accepted tokens: per dataset and temperature, a bar per method that drafted, its
+    accepted tokens per step stacked by source (the draft model, ngram, suffix, lookahead; tables.ordered_sources)."""
+    panels = {}
+    for key, rows in tables(results).items():
+        bars = {label: dict(ordered_sources(s["sources"])) for label, s in rows.items() if s.get("sources")}
+        if bars:
+            panels[key] = bars
+    if not panels:
+        return None
+    seen = {name for bars in panels.values() for by_source in bars.values() for name in by_source}
+    names = [name for name, _ in ordered_sources(dict.fromkeys(seen))]
+    colors = {n: f"C{i}" for i, n in enumerate(names)}
+    fig, axes = grid(len(panels), cols=min(2, len(panels)))
+    for ax, ((dataset, temp), bars) in zip(axes, panels.items()):
+        labels, bottom = list(bars), [0.0] * len(bars)
+        for name in names:
+            heights = [bars[label].get(name, {}).get("accepted") or 0.0 for label in labels]
+            ax.bar(labels, heights, bottom=bottom, color=colors[name], label=name)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_ylabel("accepted drafted tokens per step")
+        ax.set_title(f"{dataset}, T={temp:g}: accepted tokens by source")
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
 def write_plots(results: dict, directory: Path) -> list[Path]:
     made = [
         throughput_plot(results, directory / "throughput.png"),
         mat_vs_tree_size_plot(results, directory / "mat_vs_tree_size.png"),
         acceptance_vs_prob_plot(results, directory / "acceptance_vs_draft_prob.png"),
         sps_vs_asps_plot(results, directory / "sps_vs_asps.png"),
+        accepted_by_source_plot(results, directory / "accepted_by_source.png"),
     ]
     return [Path(p) for p in made if p is not None]

@@ -12,6 +12,8 @@ Names, because every paper calls the same thing something else:
 - **root acceptance / optimum** = among steps whose root children were sampled, the share that accepted a first
   drafted token, beside the mean of the best rate any exact verifier could reach on those trees (verify/base.py:
   root_optimum; an upper bound for children drawn without replacement).
+- **accepted by source** = per source of drafted nodes (the draft model, ngram, suffix, lookahead), the tokens it
+  proposed and the accepted tokens credited to it (a node two sources proposed counts for the first), per step.
 - **TTFT** = seconds from the call to the first generated token; **TPOT** = seconds per output token after the first.
 - **speed-up** = tokens/s of a method over tokens/s of a baseline measured in the same process on the same prompts.
 """
@@ -152,6 +154,27 @@ def acceptance_by_probability(outcomes: Iterable[tuple[float, bool]], bins: int 
         counts[b] += 1
         hits[b] += bool(accepted)
     return [((b + 0.5) / bins, hits[b] / counts[b], counts[b]) for b in range(bins) if counts[b]]
+
+
+def by_source(per_run: Iterable[Mapping[str, Mapping[str, int]]], steps: int) -> dict[str, dict]:
+    """Which source supplied the drafted tokens and the accepted ones, pooled over runs.
+
+    `per_run`: each run's per-source counts (engine.GenerationStats.sources: proposed, accepted, also_accepted per
+    source); `steps`: the steps of those runs. Per source: `proposed` and `accepted` per step, `rate` (accepted /
+    proposed), `share` of all accepted tokens (the shares add up to 1), `also` accepted tokens per step that the source
+    proposed too but that are credited to an earlier source. Sources that proposed nothing are left out."""
+    totals: dict[str, dict[str, int]] = {}
+    for counts in per_run:
+        for source, c in counts.items():
+            t = totals.setdefault(source, {"proposed": 0, "accepted": 0, "also_accepted": 0})
+            for key in t:
+                t[key] += c.get(key, 0)
+    accepted = sum(t["accepted"] for t in totals.values())
+    per_step = lambda n: n / steps if steps else None  # noqa: E731
+    return {source: dict(proposed=per_step(t["proposed"]), accepted=per_step(t["accepted"]),
+                         rate=t["accepted"] / t["proposed"] if t["proposed"] else None,
+                         share=t["accepted"] / accepted if accepted else None, also=per_step(t["also_accepted"]))
+            for source, t in totals.items() if t["proposed"] or t["also_accepted"]}
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

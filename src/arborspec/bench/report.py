@@ -6,11 +6,14 @@ results.json from another machine reported, at any time. Tables: one per dataset
 1-3, zero-accept share, root acceptance against the best any exact verifier could reach (T > 0), tokens/s median and
 IQR, speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
 TTFT, TPOT, target perplexity of the output, memory. Per-category tables when a dataset has categories (MT-Bench).
+"Accepted by source": per method, which source (draft model, ngram, suffix, lookahead) proposed the drafted tokens
+and supplied the accepted ones.
 
 Plots (figures.py): throughput.png (tokens/s and speed-up bars), mat_vs_tree_size.png (DySpec Fig. 5, when a method
 ran with several budgets), acceptance_vs_draft_prob.png (DySpec Fig. 2: drafted nodes the verifier reached,
 binned by draft probability, fraction accepted), sps_vs_asps.png (chain length vs MAT for each chain verifier, when
-ASpS and SpS both ran with several k). `--reproduction` writes the paper-by-paper report instead (reproduction.py).
+ASpS and SpS both ran with several k), accepted_by_source.png (accepted tokens per step, stacked by source, per
+dataset and method). `--reproduction` writes the paper-by-paper report instead (reproduction.py).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from pathlib import Path
 from . import metrics
 from .figures import write_plots
 from .reproduction import write_reproduction
-from .tables import category_tables, fmt, resumed_lines, tables
+from .tables import category_tables, fmt, ordered_sources, resumed_lines, tables
 
 
 def load_results(path: str | Path) -> tuple[dict, Path]:
@@ -52,6 +55,11 @@ GLOSSARY = """\
 - **tok/s** = new tokens / wall time of the whole call (prefill included), median and interquartile range over
   prompts. **speed-up** = aggregate tokens/s over that of `ar` (resp. `hf-assisted`) on the same prompts, measured
   interleaved in the same process.
+- **accepted by source** (its own table) = per source of drafted nodes -- the draft model (`draft`), prompt-lookup
+  n-grams (`ngram`), suffix statistics (`suffix`), lookahead's n-gram pool (`lookahead`) -- the nodes it proposed and
+  the accepted ones credited to it, per step; a node two sources proposed is credited to the first (the draft model,
+  then ngram, suffix, lookahead), and *also* counts the accepted tokens a source proposed too but was not credited
+  with.
 - **TTFT** = time to the first generated token; **TPOT** = time per output token after the first.
 - **ppl** = perplexity of the output under the target (exp of the mean NLL of the generated tokens).
 - **peak RSS** = the process's peak resident memory (monotone over the whole benchmark); **ΔRSS** = mean change
@@ -92,6 +100,22 @@ PEER_HEADER = HEADER.replace("speed-up vs hf-assisted |", "speed-up vs hf-assist
                              1).replace("|---" * 18, "|---" * 19)
 
 
+SOURCE_HEADER = ("| dataset | T | method | source | proposed/step | accepted/step | acc. rate | share of accepted | "
+                 "also accepted/step |\n" + "|---" * 9 + "|")
+
+
+def source_lines(groups: dict) -> list[str]:
+    """The "accepted by source" table: for every method that drafted anything, which source supplied its tokens."""
+    rows = []
+    for (dataset, temp), by_label in groups.items():
+        for label, s in by_label.items():
+            for source, c in ordered_sources(s.get("sources") or {}):
+                cells = [dataset, f"{temp:g}", label, source, fmt(c["proposed"]), fmt(c["accepted"]), fmt(c["rate"]),
+                         fmt(c["share"]), fmt(c["also"])]
+                rows.append("| " + " | ".join(cells) + " |")
+    return ["## Accepted by source", "", SOURCE_HEADER, *rows, ""] if rows else []
+
+
 def render(results: dict, plots: list[str]) -> str:
     env, st = results.get("env", {}), results.get("settings", {})
     lines = ["# arborspec benchmark", "",
@@ -114,7 +138,8 @@ def render(results: dict, plots: list[str]) -> str:
     if results.get("warnings") or results.get("skipped"):
         lines.append("")
     lines += ["## Metrics", "", GLOSSARY]
-    for (dataset, temp), rows in tables(results).items():
+    groups = tables(results)
+    for (dataset, temp), rows in groups.items():
         peer = "llamacpp-ar" in rows
         lines += [f"## {dataset}, T={temp:g}", "", PEER_HEADER if peer else HEADER]
         lines += [_row(label, s, peer) for label, s in rows.items()] + [""]
@@ -126,6 +151,7 @@ def render(results: dict, plots: list[str]) -> str:
                          f"| {fmt(s['mat'])} | {fmt(s['acceptance_rate'])} | {fmt(s['tps'][0] if s['tps'] else None)} "
                          f"| {fmt(s['speedup'].get('ar'))} |")
         lines.append("")
+    lines += source_lines(groups)
     errors = [r for r in results["runs"] if r.get("error")]
     if errors:
         lines += ["## Failed runs", ""]

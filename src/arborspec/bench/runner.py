@@ -18,7 +18,9 @@ node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time,
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
 the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
 (`draft_quant`: the run's --draft-quant, "auto" resolved to the variant measured fastest, unless the method's name
-carries a quantization lever) and the environment.
+carries a quantization lever), `sources` (per source of drafted nodes -- the draft model, ngram, suffix, lookahead
+-- the nodes it proposed, the accepted ones credited to it and those it proposed too; engine.StepStats.sources) and
+the environment.
 
 What a method name means is arborspec/spec.py, the same for `generate`, the bench and the Python API.
 """
@@ -212,13 +214,14 @@ class Bench:
             draft = self.draft_for(cfg.spec)
             out = hf_generate(cfg.spec, self.target.model, draft.model if draft else None, ids,
                               max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
-            out.update(verifier="hf", lossy=False, t_prefill=None, t_draft=None, t_verify=None, node_outcomes=None)
+            out.update(verifier="hf", lossy=False, t_prefill=None, t_draft=None, t_verify=None, node_outcomes=None,
+                       sources=None)
             return out
         if cfg.spec.llamacpp is not None:
             out = llamacpp_generate(str(self.target_gguf()), ids, max_new_tokens, cfg.temperature, self.s.top_k,
                                     self.s.top_p, self.eos, seed, torch.get_num_threads(), **cfg.spec.llamacpp)
             out.update(verifier="llama.cpp", lossy=False, t_prefill=None, t_draft=None, t_verify=None,
-                       node_outcomes=None)
+                       node_outcomes=None, sources=None)
             return out
         dec = self.decoder(cfg)
         start = time.perf_counter()
@@ -234,7 +237,7 @@ class Bench:
             accepted_at_depth=st.accepted_at_depth, zero_accept_share=st.zero_accept_share,
             root_acceptance=st.root_acceptance, root_optimum=st.root_optimum, verifier=st.verifier, lossy=st.lossy,
             t_prefill=st.t_prefill, t_draft=sum(s.t_draft for s in st.steps),
-            t_verify=sum(s.t_verify for s in st.steps), node_outcomes=nodes,
+            t_verify=sum(s.t_verify for s in st.steps), node_outcomes=nodes, sources=st.sources,
         )
 
     def run(self, cfg: Config, prompt: Prompt, ids: list[int], index: int, position: int, env: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..spec import split_label
+from ..tree import SOURCES
 from . import metrics
 
 BASELINES = ("ar", "hf-assisted", "llamacpp-ar")  # each row's speed-up is over these, run in the same benchmark
@@ -51,7 +52,16 @@ def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
         peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
         rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
         new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
+        sources=source_profile(ok),
     )
+
+
+def source_profile(runs: list[dict]) -> dict[str, dict] | None:
+    """metrics.by_source over the runs that recorded their sources; None where none did (baselines, older runs)."""
+    have = [r for r in runs if r.get("sources") is not None]
+    if not have:
+        return None
+    return metrics.by_source([r["sources"] for r in have], sum(len(r["committed_per_step"]) for r in have))
 
 
 def acceptance_profile(runs: list[dict]) -> dict:
@@ -102,6 +112,12 @@ def category_tables(results: dict) -> dict[tuple[str, float], dict[tuple[str, st
                     rows[(cat, label)] = summarize(g[(cat, label)], base)
         out[key] = rows
     return out
+
+
+def ordered_sources(by_source: dict[str, dict]) -> list[tuple[str, dict]]:
+    """A row's sources (summarize's `sources`) in tree.SOURCES order, any other source after them by name."""
+    rank = {name: i for i, name in enumerate(SOURCES)}
+    return sorted(by_source.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))
 
 
 def resumed_lines(results: dict) -> list[str]:

@@ -24,17 +24,20 @@ def lookup(context: list[int], max_ngram: int, length: int) -> list[int]:
     return []
 
 
-def graft(tree: TokenTree, tokens: list[int]) -> list[int]:
-    """Add `tokens` as a chain under the root, reusing existing children; returns the chain's node indices."""
-    node, chain = 0, []
+def graft(tree: TokenTree, tokens: list[int], source: str = "ngram", under: int = 0) -> list[int]:
+    """Add `tokens` as a chain under node `under` (the root by default), reusing existing children (credited to
+    whoever proposed them first, tree.py); new nodes are credited to `source`. Returns the chain's node indices."""
+    node, chain = under, []
     kids = tree.children_lists()
     for tok in tokens:
         match = next((c for c in kids[node] if tree.tokens[c] == tok), None) if node < len(kids) else None
         if match is None:
             dist = tree.child_dist.get(node)
             prob = float(dist[tok]) if dist is not None else 0.0
-            match = tree.add(node, tok, prob)
+            match = tree.add(node, tok, prob, source)
             tree.child_rule[node] = DrawRule.DETERMINISTIC  # an extra, deterministically chosen child
+        else:
+            tree.propose_again(match, source)
         node = match
         chain.append(node)
     return chain

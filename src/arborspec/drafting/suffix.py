@@ -88,7 +88,7 @@ def speculation_tree(root_token: int, spec: Speculation) -> TokenTree:
     tree = TokenTree.root(root_token)
     for c in spec.nodes:
         parent = c.parent + 1
-        tree.add(parent, c.token, c.prob)
+        tree.add(parent, c.token, c.prob, source="suffix")
         tree.child_rule[parent] = DrawRule.DETERMINISTIC
     return tree
 
@@ -97,7 +97,8 @@ def graft_suffix_branches(tree: TokenTree, index: SuffixIndex, context: list[int
                           max_depth: int | None = None, min_match: int = 1, factor: float = 0.0,
                           min_prob: float = 0.0) -> TokenTree:
     """Add the `budget` most probable suffix continuations of `context` to `tree` (drafted by any policy), reusing
-    children that already carry the same token; at most `budget` nodes are added, none deeper than `max_depth`.
+    children that already carry the same token (they stay credited to their first source, tree.py; suffix goes to
+    `also`); at most `budget` nodes are added, none deeper than `max_depth`.
 
     A node that gets a new child is marked DETERMINISTIC (its children are no longer all drawn from its draft
     distribution). A new node's prob is the draft's probability of its token where the parent recorded one (so the
@@ -112,9 +113,11 @@ def graft_suffix_branches(tree: TokenTree, index: SuffixIndex, context: list[int
         node = next((k for k in kids[parent] if tree.tokens[k] == c.token), None)
         if node is None:
             dist = tree.child_dist.get(parent)
-            node = tree.add(parent, c.token, float(dist[c.token]) if dist is not None else c.prob)
+            node = tree.add(parent, c.token, float(dist[c.token]) if dist is not None else c.prob, source="suffix")
             tree.child_rule[parent] = DrawRule.DETERMINISTIC
             kids[parent].append(node)
             kids.append([])
+        else:
+            tree.propose_again(node, "suffix")
         where.append(node)
     return tree

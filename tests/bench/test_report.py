@@ -1,0 +1,44 @@
+"""report.md's "accepted by source" table and accepted_by_source.png, from a results.json made by hand."""
+from arborspec.bench.figures import accepted_by_source_plot
+from arborspec.bench.report import render
+from arborspec.bench.tables import tables
+
+
+def run(label: str, dataset: str, sources: dict | None, accepted: list[int]) -> dict:
+    steps = len(accepted)
+    return dict(label=label, dataset=dataset, temperature=0.0, prompt_key=f"{dataset}/0", category=None, error=None,
+                committed_per_step=[a + 1 for a in accepted], accepted_per_step=accepted,
+                drafted_per_step=[4] * steps if sources is not None else None, depth_per_step=[2] * steps,
+                new_tokens=sum(accepted) + steps, wall=1.0, tokens_per_s=float(sum(accepted) + steps), verifier="greedy",
+                lossy=False, sources=sources)
+
+
+def results() -> dict:
+    mixed = {"suffix": {"proposed": 4, "accepted": 1, "also_accepted": 2},
+             "draft": {"proposed": 8, "accepted": 3, "also_accepted": 0}}
+    alone = {"suffix": {"proposed": 8, "accepted": 6, "also_accepted": 0}}
+    runs = [run("ar", "code-edit", {}, [0, 0]), run("llamacpp-ar", "code-edit", None, [0, 0]),
+            run("auto+suffix8", "code-edit", mixed, [2, 2]), run("suffix", "code-edit", alone, [3, 3]),
+            run("suffix", "multi-turn", alone, [4, 2])]
+    return dict(runs=runs, settings={"methods": ["ar", "llamacpp-ar", "auto+suffix8", "suffix"]}, prompts=[])
+
+
+def test_the_table_credits_each_source_per_step():
+    text = render(results(), [])
+    section = text.split("## Accepted by source")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+    # ar and the baseline drafted nothing; draft before suffix (tree.SOURCES order), whatever order the run recorded
+    assert [c[2:4] for c in cells] == [["auto+suffix8", "draft"], ["auto+suffix8", "suffix"], ["suffix", "suffix"],
+                                       ["suffix", "suffix"]]
+    assert cells[0][4:] == ["4.00", "1.50", "0.38", "0.75", "0.00"]  # proposed, accepted /step, rate, share, also
+    assert cells[1][4:] == ["2.00", "0.50", "0.25", "0.25", "1.00"]
+    assert cells[2][4:8] == ["4.00", "3.00", "0.75", "1.00"] and cells[3][:2] == ["multi-turn", "0"]
+    assert tables(results())[("code-edit", 0.0)]["llamacpp-ar"]["sources"] is None
+
+
+def test_the_plot_is_drawn_only_when_a_method_drafted(tmp_path):
+    assert accepted_by_source_plot(results(), tmp_path / "a.png") is not None
+    assert (tmp_path / "a.png").stat().st_size > 1000
+    plain = dict(results(), runs=[r for r in results()["runs"] if r["label"] in ("ar", "llamacpp-ar")])
+    assert accepted_by_source_plot(plain, tmp_path / "b.png") is None and not (tmp_path / "b.png").exists()
