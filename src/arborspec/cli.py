@@ -23,7 +23,7 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 from .bench.args import add_bench_arguments, add_report_arguments  # noqa: E402
 from .bench.report import report_from_args  # noqa: E402
-from .bench.runner import run_from_args  # noqa: E402
+from .bench.concurrency import bench_from_args  # noqa: E402
 from .server import add_serve_arguments, run_serve  # noqa: E402
 from .profile import measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path  # noqa: E402
 from .runtime_model import default_kind, fit_runtime, required_tau_ratio  # noqa: E402
@@ -402,7 +402,7 @@ def _profile_pair(args, sizes: list[int]) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "models": cmd_models, "kernels": cmd_kernels, "methods": cmd_methods, "trees": cmd_trees,
-            "calibrate": cmd_calibrate, "bench": run_from_args, "report": report_from_args, "profile": cmd_profile,
+            "calibrate": cmd_calibrate, "bench": bench_from_args, "report": report_from_args, "profile": cmd_profile,
             "serve": run_serve}
 
 

@@ -221,6 +221,9 @@ class SpeculativeDecoder:
         suffix_store: int = 0,
         **method_options,
     ):
+        # every setting but the models, for fork(): the same decoder again, with a policy state of its own
+        self._settings = {k: v for k, v in locals().items()
+                          if k not in ("self", "target", "draft", "tokenizer", "method_options")} | method_options
         if token_order not in ORDERS:
             raise ValueError(f"unknown token order {token_order!r}; choose one of: {', '.join(ORDERS)}")
         self.token_order = token_order  # how tree tokens are laid out in the target's forward (DySpec App. C)
@@ -326,6 +329,22 @@ class SpeculativeDecoder:
         for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos):
             pass
         return result
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, stop: list[str] | None = None,
+                       seeds: list[int | None] | None = None, ignore_eos: bool = False,
+                       concurrency: int | None = None) -> list[GenerationResult]:
+        """Decode `prompts` at once (at most `concurrency` at a time), one GenerationResult each, in order: every
+        round advances each active prompt by one step, with ONE target forward for all of them where the target
+        batches (the native backend; batch.py). Each prompt decodes on its own `fork()` with its own seed
+        (`seeds[i]`), so its result is what it gets alone, token for token; `stats.t_total` runs from when it joined."""
+        from .batch import generate_batch  # batch.py drives decoders; the engine does not need it to load
+
+        return generate_batch(self, prompts, max_new_tokens, stop, seeds, ignore_eos, concurrency)
+
+    def fork(self) -> "SpeculativeDecoder":
+        """A decoder with this one's models and settings and a fresh policy: its own calibration, history and suffix
+        index, as a new SpeculativeDecoder would have. Cheap: nothing is loaded or measured again."""
+        return SpeculativeDecoder(self.target, self.draft, tokenizer=self.tokenizer, **self._settings)
 
     def stream(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                ignore_eos: bool = False) -> Iterator[str]:

@@ -51,8 +51,9 @@ def job(steps, stream=False) -> tuple[Job, Client]:
     return Job(steps, client.deliver, stream), client
 
 
-def test_active_requests_take_turns_one_step_each():
-    log, sched = [], Scheduler(max_batch=3, max_queue=0, metrics=Metrics())
+@pytest.mark.parametrize("batch", [False, True])
+def test_active_requests_take_turns_one_step_each(batch):
+    log, sched = [], Scheduler(max_batch=3, max_queue=0, metrics=Metrics(), batch=batch)
     clients = []
     for name in "abc":
         j, c = job(fake_steps(name, 3, log))
@@ -65,8 +66,9 @@ def test_active_requests_take_turns_one_step_each():
     assert [c.updates[-1].result.token_ids for c in clients] == [[7, 7, 7]] * 3
 
 
-def test_requests_join_when_a_slot_frees_between_steps():
-    log, sched = [], Scheduler(max_batch=2, max_queue=5, metrics=Metrics())
+@pytest.mark.parametrize("batch", [False, True])
+def test_requests_join_when_a_slot_frees_between_steps(batch):
+    log, sched = [], Scheduler(max_batch=2, max_queue=5, metrics=Metrics(), batch=batch)
     clients = []
     for name, n in (("a", 2), ("b", 4), ("c", 2)):
         j, c = job(fake_steps(name, n, log))
@@ -99,10 +101,11 @@ def test_streaming_jobs_hear_every_step_others_only_the_last():
     assert [u.done for u in s.updates] == [False, False, True] and len(w.updates) == 1
 
 
-def test_a_cancelled_request_frees_its_slot_and_its_loop_is_closed():
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_cancelled_request_frees_its_slot_and_its_loop_is_closed(batch):
     log, closed, gate = [], [], threading.Event()
     metrics = Metrics()
-    sched = Scheduler(max_batch=1, max_queue=1, metrics=metrics)
+    sched = Scheduler(max_batch=1, max_queue=1, metrics=metrics, batch=batch)
     long, lc = job(fake_steps("long", 1000, log, gate=gate, closed=closed))
     short, sc = job(fake_steps("short", 2, log))
     sched.submit(long)
@@ -116,8 +119,9 @@ def test_a_cancelled_request_frees_its_slot_and_its_loop_is_closed():
     assert metrics.finished.labels(reason="cancelled")._value.get() == 1
 
 
-def test_a_failing_request_fails_alone():
-    log, sched = [], Scheduler(max_batch=2, max_queue=0, metrics=Metrics())
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_failing_request_fails_alone(batch):
+    log, sched = [], Scheduler(max_batch=2, max_queue=0, metrics=Metrics(), batch=batch)
     bad, b = job(fake_steps("bad", 5, log, fail_at=1))
     good, g = job(fake_steps("good", 3, log))
     sched.submit(bad)
@@ -145,3 +149,55 @@ def test_draining_refuses_new_requests_and_cancels_what_is_left_after_the_grace_
     sched.stop()
     assert r.updates[-1].code == "shutdown" and q.updates[-1].code == "shutdown"
     assert sched.load() == (0, 0)
+
+
+class SharedForward:
+    """A batch-capable fake target: records how many calls each shared forward held."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def many(self, calls):
+        self.sizes.append(len(calls))
+        return [c["x"] + 1 for c in calls]
+
+
+class FakeTarget:
+    def __init__(self):
+        self.forward = SharedForward()
+
+    def __call__(self, x):  # a forward alone (a round of one request)
+        return x + 1
+
+
+def forwarding_steps(name: str, n: int, target: FakeTarget, log: list):
+    """A decoder loop whose every step drafts (logged), runs one target forward and commits (logged)."""
+    from arborspec.models.batching import forward
+
+    stats = GenerationStats("fake", "greedy", False, prompt_tokens=3)
+    for i in range(n):
+        log.append(f"{name}{i}-draft")
+        assert forward(target, {"x": i}) == i + 1
+        log.append(f"{name}{i}-commit")
+        stats.steps.append(StepStats(tree_size=0, depth=0, widths=[1], accepted=0, committed=1, draft_calls=0,
+                                     t_draft=0.0, t_verify=0.0, t_other=0.0))
+        stats.new_tokens = i + 1
+        stats.finish_reason = "length" if i == n - 1 else ""
+        yield GenerationResult("x" * (i + 1), [7] * (i + 1), stats)
+
+
+def test_a_batching_scheduler_runs_one_target_forward_per_round_for_every_request():
+    target, log = FakeTarget(), []
+    sched = Scheduler(max_batch=3, max_queue=0, metrics=Metrics(), batch=True)
+    clients = []
+    for name, n in (("a", 2), ("b", 3), ("c", 1)):
+        j, c = job(forwarding_steps(name, n, target, log))
+        sched.submit(j)
+        clients.append(c)
+    sched.start()
+    assert all(c.done.wait(TIMEOUT) for c in clients)
+    sched.stop()
+    assert [c.updates[-1].result.stats.new_tokens for c in clients] == [2, 3, 1]
+    # a round: every request drafts, one shared forward, every request commits; requests leave when done
+    assert log[:6] == ["a0-draft", "b0-draft", "c0-draft", "a0-commit", "b0-commit", "c0-commit"]
+    assert target.forward.sizes == [3, 2]  # the last round has b alone: its forward runs unshared

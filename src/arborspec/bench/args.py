@@ -41,6 +41,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume", action="store_true",
                    help="carry on an interrupted run in --out (same command; finished prompts are kept)")
+    p.add_argument("--concurrency", default=None, metavar="C,...",
+                   help="instead of comparing methods one prompt at a time: run each method's prompts C at once "
+                        "for every C listed (e.g. 1,2,4) and report total tokens/s and per-request latency against "
+                        "C (OUT/concurrency.json, OUT/concurrency.png); one target forward per round on --backend "
+                        "native")
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:

@@ -81,7 +81,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class FastForward:
-    """Replaces `model.forward` (see the module docstring); `fallback` is transformers' forward."""
+    """Replaces `model.forward` (see the module docstring); `fallback` is transformers' forward. `many` runs several
+    calls (different requests' sessions) as one forward: models/batching.py batches a round's target forwards so."""
 
     def __init__(self, model):
         self.model = model
@@ -93,55 +94,91 @@ class FastForward:
 
     def __call__(self, input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True,
                  logits_to_keep=None, **extra):
-        fits = (input_ids is not None and position_ids is not None and past_key_values is not None and not extra
-                and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and input_ids.shape[0] == 1
-                and isinstance(logits_to_keep, torch.Tensor))
-        if not fits:
-            return self.fallback(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                 past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                                 **extra)
+        call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                    past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **extra)
+        if not fits(call):
+            return self.fallback(**call)
         with torch.inference_mode():
-            return SimpleNamespace(logits=self.forward(input_ids, position_ids, attention_mask, past_key_values,
-                                                       logits_to_keep))
+            return SimpleNamespace(logits=self.forward_many([call])[0])
 
-    def forward(self, ids, positions, mask, cache, keep) -> torch.Tensor:
-        """ids, positions (1, q); mask (1, 1, q, past + q) additive; keep: row indices -> logits (1, len(keep), V)."""
-        h = self.embed(ids)[0]  # (q, hidden)
-        cos, sin = self.rotary(h[None], positions)  # (1, q, head_dim) each
-        cos, sin = cos[:, None], sin[:, None]  # (1, 1, q, head_dim)
-        seen = visible_keys(mask)
+    def many(self, calls: list[dict]) -> list:
+        """Each call's output (keyword arguments as `__call__` takes them), in order: the tree-session calls as ONE
+        `forward_many`, any other call by transformers' forward on its own."""
+        outputs = [None if fits(call) else self.fallback(**call) for call in calls]
+        fast = [j for j, call in enumerate(calls) if outputs[j] is None]
+        if fast:
+            with torch.inference_mode():
+                logits = self.forward_many([calls[j] for j in fast])
+            for j, out in zip(fast, logits):
+                outputs[j] = SimpleNamespace(logits=out)
+        return outputs
+
+    def forward_many(self, calls: list[dict]) -> list[torch.Tensor]:
+        """Tree-session calls (see `fits`) -> each one's logits (1, len(keep), vocab).
+
+        Every product (the embedding, q/k/v, o, gate/up, down, the head) runs once over all calls' rows side by
+        side, so the weights are read once for all of them; attention runs per call, on the call's own cache. No
+        operation mixes rows (the kernels are row-independent, `attention` runs each row alone), so a call's logits
+        are bit for bit what it gets alone, whoever shares its forward."""
+        sizes = [call["input_ids"].shape[1] for call in calls]
+        ids = torch.cat([call["input_ids"][0] for call in calls])  # (rows,) every call's rows, call after call
+        positions = torch.cat([call["position_ids"] for call in calls], dim=1)  # (1, rows)
+        h = self.embed(ids)  # (rows, hidden)
+        cos, sin = self.rotary(h[None], positions)  # (1, rows, head_dim) each
+        cos, sin = cos[:, None], sin[:, None]  # (1, 1, rows, head_dim)
+        seqs = [(n, call["past_key_values"], visible_keys(call["attention_mask"])) for n, call in zip(sizes, calls)]
         for index, layer in enumerate(self.layers):
-            h = h + self.attention(layer, index, F.rms_norm(h, (self.dim,), layer.norm1, layer.eps), cos, sin, seen,
-                                   cache)
+            h = h + self.attention(layer, index, F.rms_norm(h, (self.dim,), layer.norm1, layer.eps), cos, sin, seqs)
             h = h + layer.mlp(F.rms_norm(h, (self.dim,), layer.norm2, layer.eps))
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        keep = torch.cat([call["logits_to_keep"] + start for call, start in zip(calls, starts)])
         h = F.rms_norm(h[keep], (self.dim,), self.norm.weight, self.norm.variance_epsilon)
-        return self.head(h)[None]  # (1, keep, vocab)
+        logits = self.head(h)  # (kept rows of every call, vocab)
+        return [part[None] for part in logits.split([len(call["logits_to_keep"]) for call in calls])]
 
     @staticmethod
-    def attention(layer: Layer, index: int, x, cos, sin, seen, cache) -> torch.Tensor:
-        """x (q, hidden) -> (q, hidden): tree attention over the cache plus these tokens; row i sees keys seen[i].
+    def attention(layer: Layer, index: int, x, cos, sin, seqs) -> torch.Tensor:
+        """x (rows, hidden) -> (rows, hidden): tree attention; `seqs` lists (rows, cache, seen) per call, in row
+        order: its rows attend to its cache plus its own new tokens, row i to the keys seen[i].
 
         Each row attends on its own, to exactly the keys it may see, in cache order: the same call, on the same
         numbers, as when that token is decoded alone after its path was committed. So a token's logits do not
-        depend on which other nodes share its forward, and greedy speculation reproduces plain greedy decoding
-        token for token (a masked batch would round differently, and 8-bit activations turn such rounding into
-        ~1% logit differences at quantization-step boundaries; docs/kernels.md)."""
-        q_len, d = x.shape[0], layer.head_dim
-        qkv = layer.project_qkv(x)  # (q, (H + 2 KV) d)
+        depend on which other nodes (or other requests' rows) share its forward, and greedy speculation reproduces
+        plain greedy decoding token for token (a masked batch would round differently, and 8-bit activations turn
+        such rounding into ~1% logit differences at quantization-step boundaries; docs/kernels.md)."""
+        rows, d = x.shape[0], layer.head_dim
+        qkv = layer.project_qkv(x)  # (rows, (H + 2 KV) d)
         q, k, v = qkv.split([layer.heads * d, layer.kv_heads * d, layer.kv_heads * d], dim=-1)
-        q = rotate(q.view(q_len, layer.heads, d).transpose(0, 1)[None], cos, sin)  # (1, H, q, d)
-        k = rotate(k.view(q_len, layer.kv_heads, d).transpose(0, 1)[None], cos, sin)  # (1, KV, q, d)
-        v = v.reshape(q_len, layer.kv_heads, d).transpose(0, 1)[None]
-        keys, values = cache.update(k, v, index)  # (1, KV, past + q, d)
-        rows = []
-        for i, idx in enumerate(seen):
-            if isinstance(idx, int):  # the first idx keys: a view, no copy
-                kk, vv = keys[:, :, :idx], values[:, :, :idx]
-            else:
-                kk, vv = keys.index_select(2, idx), values.index_select(2, idx)
-            rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], kk, vv, enable_gqa=True))  # (1, H, 1, d)
-        out = torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]  # (1, H, q, d)
-        return layer.o(out[0].transpose(0, 1).reshape(q_len, layer.heads * d))
+        q = rotate(q.view(rows, layer.heads, d).transpose(0, 1)[None], cos, sin)  # (1, H, rows, d)
+        k = rotate(k.view(rows, layer.kv_heads, d).transpose(0, 1)[None], cos, sin)  # (1, KV, rows, d)
+        v = v.reshape(rows, layer.kv_heads, d).transpose(0, 1)[None]
+        out, start = [], 0
+        for n, cache, seen in seqs:
+            mine = slice(start, start + n)
+            keys, values = cache.update(k[:, :, mine], v[:, :, mine], index)  # (1, KV, past + n, d)
+            for i, idx in enumerate(seen):
+                if isinstance(idx, int):  # the first idx keys: a view, no copy
+                    kk, vv = keys[:, :, :idx], values[:, :, :idx]
+                else:
+                    kk, vv = keys.index_select(2, idx), values.index_select(2, idx)
+                row = q[:, :, start + i:start + i + 1]
+                out.append(F.scaled_dot_product_attention(row, kk, vv, enable_gqa=True))  # (1, H, 1, d)
+            start += n
+        out = torch.cat(out, dim=2) if len(out) > 1 else out[0]  # (1, H, rows, d)
+        return layer.o(out[0].transpose(0, 1).reshape(rows, layer.heads * d))
+
+
+SESSION_CALL = {"input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache", "logits_to_keep"}
+
+
+def fits(call: dict) -> bool:
+    """Whether a forward call is a tree session's (token ids and positions of one sequence, a 4-D additive mask, a
+    cache, kept rows as a tensor), which the fast forward runs; anything else goes to transformers' forward."""
+    ids, mask = call.get("input_ids"), call.get("attention_mask")
+    return (set(call) <= SESSION_CALL and ids is not None and ids.shape[0] == 1
+            and call.get("position_ids") is not None and call.get("past_key_values") is not None
+            and isinstance(mask, torch.Tensor) and mask.dim() == 4
+            and isinstance(call.get("logits_to_keep"), torch.Tensor))
 
 
 def visible_keys(mask: torch.Tensor) -> list[int | torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
+from ..models.batching import can_batch
 from ..models.loading import check_tokenizers_compatible, load_model
 from ..spec import RunSpec, llama_options, prepare_draft
 from .app import create_app
@@ -36,7 +37,8 @@ def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -
     limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
                     args.max_body_bytes, args.api_key or None)
     metrics = Metrics()
-    scheduler = Scheduler(args.max_batch, args.max_queue, metrics)
+    # one target forward per round for every request where the target batches (the native backend)
+    scheduler = Scheduler(args.max_batch, args.max_queue, metrics, batch=can_batch(decoders.target.model))
     return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
 
 

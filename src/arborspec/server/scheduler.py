@@ -1,13 +1,14 @@
-"""Continuous batching, part 1: one worker thread advances every active request by one speculative step per round.
+"""Continuous batching: one worker advances every active request by one speculative step per round.
 
 Requests join (from a bounded queue, up to `max_batch` at once) and leave (finished, client gone, server stopping)
 between rounds. Each request owns its own decoder loop (`SpeculativeDecoder.steps`, a generator that yields after
 every step), and with it its own policy state, sampling settings, seed, stopping rules and KV caches, so its
 output is exactly what it would be alone. Only the loaded models are shared: sessions never share state, and one
-thread runs every forward, so no two forwards race.
+thread at a time runs a forward, so no two forwards race.
 
-Today a round runs the requests' steps one after another (`step_round`); that function is the one place a batched
-target forward over all active requests' trees will plug in (see its docstring).
+A round (`step_round`) is `models.batching.run_round` over the requests' steps: with a target that batches (the
+native backend) every request drafts its tree and ONE target forward verifies all of them; otherwise the steps run
+one after another. `SpeculativeDecoder.generate_batch` (and `arborspec bench --concurrency`) runs the same rounds.
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from ..engine import GenerationResult
+from ..models.batching import run_round
 from .metrics import Metrics
 
 log = logging.getLogger("arborspec.server")
@@ -46,8 +49,8 @@ class Job:
     """One request inside the scheduler: its decoder loop, where its updates go, and whether its client left."""
 
     def __init__(self, steps: Iterator[GenerationResult], deliver: Callable[[Update], None], stream: bool):
-        self.steps = steps  # the request's own decoder loop; advanced only by the worker thread
-        self.deliver = deliver  # called on the worker thread; must neither block nor raise
+        self.steps = steps  # the request's own decoder loop; advanced only by the worker (a round's thread)
+        self.deliver = deliver  # called on the worker's threads (one at a time); must neither block nor raise
         self.stream = stream  # deliver every step, or only the last
         self.queued = time.perf_counter()
         self.first_token: float | None = None
@@ -85,28 +88,37 @@ class Job:
             self.deliver(update)
 
 
-def step_round(jobs: list[Job], metrics: Metrics) -> None:
-    """Advance every job in `jobs` by one speculative step: the seam where batched verification plugs in.
+def step_round(jobs: list[Job], metrics: Metrics, batch: bool = False) -> None:
+    """Advance every job in `jobs` by one speculative step.
 
-    Today each job runs its own step in turn (its draft forwards, then one target forward over its own tree), so a
-    round costs the sum of the jobs' steps. Batched (part 2), a round becomes: every job drafts its tree; ONE target
-    forward runs all trees together, each attending only to its own KV cache; each job verifies and commits its own
-    tree with its own sampling settings and random generator. Every output stays what it is at batch size 1; the
-    gain is that the target's weights are read once per round instead of once per job, which is what a memory-bound
-    target pays for.
+    Without `batch` each job runs its own step in turn (its draft forwards, then one target forward over its own
+    tree), so a round costs the sum of the jobs' steps. With `batch` (a target that batches, models/batching.py),
+    each job's step runs in a thread of its own, taking turns: every job drafts its tree; ONE target forward runs all
+    trees together, each attending only to its own KV cache; each job verifies and commits its own tree with its own
+    sampling settings and random generator. Every output stays what it is at batch size 1; the gain is that the
+    target's weights are read once per round instead of once per job, which is what a memory-bound target pays for.
     """
-    for job in jobs:
-        if not job.cancelled:  # a client that left during this round frees its slot now
-            job.advance(metrics)
+    errors = run_round([partial(_advance, job, metrics) for job in jobs], batch)
+    for job, err in zip(jobs, errors):
+        if err is not None:  # Job.advance keeps a request's own failures to it; this is anything else
+            log.error("a step failed outside its request: %r", err)
+            if not job.finished:
+                job.end(metrics, "error", Update(job.result, True, f"generation failed: {err}", "internal_error"))
+
+
+def _advance(job: Job, metrics: Metrics) -> None:
+    if not job.cancelled:  # a client that left during this round frees its slot now
+        job.advance(metrics)
 
 
 class Scheduler:
-    """Admission (`submit`), the worker thread's rounds, and shutdown (`drain`, then `stop`)."""
+    """Admission (`submit`), the worker thread's rounds, and shutdown (`drain`, then `stop`). `batch`: the rounds share
+    one target forward (`step_round`); for a target that batches (`models.batching.can_batch`)."""
 
-    def __init__(self, max_batch: int, max_queue: int, metrics: Metrics):
+    def __init__(self, max_batch: int, max_queue: int, metrics: Metrics, batch: bool = False):
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
-        self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        self.max_batch, self.max_queue, self.metrics, self.batch = max_batch, max_queue, metrics, batch
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
@@ -169,7 +181,7 @@ class Scheduler:
                 batch = list(self._active)
                 self.metrics.queue_depth.set(len(self._waiting))
                 self.metrics.batch_size.set(len(batch))
-            step_round(batch, self.metrics)  # outside the lock: submitting never waits for a forward
+            step_round(batch, self.metrics, self.batch)  # outside the lock: submitting never waits for a forward
             with self._cond:
                 self._active = [job for job in self._active if not job.finished]
                 self.metrics.batch_size.set(len(self._active))
