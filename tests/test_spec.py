@@ -43,6 +43,7 @@ def test_a_name_carries_options_budget_and_levers():
     ("chain+fp8", "unknown lever"), ("hf-assisted+ngram", "baselines"), ("hf-ar(k=1)", "no (option"),
     ("ar+int8", "without a draft"), ("hf-ar+noquant", "without a draft"), ("ar+vocab100", "without a draft"),
     ("wetap-lossy@64", "--allow-lossy"), ("wetap(verifier=wetap)", "--allow-lossy"),
+    ("hf-ar+lookahead", "baselines"), ("ar+lookahead4x1", "at least 2 tokens"), ("ar+lookahead0", "at least 1 guess"),
 ])
 def test_bad_names_say_what_is_wrong(name, words):
     with pytest.raises(ValueError) as err:
@@ -111,6 +112,14 @@ def test_generate_flags_compose_on_the_name():
                                                "--allow-lossy"])).lossy
 
 
+def test_lookahead_levers_name_the_window_and_ngram():
+    s = spec.parse("ar+lookahead")
+    assert (s.policy, s.needs_draft, s.quant, s.lookahead, s.lookahead_ngram) == ("ar", False, "none", 4, 3)
+    assert (spec.parse("auto+int8+lookahead5x4").lookahead, spec.parse("auto+lookahead5x4").lookahead_ngram) == (5, 4)
+    args = build_parser().parse_args(["generate", "--method", "ar", "--lookahead", "6"])
+    assert run_spec(args).lookahead == 6
+
+
 # ---- models and decoders -------------------------------------------------------------------------------------------
 def test_build_decoder_runs_the_spec_exactly(models):
     target, draft = models
@@ -123,6 +132,9 @@ def test_build_decoder_runs_the_spec_exactly(models):
     assert (dec.policy.options.budget, dec.policy.options.batch) == (6, False)
     with pytest.raises(ValueError, match="is a baseline"):
         spec.build_decoder(spec.parse("hf-assisted"), target, draft)
+    dec = spec.build_decoder(spec.parse("ar+lookahead3x2+suffix4"), target)
+    assert (dec.lookahead, dec.suffix, dec.draft) == ((3, 2, 3), 4, None)
+    assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
 
 
 def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models, monkeypatch, tmp_path):

@@ -13,7 +13,9 @@ A run spec is one decoding method with everything that shapes it, written as
 - levers on the draft this method uses (arborspec.models.draft_levers; the output stays exact): `+int8`, `+int4`
   (quantized draft), `+noquant` (the draft as loaded, whatever the run's --draft-quant says), `+vocab32768` or
   `+vocab32k` (a head over the most frequent tokens), `+ngram` / `+ngram3` (prompt-lookup branches grafted onto
-  every tree).
+  every tree), `+suffix` / `+suffix8` (suffix-tree branches), `+lookahead` / `+lookahead4` / `+lookahead4x3`
+  (lookahead branches: a Jacobi window 4 guesses wide building 3-grams; drafting/lookahead.py). On `ar` these
+  draft-free levers are the whole draft: `ar+lookahead` is lookahead decoding, `ar+suffix8` suffix decoding.
 
 `generate`'s flags compose the same spec (--method takes the whole grammar; --k, --verifier, --draft-quant,
 --ngram ... add to it), so the defaults live here once: method `auto`, the draft quantization measured fastest for
@@ -56,6 +58,7 @@ DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES)
 NGRAM_DEFAULT = 3  # `+ngram` without a number
 NGRAM_LEN = 8  # tokens per prompt-lookup branch
 SUFFIX_DEFAULT = 8  # `+suffix` without a number: suffix-tree nodes grafted per step
+LOOKAHEAD_DEFAULT = (4, 3)  # `+lookahead` without numbers: window width W, n-gram size N (pool guesses G = W)
 GRAMMAR = "NAME[(option=value,...)][@BUDGET][+LEVER...]"
 
 
@@ -74,6 +77,8 @@ class RunSpec:
     ngram: int = 0  # prompt-lookup branches matching up to this many tokens (0: off)
     ngram_len: int = NGRAM_LEN
     suffix: int = 0  # suffix-tree branches: at most this many grafted nodes per step (0: off; drafting/suffix.py)
+    lookahead: int = 0  # lookahead branches: the Jacobi window's width (0: off; drafting/lookahead.py)
+    lookahead_ngram: int = LOOKAHEAD_DEFAULT[1]  # ... and the size of the n-grams it collects
     hf: dict | None = None  # a transformers baseline's generate() settings (bench/methods.py)
     llamacpp: dict | None = None  # a llama.cpp peer's settings (bench/llamacpp_peers.py): {"lookup": drafted tokens}
     size: Callable[[int], dict] | None = field(default=None, compare=False)  # budget -> policy options
@@ -216,8 +221,15 @@ def _with_lever(spec: RunSpec, lever: str) -> RunSpec:
         if spec.policy is None:
             raise ValueError("+suffix grafts branches into arborspec trees; baselines do not take it")
         return replace(spec, suffix=int(m[1] or SUFFIX_DEFAULT))
+    if m := re.fullmatch(r"lookahead(\d*)(?:x(\d+))?", lever):
+        if spec.policy is None:
+            raise ValueError("+lookahead grafts branches into arborspec trees; baselines do not take it")
+        width, ngram = int(m[1] or LOOKAHEAD_DEFAULT[0]), int(m[2] or LOOKAHEAD_DEFAULT[1])
+        if width < 1 or ngram < 2:
+            raise ValueError(f"+{lever}: the window needs at least 1 guess and n-grams at least 2 tokens")
+        return replace(spec, lookahead=width, lookahead_ngram=ngram)
     raise ValueError(f"unknown lever +{lever} (levers: {', '.join('+' + q for q in QUANT_LEVERS)}, +vocabK, "
-                     "+ngram[N], +suffix[N])")
+                     "+ngram[N], +suffix[N], +lookahead[W[xN]])")
 
 
 def check_verifier(name: str) -> str:
@@ -382,4 +394,5 @@ def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, t
     return SpeculativeDecoder(
         target, draft if spec.needs_draft else None, method=spec.policy, temperature=temperature, top_k=top_k,
         top_p=top_p, draft_temperature=draft_temperature, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
-        ngram=spec.ngram, ngram_len=spec.ngram_len, suffix=spec.suffix, **engine_options, **options)
+        ngram=spec.ngram, ngram_len=spec.ngram_len, suffix=spec.suffix, lookahead=spec.lookahead,
+        lookahead_ngram=spec.lookahead_ngram, **engine_options, **options)

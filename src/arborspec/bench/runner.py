@@ -247,7 +247,8 @@ class Bench:
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
                    lossy=cfg.spec.lossy, draft_quant=None, draft_vocab=cfg.spec.vocab,
-                   ngram=cfg.spec.ngram, error=None)
+                   ngram=cfg.spec.ngram, suffix=cfg.spec.suffix,
+                   lookahead=cfg.spec.lookahead, error=None)
         rss0 = current_rss_mb()
         try:
             rec["draft_quant"] = self.quant_for(cfg.spec)  # "auto" resolved (measured once per benchmark)
