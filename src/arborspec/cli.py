@@ -96,6 +96,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     levers.add_argument("--suffix", type=int, default=0,
                         help="graft up to N suffix-tree nodes a step: the most frequent earlier continuations of the "
                              "text's suffix (0 = off; `--method suffix` drafts with them alone, no draft model)")
+    levers.add_argument("--lookahead", type=int, default=0,
+                        help="graft lookahead branches: a Jacobi window W guesses wide and the n-grams it found "
+                             "(0 = off; `--method ar --lookahead 4` is lookahead decoding, no draft model)")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
     for name, f in _method_option_fields().items():
         group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=_argtype(option_parser(f)),
@@ -187,7 +190,7 @@ def run_spec(args) -> RunSpec:
     spec = replace(spec, options=spec.options + tuple(flags.items()), allow_lossy=args.allow_lossy,
                    verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    vocab=args.draft_vocab or spec.vocab, ngram=args.ngram or spec.ngram, ngram_len=args.ngram_len,
-                   suffix=args.suffix or spec.suffix)
+                   suffix=args.suffix or spec.suffix, lookahead=args.lookahead or spec.lookahead)
     return check_lossy(spec)
 
 

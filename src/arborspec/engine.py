@@ -15,6 +15,7 @@ import torch
 from .drafting import POLICIES, DraftContext
 from .drafting.base import check_int
 from .drafting.budget_tuner import make_policy
+from .drafting.lookahead import Lookahead
 from .drafting.ngram import add_ngram_branch
 from .drafting.suffix import graft_suffix_branches
 from .drafting.suffix_index import SuffixIndex
@@ -219,6 +220,9 @@ class SpeculativeDecoder:
         ngram_len: int = 8,
         suffix: int = 0,
         suffix_store: int = 0,
+        lookahead: int = 0,
+        lookahead_ngram: int = 3,
+        lookahead_guesses: int | None = None,
         **method_options,
     ):
         # every setting but the models, for fork(): the same decoder again, with a policy state of its own
@@ -242,6 +246,14 @@ class SpeculativeDecoder:
         # outputs) lives as long as the decoder, so later requests can draft from earlier ones
         self.suffix = int(suffix)
         self.suffix_index = SuffixIndex(store=int(suffix_store)) if suffix else None
+        # lookahead branches (drafting/lookahead.py): a Jacobi window `lookahead` guesses wide, `lookahead_ngram`-grams,
+        # up to `lookahead_guesses` pool n-grams a step (default: as many as the window is wide, the paper's G = W);
+        # one window and pool per request (made in `steps`)
+        check_int(lookahead, "lookahead", 0)
+        lookahead_guesses = lookahead if lookahead_guesses is None else lookahead_guesses
+        if lookahead:
+            Lookahead(lookahead, lookahead_ngram, lookahead_guesses)  # checks the numbers now, not at the first step
+        self.lookahead = (int(lookahead), int(lookahead_ngram), int(lookahead_guesses)) if lookahead else None
         self.target, self.tokenizer = _unwrap(target, tokenizer)
         self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
@@ -268,12 +280,17 @@ class SpeculativeDecoder:
         # e.g. auto: load or measure the models' cost profiles
         self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling)
 
+    @property
+    def grafts(self) -> bool:
+        """Whether draft-free branches (n-gram, suffix, lookahead) are grafted onto every tree."""
+        return bool(self.ngram or self.suffix or self.lookahead)
+
     # ---- construction checks ---------------------------------------------------------------------------------
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
         rules = self.policy.draw_rules(self.draft_sampling)
         chain = self.policy.draws_chains
-        if self.ngram or self.suffix:  # grafted branches are deterministic children, and make chains into trees
+        if self.grafts:  # grafted branches are deterministic children, and make chains into trees
             rules, chain = rules | {DrawRule.DETERMINISTIC}, False
         if name is None:
             name = self.policy.default_verifier(self.sampling)
@@ -372,7 +389,7 @@ class SpeculativeDecoder:
         window = context_window(self.target)
         stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
         use_draft = self.policy.needs_draft and self.policy.uses_draft()  # auto may decide it cannot pay
-        if (self.policy.plain or (self.policy.needs_draft and not use_draft)) and not (self.ngram or self.suffix):
+        if (self.policy.plain or (self.policy.needs_draft and not use_draft)) and not self.grafts:
             yield from self._plain_steps(ids, max_new_tokens, stop, gen, eos, window, stats, t_start)
             return
         target = make_session(self.target, "target", ssm_tree=self.ssm_tree)
@@ -382,6 +399,7 @@ class SpeculativeDecoder:
             draft.prefill(ids[:-1])
         stats.t_prefill = time.perf_counter() - t_start
         context, new = list(ids), []
+        lookahead = Lookahead(*self.lookahead) if self.lookahead else None
         while not stats.finish_reason:
             with torch_threads(self.step_threads):  # see __init__
                 room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
@@ -392,6 +410,8 @@ class SpeculativeDecoder:
                     add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
                 if self.suffix:
                     graft_suffix_branches(tree, self.suffix_index, context, self.suffix, max(room, 0))
+                if lookahead:
+                    lookahead.graft(tree, context, max(room, 0))
                 t1 = time.perf_counter()
                 # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
                 # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
@@ -402,6 +422,8 @@ class SpeculativeDecoder:
                 at[torch.tensor(order)] = torch.arange(len(order))  # at[drafted node] = its packed position
                 logits = logits[at] if packed else logits  # (len(tree), vocab), rows in drafted order
                 verdict = self.verifier.verify(tree, logits, self.sampling, gen)
+                if lookahead:
+                    lookahead.observe(logits)  # the Jacobi step: the window's next guesses from this forward
                 t2 = time.perf_counter()
                 proposed = [tree.tokens[i] for i in verdict.path] + [verdict.bonus]
                 kept, stats.finish_reason = self._apply_stops(new, proposed, eos, max_new_tokens, stop, len(context), window)
