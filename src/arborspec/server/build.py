@@ -47,6 +47,11 @@ def describe(args, spec: RunSpec) -> str:
             f"{', API key required' if args.api_key else ''}")
 
 
+def rounds(scheduler: Scheduler) -> str:
+    """How a round runs, for the start-up line: batched (native target) or one request after another."""
+    return ", one target forward per round" if scheduler.batch else ", requests' steps one after another"
+
+
 def load_decoders(args, spec: RunSpec) -> Decoders:
     """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
     method levers are checked against), and one warm-up generation, which also checks the sampling flags."""

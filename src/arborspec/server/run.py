@@ -16,7 +16,7 @@ import uvicorn
 
 from ..models.loading import ModelLoadError
 from ..spec import DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, parse
-from .build import build_server, describe, listen, url_host
+from .build import build_server, describe, listen, rounds, url_host
 from .scheduler import Scheduler
 
 
@@ -76,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server = build_server(args, spec)
         host, port = sock.getsockname()[:2]
         print(f"[arborspec] serving {server.limits.model_name!r} on http://{url_host(host)}:{port} "
-              f"({describe(args, spec)})", file=sys.stderr, flush=True)
+              f"({describe(args, spec)}{rounds(server.scheduler)})", file=sys.stderr, flush=True)
         config = uvicorn.Config(server.app, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
         Server(config, server.scheduler, args.shutdown_timeout).run(sockets=[sock])
