@@ -151,7 +151,8 @@ def test_a_rounds_sessions_share_forwards_drafts_first(native, monkeypatch):
         assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g))
 
 
-@pytest.mark.parametrize("method,options", [("ar", {}), ("static", {"depth": 3, "branch": 2}), ("chain", {"k": 3})])
+@pytest.mark.parametrize("method,options", [("ar", {}), ("ar", {"ngram": 2}), ("static", {"depth": 3, "branch": 2}),
+                                            ("chain", {"k": 3})])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "top_k": 5}])
 def test_generate_batch_equals_each_prompt_alone(native, shared_forwards, method, options, sampling):
     """Three prompts of different lengths, at most two at once (the third joins when one leaves), greedy and seeded
