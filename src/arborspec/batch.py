@@ -52,7 +52,10 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
                     active.pop(i).close()
     finally:
         for steps in active.values():
-            steps.close()
+            try:
+                steps.close()
+            except ValueError:  # interrupted (Ctrl-C) mid-round: its thread still holds it; the thread is a daemon
+                pass
     return results
 
 
