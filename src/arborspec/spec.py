@@ -44,7 +44,7 @@ from .drafting.base import option_parser
 from .engine import SpeculativeDecoder
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
-from .models.loading import BACKENDS, check_tokenizers_compatible, load_model
+from .models.loading import ALIASES, BACKENDS, check_tokenizers_compatible, load_model
 from .models.native import is_native
 from .verify import VERIFIERS
 
@@ -53,7 +53,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 DEFAULT_DTYPE = "bf16"  # 2-3x faster than fp32 on this project's CPU (README, "The default model pair and dtype")
 DEFAULT_METHOD = "auto"
 DEFAULT_DRAFT_QUANT = "auto"
-DEFAULT_BACKEND = "auto"  # llama.cpp for GGUF models when llama-cpp-python is installed, else torch (models/loading.py)
+DEFAULT_BACKEND = "auto"  # GGUF: native or llama.cpp, measured (models/backend_choice.py); else torch
 DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES)
 NGRAM_DEFAULT = 3  # `+ngram` without a number
 NGRAM_LEN = 8  # tokens per prompt-lookup branch
@@ -300,8 +300,8 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS,
                    help="what runs the models: llamacpp (llama.cpp's quantized CPU kernels on the GGUF itself), torch "
                         "(transformers), native (transformers' layers over the GGUF's blocks on arborspec's own "
-                        "kernels; docs/kernels.md), or auto (default): llamacpp for an alias or .gguf when "
-                        "llama-cpp-python is installed, else torch")
+                        "kernels; docs/kernels.md), or auto (default): for an alias or .gguf, whichever of native "
+                        "and llamacpp is measured fastest for it here (once, cached), else torch")
     p.add_argument("--draft-backend", default=None, choices=BACKENDS,
                    help="the draft's backend when it differs from --backend (e.g. a llama.cpp target with an int8 "
                         "PyTorch draft: --backend llamacpp --draft-backend torch)")
@@ -367,7 +367,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
               dtype: str = DEFAULT_DTYPE, draft_vocab: int = 0, progress: bool = True, backend: str = DEFAULT_BACKEND,
               draft_backend: str | None = None, llama: dict | None = None):
     """(target, draft) as `arborspec generate` runs them: loaded (alias, local directory, .gguf file or hub id) on
-    `backend` (auto: llama.cpp for GGUF models when installed), checked to share a tokenizer, and the draft prepared;
+    `backend` (auto: for GGUF models the backend measured fastest), checked to share a tokenizer, and the draft prepared;
     for a PyTorch draft `draft_quant="auto"` measures which draft variant is fastest for this pair on this machine
     the first time (seconds to a minute; cached, see `arborspec profile --pair`). `draft=None` loads the target
     alone (for `ar`). `llama`: llama.cpp options (n_threads, n_ctx, n_batch) for models on that backend."""
@@ -376,10 +376,24 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     target_model = load_model(target, dtype=dtype, progress=progress, backend=backend, llama=llama)
     if draft is None:
         return target_model, None
-    draft_model = load_model(draft, dtype=dtype, progress=progress, backend=draft_backend or backend, llama=llama)
+    draft_model = load_model(draft, dtype=dtype, progress=progress,
+                             backend=draft_backend or _draft_backend(backend, target_model, draft), llama=llama)
     check_tokenizers_compatible(target_model, draft_model)
     draft_model, _ = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
     return target_model, draft_model
+
+
+def _draft_backend(backend: str, target, draft: str) -> str:
+    """The draft's backend when --draft-backend is not given: --backend's, except that with `auto` a GGUF draft
+    follows the backend measured fastest for the target, so that both models compute in one thread pool. Two
+    pools (llama.cpp's and torch's) take turns on the same cores: a native target with a llama.cpp draft ran `auto`
+    at 0.84-0.96x plain llama.cpp while committing ~4 tokens per step on HumanEval at T = 0
+    (results/native-llamacpp-draft, docs/kernels.md)."""
+    if backend != "auto" or not (draft in ALIASES or draft.endswith(".gguf")):
+        return backend
+    if is_native(target.model):
+        return "native"
+    return "auto" if is_torch_model(target) else "llamacpp"
 
 
 def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -70,7 +70,7 @@ class BenchSettings:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     budgets: list[int] | None = None
     draft_quant: str = DEFAULT_DRAFT_QUANT  # for methods whose name carries no quantization lever
-    backend: str = DEFAULT_BACKEND  # what runs the models (auto: llama.cpp for GGUF models when installed)
+    backend: str = DEFAULT_BACKEND  # what runs the models (auto: for GGUF models the backend measured fastest)
     draft_backend: str | None = None  # the draft's, when it differs
     llama: dict = field(default_factory=dict)  # llama.cpp options (n_threads, n_ctx, n_batch) given on the command line
     allow_lossy: bool = False

@@ -32,16 +32,15 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache import atomic_write, cache_dir
-from . import llamacpp, native
+from . import backend_choice, llamacpp, native
 from .model_info import check_pair, pair_names
 
 DEFAULT_DTYPE = torch.bfloat16
 # Which code runs a model: "torch" (transformers, weights dequantized to dense tensors), "llamacpp" (llama.cpp's
 # quantized CPU kernels on the GGUF file itself), "native" (transformers' layers with the GGUF's weights kept as
-# blocks, on arborspec's own kernels: models/native.py, docs/kernels.md), or "auto": llama.cpp for a GGUF (an alias
-# or a .gguf file) when llama-cpp-python is installed, because on the CPUs this project is built for it decodes the
-# default pair's Q4_K_M files 4-5x faster than transformers' bf16 (docs/llamacpp.md), and transformers for
-# everything else.
+# blocks, on arborspec's own kernels: models/native.py, docs/kernels.md), or "auto": for a GGUF (an alias or a .gguf
+# file) whichever of native and llama.cpp is measured to run it fastest on this machine (backend_choice.py; both
+# decode the default pair's Q4_K_M files 4-5x faster than transformers' bf16), and transformers for everything else.
 BACKENDS = ("auto", "torch", "llamacpp", "native")
 _GGUF_BACKENDS = {"llamacpp": "the llama.cpp backend", "native": "the native backend"}
 MARKER_NAME = "arborspec-alias.json"
@@ -372,6 +371,22 @@ def gguf_fallback() -> str:
     return "llamacpp" if llamacpp.available() else "torch"
 
 
+def choose_gguf_backend(spec: str, progress: bool, llama: dict) -> tuple[str, object | None]:
+    """`--backend auto` for a GGUF (backend_choice.py): (backend, the model loaded on it, or None when the choice was
+    cached and the caller loads it). Candidates: native (when its kernels build here) and llama.cpp (when installed);
+    transformers only when neither is available."""
+    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"model path {spec!r} not found")
+    loaders = {"native": lambda: load_native_model(spec, progress, quiet=True)}
+    if llamacpp.available():
+        loaders["llamacpp"] = lambda: load_llamacpp_model(spec, progress, **llama)
+    try:
+        return backend_choice.choose(path, loaders, threads=llama.get("n_threads"), progress=progress)
+    except ValueError:  # no GGUF backend can run it
+        return "torch", None
+
+
 def load_llamacpp_model(spec: str, progress: bool = True, **options):
     """An alias's kept GGUF or a .gguf file, on llama.cpp (models/llamacpp.py; `options` go to load_llamacpp)."""
     path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
@@ -390,7 +405,7 @@ def _gguf_tokenizer(spec: str, path: Path) -> PreTrainedTokenizerBase:
     return llamacpp.gguf_tokenizer(path)
 
 
-def load_native_model(spec: str, progress: bool = True) -> LoadedModel | None:
+def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> LoadedModel | None:
     """An alias's kept GGUF or a .gguf file on the native backend (models/native.py), with the GGUF's tokenizer;
     None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight types, its
     architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
@@ -403,6 +418,9 @@ def load_native_model(spec: str, progress: bool = True) -> LoadedModel | None:
         model = native.load_native(path)
         tokenizer = _gguf_tokenizer(spec, path)
     except native.NotNative as exc:
+        if quiet:  # `--backend auto` tries native among others: not a surprise worth a note, only progress
+            _say(f"native cannot run {spec}: {exc}", progress)
+            return None
         other = {"llamacpp": "llama.cpp", "torch": "transformers (torch)"}[gguf_fallback()]
         print(f"[arborspec] note: {spec} is not run natively: {exc}; loading it on {other} instead", file=sys.stderr,
               flush=True)
@@ -429,6 +447,10 @@ def load_model(
     arborspec's kernels (a LoadedModel; `dtype` does not apply: activations are float32); a GGUF it does not cover
     goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr."""
     chosen = resolve_backend(spec, backend)
+    if backend == "auto" and chosen != "torch":  # a GGUF: the backend measured fastest for it here
+        chosen, loaded = choose_gguf_backend(spec, progress, llama or {})
+        if loaded is not None:
+            return loaded
     if chosen == "native":
         loaded = load_native_model(spec, progress)
         if loaded is not None:

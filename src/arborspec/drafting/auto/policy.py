@@ -106,13 +106,20 @@ class AutoPolicy(Policy):
             self._load_calibration()
 
     def uses_draft(self) -> bool:
-        """False when even a perfectly accepted tree could not beat plain decoding under the measured costs (a
-        verification cost curve as steep as llama.cpp's on a CPU without AVX-512, with a draft that costs half a
-        target token): then each generation decodes plainly and never touches the draft model, so it does not
-        pay for keeping the draft's cache in step either."""
+        """False when even a perfectly accepted tree could not beat plain decoding under the measured costs by more
+        than the guard's margin: then each generation decodes plainly and never touches the draft model, so it does
+        not pay for keeping the draft's cache in step either.
+
+        Why the margin: the ceiling assumes every drafted token accepted, real acceptance is lower, and the guard
+        lets speculation run down to (1 - margin) x plain decoding before it falls back. A tree that can win at
+        most a few percent in theory therefore loses up to the margin in practice. Measured: on arborspec's own
+        kernels on an AVX2 CPU (t(2) = 1.25 t(1), draft 0.67 t(1)) the ceiling is 1.04x, and `auto` drafting
+        there ran at 0.87-0.92x of plain decoding; with a verification curve as steep as llama.cpp's there (the
+        ceiling at or below 1.0x) no tree can pay at all. With the guard off the line is plain decoding itself."""
         if self.costs is None:
             return self.needs_draft
-        self.cannot_pay = ceiling_rate(self.costs) <= 1.0 / self.costs.plain_step()
+        margin = self.options.guard_margin if self.options.guard else 0.0
+        self.cannot_pay = ceiling_rate(self.costs) <= (1.0 + margin) / self.costs.plain_step()
         return not self.cannot_pay
 
     def _load_calibration(self) -> None:
@@ -221,8 +228,10 @@ class AutoPolicy(Policy):
         c = self.costs
         if self.cannot_pay:  # a plain generation: the engine consults the policy at no step (engine._plain_steps)
             steps, guard = [], []
-            summary = (f"auto: plain decoding, the draft unused: no tree can beat it under the measured costs "
-                       f"(ceiling {ceiling_rate(c):.2f} <= plain {1 / c.plain_step():.2f} tokens/s); "
+            margin = self.options.guard_margin if self.options.guard else 0.0
+            summary = (f"auto: plain decoding, the draft unused: no tree can beat it by more than the guard's "
+                       f"margin under the measured costs (ceiling {ceiling_rate(c):.2f} <= {1 + margin:g} x plain "
+                       f"{1 / c.plain_step():.2f} tokens/s); "
                        f"costs: {self.source.get('costs', '?')}")
         else:
             steps, guard = self.run["steps"], self.run["guard"]
