@@ -15,6 +15,7 @@ import torch
 from .drafting import POLICIES, DraftContext
 from .drafting.base import check_int
 from .drafting.budget_tuner import make_policy
+from .drafting.graft_budget import GraftBudget
 from .drafting.lookahead import Lookahead
 from .drafting.ngram import add_ngram_branch
 from .drafting.suffix import graft_suffix_branches
@@ -400,18 +401,15 @@ class SpeculativeDecoder:
         stats.t_prefill = time.perf_counter() - t_start
         context, new = list(ids), []
         lookahead = Lookahead(*self.lookahead) if self.lookahead else None
+        budget = GraftBudget(getattr(self.policy, "costs", None))  # which grafted rows pay (graft_budget.py)
         while not stats.finish_reason:
             with torch_threads(self.step_threads):  # see __init__
                 room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
                 t0 = time.perf_counter()
                 calls0 = draft.forwards if draft else 0
                 tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
-                if self.ngram:
-                    add_ngram_branch(tree, context, self.ngram, min(self.ngram_len, max(room, 0)))
-                if self.suffix:
-                    graft_suffix_branches(tree, self.suffix_index, context, self.suffix, max(room, 0))
-                if lookahead:
-                    lookahead.graft(tree, context, max(room, 0))
+                if self.grafts:
+                    tree = self._graft(tree, context, max(room, 0), budget, lookahead)
                 t1 = time.perf_counter()
                 # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
                 # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
@@ -445,13 +443,34 @@ class SpeculativeDecoder:
                     step.root_optimum = self._root_optimum(tree, logits, stats)
                 stats.steps.append(step)
                 self.policy.update(step)
+                budget.observe(step.sources)
+                budget.settle(kept)
                 stats.policy = self.policy.explain()
+                if self.grafts:
+                    stats.policy = dict(stats.policy, grafts=budget.describe())
                 stats.new_tokens = len(new)
                 now = time.perf_counter()
                 if len(stats.steps) == 1:
                     stats.t_first_token = now - t_start - stats.t_measure
                 stats.t_total = now - t_start - stats.t_measure
             yield GenerationResult(self._decode(new), list(new), stats)
+
+    def _graft(self, tree: TokenTree, context: list[int], room: int, budget: GraftBudget,
+               lookahead: Lookahead | None) -> TokenTree:
+        """`tree` with the draft-free branches (n-gram, suffix, lookahead, in that order) that pay under the policy's
+        measured costs, or all of them for a policy without costs (graft_budget.py)."""
+        estimate = self.policy.estimate()
+        if self.ngram:
+            tree, _ = budget.graft(tree, "ngram", lambda t: add_ngram_branch(t, context, self.ngram,
+                                                                             min(self.ngram_len, room)), estimate)
+        if self.suffix:
+            tree, _ = budget.graft(tree, "suffix", lambda t: graft_suffix_branches(t, self.suffix_index, context,
+                                                                                   self.suffix, room), estimate)
+        if lookahead:
+            tree, kept = budget.graft(tree, "lookahead", lambda t: lookahead.graft(t, context, room), estimate)
+            if not kept:
+                lookahead.skip()
+        return tree
 
     def _root_optimum(self, tree, logits: torch.Tensor, stats: GenerationStats) -> float | None:
         """verify.base.root_optimum of this step's tree, from the target's logits at its root (row 0); the time it

@@ -95,6 +95,11 @@ class Policy:
         """The policy's account of its choices so far, copied into `GenerationStats.policy` after each step."""
         return {}
 
+    def estimate(self) -> list[float] | None:
+        """[expected tokens, predicted seconds] of the step `draft` just built, under measured costs, for the budget
+        of draft-free branches (graft_budget.py); None for a policy without a cost model."""
+        return None
+
 
 EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (tree.py says why each is exact for its rule)
     DrawRule.WITHOUT_REPLACEMENT: "mbr",

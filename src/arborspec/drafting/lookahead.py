@@ -70,6 +70,10 @@ class Lookahead:
                 self.nodes.append([graft(tree, [tok], SOURCE, under=below[j])[0] for j, tok in enumerate(level)])
         return tree
 
+    def skip(self) -> None:
+        """This step's branch was left out of the tree (graft_budget.py): no Jacobi step from its forward."""
+        self.nodes = []
+
     def observe(self, logits: torch.Tensor) -> None:
         """The Jacobi step, from the target's logits of this step's tree (len(tree), vocab), rows in tree order."""
         if not self.nodes:

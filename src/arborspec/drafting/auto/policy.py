@@ -172,6 +172,12 @@ class AutoPolicy(Policy):
         self._built = _Built(len(tree), build.scores, build.draft_raw, mode, record)
         return tree
 
+    def estimate(self) -> list[float] | None:
+        """The objective's [E, T] of the tree drafted last (objective.py), for the draft-free branches' budget."""
+        if self._built is None or self.costs is None:
+            return None
+        return [float(self._built.record["expected"]), float(self._built.record["seconds"])]
+
     def update(self, step) -> None:
         built, self._built = self._built, None
         if built is None or self.costs is None:

@@ -1,0 +1,97 @@
+"""One budget for the draft-free sources: a grafted branch is kept only when its rows pay under the measured costs.
+
+n-gram, suffix and lookahead branches (ngram.py, suffix.py, lookahead.py) cost no draft call, but every node they add
+is one more row in the target's verification forward, and on a CPU rows are not free (t(n) grows with n). Grafting
+them blindly can make a method slower than itself without them. So, per step, each source's branch is grafted onto a
+trial copy of the drafted tree and kept only if it raises the step's expected rate:
+
+    (E + m * a_s) / (T - t(1 + N) + t(1 + N + m))  >  E / T
+
+where E and T are the policy's expected tokens and predicted seconds for the tree so far (the auto policy's objective:
+auto/objective.py), N its drafted nodes, m the rows the branch adds, t the measured verification curve, and a_s the
+source's acceptance per proposed node, learned online within the request (accepted / proposed, credited as tree.py
+credits nodes, with one accepted and one rejected node as the prior, so a source starts at 0.5). Sources are tried in
+the engine's order and E, T grow with each branch kept, so later sources must beat the tree as it stands.
+
+A source that has proposed fewer than `WARMUP` nodes is kept regardless: its acceptance must be measured before it
+can be judged. A branch left out still teaches: after the step, its nodes are matched against the tokens the step
+committed, and those it would have had accepted count as accepted (a lower bound: past the committed tokens nothing
+is known), so a source that starts to fit the text comes back. Policies without measured costs (every policy but
+auto) keep every branch, as asked.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..tree import TokenTree
+
+WARMUP = 16  # nodes a source proposes before its measured acceptance decides
+
+
+class GraftBudget:
+    """Per request: each draft-free source's measured acceptance, and the keep-or-drop decision for its branches."""
+
+    def __init__(self, costs=None):
+        self.costs = costs  # the policy's CostModel (verify(n): seconds of a forward over n tree tokens), or None
+        self.proposed: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}  # branches left out, for the account
+        self._left_out: list[tuple[str, TokenTree, int]] = []  # this step's: (source, trial tree, its first new node)
+
+    def acceptance(self, source: str) -> float:
+        return (self.accepted.get(source, 0) + 1) / (self.proposed.get(source, 0) + 2)
+
+    def observe(self, sources: dict[str, dict[str, int]]) -> None:
+        """A finished step's per-source counts (StepStats.sources: proposed, accepted)."""
+        for name, row in sources.items():
+            self.proposed[name] = self.proposed.get(name, 0) + row.get("proposed", 0)
+            self.accepted[name] = self.accepted.get(name, 0) + row.get("accepted", 0)
+
+    def pays(self, source: str, rows: int, nodes: int, expected: float, seconds: float) -> bool:
+        """Whether `rows` more rows from `source` raise expected / seconds of a tree of `nodes` drafted nodes."""
+        if rows == 0 or self.proposed.get(source, 0) < WARMUP:
+            return True
+        extra = float(self.costs.verify(1 + nodes + rows)) - float(self.costs.verify(1 + nodes))
+        return (expected + rows * self.acceptance(source)) * seconds > expected * (seconds + extra)
+
+    def settle(self, committed: list[int]) -> None:
+        """After a step that committed `committed` (accepted tokens, then the bonus): count what each branch left out
+        this step would have had accepted, its nodes that match the committed tokens from the root on."""
+        for source, trial, first in self._left_out:
+            kids = trial.children_lists()
+            node, hits = 0, 0
+            for tok in committed:
+                node = next((k for k in kids[node] if trial.tokens[k] == tok), None)
+                if node is None:
+                    break
+                hits += node >= first and trial.sources[node] == source
+            mine = sum(1 for i in range(first, len(trial)) if trial.sources[i] == source)
+            self.observe({source: {"proposed": mine, "accepted": hits}})
+        self._left_out = []
+
+    def describe(self) -> dict:
+        """The account for GenerationStats.policy: each source's measured acceptance and branches left out."""
+        return {name: {"proposed": n, "accepted": self.accepted.get(name, 0),
+                       "acceptance": round(self.acceptance(name), 4), "dropped": self.dropped.get(name, 0)}
+                for name, n in self.proposed.items() if name != "draft"}
+
+    def graft(self, tree: TokenTree, source: str, add: Callable[[TokenTree], object],
+              estimate: list[float] | None) -> tuple[TokenTree, bool]:
+        """(`tree` with `add`'s branch, True) if it pays (add grafts onto the tree it is given), else (`tree`, False).
+        `estimate` = [expected tokens, predicted seconds] of the tree so far (updated when the branch is kept), or
+        None when the policy has no cost model: then the branch is always grafted, onto `tree` itself."""
+        if estimate is None or self.costs is None:
+            add(tree)
+            return tree, True
+        trial = tree.select(list(range(len(tree))))  # a copy: the draft distributions are shared, not copied
+        add(trial)
+        rows = len(trial) - len(tree)
+        if not self.pays(source, rows, len(tree) - 1, *estimate):
+            self.dropped[source] = self.dropped.get(source, 0) + 1
+            self._left_out.append((source, trial, len(tree)))
+            return tree, False
+        if rows:
+            nodes = len(tree) - 1
+            estimate[0] += rows * self.acceptance(source)
+            estimate[1] += float(self.costs.verify(1 + nodes + rows)) - float(self.costs.verify(1 + nodes))
+        return trial, True
