@@ -389,7 +389,7 @@ class SpeculativeDecoder:
         eos = set() if ignore_eos else eos_ids(self.target, self.tokenizer)
         window = context_window(self.target)
         stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
-        use_draft = self.policy.needs_draft and self.policy.uses_draft()  # auto may decide it cannot pay
+        use_draft = self.policy.needs_draft and self.policy.uses_draft(len(ids), max_new_tokens)  # auto: can it pay?
         if (self.policy.plain or (self.policy.needs_draft and not use_draft)) and not self.grafts:
             yield from self._plain_steps(ids, max_new_tokens, stop, gen, eos, window, stats, t_start)
             return

@@ -572,24 +572,30 @@ def test_auto_leaves_the_draft_alone_when_no_tree_could_pay():
     assert res.token_ids == ref.token_ids and sum(s.draft_calls for s in res.stats.steps) > 0
 
 
-def test_a_ceiling_within_the_guards_margin_decodes_plainly_unless_the_guard_is_off():
-    """The native backend's shape on an AVX2 CPU: t(2) = 1.25 t(1), a draft token at 0.67 t(1). A fully accepted
-    chain would win 4% at best, less than the 10% the guard lets speculation lose: auto decodes plainly. Without the
-    guard nothing caps the loss, and the line is plain decoding itself."""
-    from arborspec.drafting.auto.objective import ceiling_rate
+def test_auto_drafts_only_when_the_expected_rate_beats_plain_decoding_by_the_guards_margin():
+    """The native backend's shape on an AVX2 CPU: t(2) = 1.25 t(1), a draft token at 0.67 t(1). Even with the draft's
+    top token accepted 99% of the time a chain would win ~3%, less than the 10% the guard lets speculation lose:
+    auto decodes plainly. Without the guard the line is plain decoding itself, which 99% clears and the default
+    prior (top-1 probability 0.6, accepted as often) does not."""
+    from arborspec.drafting.auto.objective import ceiling_rate, expected_ceiling
 
     sizes = (1, 2, 4, 8, 16, 32)
     native = CostModel(CostCurve.from_measurements(sizes, [0.049 * (1 + 0.25 * (n - 1)) for n in sizes]), flat(0.033))
     plain = 1 / native.plain_step()
     assert plain < ceiling_rate(native) < 1.1 * plain
+    assert expected_ceiling(native, lambda x: x, 0.6) < plain < expected_ceiling(native, lambda x: x, 0.99)
     target, draft = make_pair("llama", seed=3, noise=0.0)
-    guarded = SpeculativeDecoder(target, draft, method="auto")
-    guarded.policy.use_costs(native)
-    res = guarded.generate([5, 6, 7], max_new_tokens=12, ignore_eos=True)
-    assert sum(s.draft_calls for s in res.stats.steps) == 0 and res.stats.policy["plain"]
-    assert "margin" in res.stats.policy["summary"]
-    unguarded = SpeculativeDecoder(target, draft, method="auto", guard=False)
-    unguarded.policy.use_costs(native)
-    res = unguarded.generate([5, 6, 7], max_new_tokens=12, ignore_eos=True)
-    assert not res.stats.policy["plain"]  # the tree builder weighs each step (here, at the prior acceptance, it
-    # keeps declining to draft: what it decides is tested above; that it was asked is what the guard changes)
+    cases = [(True, 0.99, False), (False, 0.99, True), (False, 0.6, False)]  # (guard, top-1 acceptance, drafts?)
+    for guard, top1, drafts in cases:
+        dec = SpeculativeDecoder(target, draft, method="auto", guard=guard, calibration=False, remember=False)
+        dec.policy.use_costs(native)
+        dec.policy.child_probs[True][0] = top1
+        assert dec.policy.uses_draft(3, 10_000) == drafts, (guard, top1)
+        if not drafts:
+            res = dec.generate([5, 6, 7], max_new_tokens=12, ignore_eos=True)
+            assert sum(s.draft_calls for s in res.stats.steps) == 0 and res.stats.policy["plain"]
+            assert "margin" in res.stats.policy["summary"]
+    # the draft's prefill is paid once per generation: over 12 new tokens, 0.99 does not clear plain decoding either
+    assert not dec.policy.uses_draft(3, 12) and not dec.policy.uses_draft(3, 10_000)  # 0.6: never
+    dec.policy.child_probs[True][0] = 0.99
+    assert dec.policy.uses_draft(3, 10_000) and not dec.policy.uses_draft(200, 12)

@@ -79,6 +79,18 @@ def ceiling_rate(costs: CostModel, max_depth: int = 16) -> float:
     return max((1.0 + k) / (k * costs.layer(1) + costs.verify(1 + k) + costs.overhead) for k in range(1, max_depth + 1))
 
 
+def expected_ceiling(costs: CostModel, acceptance, child_prob: float, max_depth: int = 16) -> float:
+    """The best rate of a draft chain at the acceptance measured so far: node i of the chain has path probability
+    child_prob ** i (child_prob: the draft's mean top-1 probability, the predictor c_1 of tree_builder.py) and is
+    accepted with probability acceptance(child_prob ** i) (the calibration a(.)); best chain length k. Below
+    `ceiling_rate`, which assumes every drafted token accepted."""
+    best, gain = 0.0, 1.0
+    for k in range(1, max_depth + 1):
+        gain += float(acceptance(child_prob ** k))
+        best = max(best, gain / (k * costs.layer(1) + costs.verify(1 + k) + costs.overhead))
+    return best
+
+
 def tree_rate(gains, layer_widths, costs: CostModel) -> float:
     """E[tokens] / T for a tree whose nodes have acceptance probabilities `gains` and whose draft calls forwarded
     `layer_widths` nodes each: (1 + sum gains) / (sum d(w) + t(1 + N) + overhead)."""

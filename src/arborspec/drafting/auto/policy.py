@@ -31,7 +31,7 @@ from ...tree import DrawRule, TokenTree
 from ..base import DraftContext, Policy
 from .calibration import Calibrator
 from .guard import Guard
-from .objective import CostModel, ceiling_rate
+from .objective import CostModel, ceiling_rate, expected_ceiling
 from .options import AutoOptions
 from .tree_builder import TreeBuilder
 
@@ -70,6 +70,7 @@ class AutoPolicy(Policy):
         self.guard = Guard(opts.guard_margin, opts.guard_window, opts.guard_cooldown, enabled=opts.guard)
         self.source: dict = {"costs": "unset"}
         self._calib_key: dict | None = None
+        self._greedy = True  # the sampling setting bound last (which child-probability predictor uses_draft reads)
         self._built: _Built | None = None
         self._prev_context: list[int] | None = None
         self._updates = 0
@@ -91,6 +92,7 @@ class AutoPolicy(Policy):
 
     def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
         """Profile (or load the cached profiles of) the target and the draft; load the saved calibration."""
+        self._greedy = sampling.greedy
         if draft is None:
             return
         if self.costs is None:
@@ -105,22 +107,32 @@ class AutoPolicy(Policy):
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
 
-    def uses_draft(self) -> bool:
-        """False when even a perfectly accepted tree could not beat plain decoding under the measured costs by more
-        than the guard's margin: then each generation decodes plainly and never touches the draft model, so it does
-        not pay for keeping the draft's cache in step either.
+    def uses_draft(self, prompt_tokens: int = 0, new_tokens: int = 0) -> bool:
+        """False when no tree is expected to beat plain decoding by more than the guard's margin under the measured
+        costs: then the generation decodes plainly and never touches the draft model, so it does not pay for the
+        draft's prefill or for keeping its cache in step either.
 
-        Why the margin: the ceiling assumes every drafted token accepted, real acceptance is lower, and the guard
-        lets speculation run down to (1 - margin) x plain decoding before it falls back. A tree that can win at
-        most a few percent in theory therefore loses up to the margin in practice. Measured: on arborspec's own
-        kernels on an AVX2 CPU (t(2) = 1.25 t(1), draft 0.67 t(1)) the ceiling is 1.04x, and `auto` drafting
-        there ran at 0.87-0.92x of plain decoding; with a verification curve as steep as llama.cpp's there (the
-        ceiling at or below 1.0x) no tree can pay at all. With the guard off the line is plain decoding itself."""
+        Expected, not hoped for: the rate is the best chain's at the acceptance measured for this pair so far
+        (`expected_ceiling`: the calibration a(.) and the draft's mean top-1 probability, saved across runs; the
+        identity and 0.6 before any evidence), with the draft's prefill of the `prompt_tokens` spread over the
+        `new_tokens` to come. Why the margin: the guard lets a losing speculation run down to (1 - margin) x plain
+        decoding before it falls back, so a tree that could win only a few percent would lose up to the margin in
+        practice. Measured on arborspec's own kernels on an AVX2 CPU (t(2) = 1.15-1.25 t(1), the draft at 0.67
+        t(1)): the full-acceptance ceiling is 1.04-1.11x, and `auto` drafting there ran at 0.82-0.92x of plain
+        decoding, the draft's prefill alone costing ~0.9 s of a 6 s generation. With the guard off the line is
+        plain decoding itself."""
         if self.costs is None:
             return self.needs_draft
         margin = self.options.guard_margin if self.options.guard else 0.0
-        self.cannot_pay = ceiling_rate(self.costs) <= (1.0 + margin) / self.costs.plain_step()
+        rate = self._expected_rate()
+        if new_tokens > 0 and prompt_tokens > 1:
+            rate = new_tokens / (new_tokens / rate + self.costs.layer(prompt_tokens - 1))
+        self.cannot_pay = rate <= (1.0 + margin) / self.costs.plain_step()
         return not self.cannot_pay
+
+    def _expected_rate(self) -> float:
+        greedy = self._greedy
+        return expected_ceiling(self.costs, self.calibrator, float(self.child_probs[greedy][0]))
 
     def _load_calibration(self) -> None:
         saved = read_record("calibration", self._calib_key)
@@ -235,9 +247,10 @@ class AutoPolicy(Policy):
         if self.cannot_pay:  # a plain generation: the engine consults the policy at no step (engine._plain_steps)
             steps, guard = [], []
             margin = self.options.guard_margin if self.options.guard else 0.0
-            summary = (f"auto: plain decoding, the draft unused: no tree can beat it by more than the guard's "
-                       f"margin under the measured costs (ceiling {ceiling_rate(c):.2f} <= {1 + margin:g} x plain "
-                       f"{1 / c.plain_step():.2f} tokens/s); "
+            summary = (f"auto: plain decoding, the draft unused: no tree is expected to beat it by more than the "
+                       f"guard's margin ({1 + margin:g} x) under the measured costs (best chain at the measured "
+                       f"acceptance {self._expected_rate():.2f} tokens/s, with every token accepted "
+                       f"{ceiling_rate(c):.2f}; plain {1 / c.plain_step():.2f}); "
                        f"costs: {self.source.get('costs', '?')}")
         else:
             steps, guard = self.run["steps"], self.run["guard"]
