@@ -19,7 +19,8 @@ def tiny(tmp_path_factory):
     return path
 
 
-def test_backend_auto_picks_llamacpp_for_gguf_files_only(tiny, tmp_path):
+def test_backend_auto_picks_llamacpp_for_gguf_files_only(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # auto's choice is cached: not in ~/.cache
     assert resolve_backend(str(tiny), "auto") == "llamacpp"
     assert resolve_backend(str(tmp_path), "auto") == "torch"  # a checkpoint directory
     with pytest.raises(ModelLoadError, match="runs GGUF files"):

@@ -77,12 +77,16 @@ def test_auto_drops_free_branches_that_do_not_pay_and_keeps_them_where_rows_are_
             assert all(g["dropped"] == 0 for g in grafts.values()) and any(s.tree_size > 0 for s in late)
 
 
-def test_a_left_out_branch_is_scored_against_the_committed_tokens():
+def test_a_left_out_branch_is_judged_once_the_tokens_after_it_are_known():
     tree = TokenTree.root(5)
     budget = seasoned(GraftBudget(costs(0.05)), "suffix", 40, 0)
-    budget.graft(tree, "suffix", lambda t: [t.add(0, 7, source="suffix"), t.add(1, 8, source="suffix"),
-                                            t.add(2, 9, source="suffix")], [1.0, 0.05])
-    budget.settle([7, 8, 4])  # the step committed 7, 8 then 4: two of the three nodes would have been accepted
+    _, kept = budget.graft(tree, "suffix", lambda t: [t.add(0, 7, source="suffix"), t.add(1, 8, source="suffix"),
+                                                      t.add(2, 9, source="suffix")], [1.0, 0.05])
+    assert not kept
+    budget.settle([7])  # plain steps: one token each; the branch is 3 deep, so it waits
+    budget.settle([8])
+    assert budget.proposed["suffix"] == 40
+    budget.settle([4])  # 7, 8, 4: two of its three nodes would have been accepted
     assert budget.proposed["suffix"] == 43 and budget.accepted["suffix"] == 2
     budget.settle([7, 8, 9])  # nothing left out since: nothing more counted
     assert budget.proposed["suffix"] == 43

@@ -14,9 +14,10 @@ credits nodes, with one accepted and one rejected node as the prior, so a source
 the engine's order and E, T grow with each branch kept, so later sources must beat the tree as it stands.
 
 A source that has proposed fewer than `WARMUP` nodes is kept regardless: its acceptance must be measured before it
-can be judged. A branch left out still teaches: after the step, its nodes are matched against the tokens the step
-committed, and those it would have had accepted count as accepted (a lower bound: past the committed tokens nothing
-is known), so a source that starts to fit the text comes back. Policies without measured costs (every policy but
+can be judged. A branch left out still teaches: once as many tokens have been committed after its step as it is deep (or
+`PATIENCE` steps have passed), its nodes are matched against them from the root on, and those on the matching path
+count as accepted: what verification would have accepted at T = 0, since the committed tokens are the target's
+own. So a source that starts to fit the text comes back, even while steps commit one token each. Policies without measured costs (every policy but
 auto) keep every branch, as asked.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from ..tree import TokenTree
 
 WARMUP = 16  # nodes a source proposes before its measured acceptance decides
+PATIENCE = 16  # steps a left-out branch waits for the tokens that judge it
 
 
 class GraftBudget:
@@ -36,7 +38,11 @@ class GraftBudget:
         self.proposed: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.dropped: dict[str, int] = {}  # branches left out, for the account
-        self._left_out: list[tuple[str, TokenTree, int]] = []  # this step's: (source, trial tree, its first new node)
+        self.committed: list[int] = []  # every token committed in this generation, in order
+        # branches left out, waiting to be judged: (source, trial tree, its first new node, len(committed) at its step,
+        # the step it was left out at)
+        self._left_out: list[tuple[str, TokenTree, int, int, int]] = []
+        self._steps = 0
 
     def acceptance(self, source: str) -> float:
         return (self.accepted.get(source, 0) + 1) / (self.proposed.get(source, 0) + 2)
@@ -55,19 +61,27 @@ class GraftBudget:
         return (expected + rows * self.acceptance(source)) * seconds > expected * (seconds + extra)
 
     def settle(self, committed: list[int]) -> None:
-        """After a step that committed `committed` (accepted tokens, then the bonus): count what each branch left out
-        this step would have had accepted, its nodes that match the committed tokens from the root on."""
-        for source, trial, first in self._left_out:
+        """After a step that committed `committed` (accepted tokens, then the bonus): judge each left-out branch whose
+        tokens are all known by now (see the module docstring)."""
+        self.committed += committed
+        self._steps += 1
+        waiting = []
+        for entry in self._left_out:
+            source, trial, first, start, step = entry
+            after = self.committed[start:]
+            if len(after) < max(trial.depths[first:]) and self._steps - step < PATIENCE:
+                waiting.append(entry)
+                continue
             kids = trial.children_lists()
             node, hits = 0, 0
-            for tok in committed:
+            for tok in after:
                 node = next((k for k in kids[node] if trial.tokens[k] == tok), None)
                 if node is None:
                     break
                 hits += node >= first and trial.sources[node] == source
             mine = sum(1 for i in range(first, len(trial)) if trial.sources[i] == source)
             self.observe({source: {"proposed": mine, "accepted": hits}})
-        self._left_out = []
+        self._left_out = waiting
 
     def describe(self) -> dict:
         """The account for GenerationStats.policy: each source's measured acceptance and branches left out."""
@@ -88,7 +102,7 @@ class GraftBudget:
         rows = len(trial) - len(tree)
         if not self.pays(source, rows, len(tree) - 1, *estimate):
             self.dropped[source] = self.dropped.get(source, 0) + 1
-            self._left_out.append((source, trial, len(tree)))
+            self._left_out.append((source, trial, len(tree), len(self.committed), self._steps))
             return tree, False
         if rows:
             nodes = len(tree) - 1
