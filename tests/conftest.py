@@ -68,6 +68,32 @@ def noisy_copy(model, noise: float, seed: int = 1):
     return draft
 
 
+@pytest.fixture(scope="module")
+def loaded_pair():
+    """A tiny (target, draft) as `load_pair` returns them (LoadedModels sharing the character tokenizer), for the
+    benchmark's tests: the draft is the target with noise, so it is accepted often but not always."""
+    from arborspec.models.loading import LoadedModel
+
+    target = tiny_model("llama", seed=0)
+    tok = char_tokenizer()
+    return (LoadedModel(target, tok, "target", "memory"), LoadedModel(noisy_copy(target, 0.2), tok, "draft", "memory"))
+
+
+@pytest.fixture(scope="module")
+def private_cache(tmp_path_factory):
+    """The module's cache directory in a temp dir (profiles, calibrations, choices the code measures and caches:
+    not in ~/.cache). arborspec's kernels are loaded first, from the real cache: compiled once per CPU, not again
+    for every test module (a no-op where no test needs them)."""
+    try:
+        from arborspec.kernels.build import KernelBuildError, library
+        library()
+    except KernelBuildError:
+        pass  # the tests that need the kernels say so themselves
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny models gain nothing from threads, and on a loaded 2-core machine two threads make tiny ops ~100x slower."""

@@ -11,12 +11,7 @@ from arborspec.cli import main
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """The default method (auto) and --draft-quant auto measure the tiny pair once and cache it: not in ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import pytest
 from arborspec.bench.concurrency import format_table, mark_same_tokens, run_concurrency
 from arborspec.bench.runner import BenchSettings
 from arborspec.cli import main
-from arborspec.models.loading import LoadedModel
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 LEVEL_FIELDS = {"label", "method", "temperature", "concurrency", "requests", "tokens", "wall_s", "tokens_per_s",
                 "requests_per_s", "tokens_per_step", "latency_p50_s", "latency_p90_s", "ttft_p50_s", "ttft_p90_s",
@@ -16,10 +14,8 @@ LEVEL_FIELDS = {"label", "method", "temperature", "concurrency", "requests", "to
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = tiny_model("llama", seed=0)
-    tok = char_tokenizer()
-    return (LoadedModel(target, tok, "target", "memory"), LoadedModel(noisy_copy(target, 0.2), tok, "draft", "memory"))
+def models(loaded_pair):
+    return loaded_pair  # tests/conftest.py
 
 
 def test_a_sweep_records_throughput_and_latency_per_level(models, tmp_path, capsys):

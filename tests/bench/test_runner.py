@@ -9,15 +9,11 @@ import pytest
 from arborspec import spec
 from arborspec.bench import runner
 from arborspec.bench.runner import BenchSettings, run_bench
-from arborspec.models.loading import LoadedModel
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = tiny_model("llama", seed=0)
-    tok = char_tokenizer()
-    return (LoadedModel(target, tok, "target", "memory"), LoadedModel(noisy_copy(target, 0.2), tok, "draft", "memory"))
+def models(loaded_pair):
+    return loaded_pair  # tests/conftest.py
 
 
 def test_failures_are_recorded_and_the_run_goes_on(models, tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from torch import nn
 
 from arborspec.engine import SpeculativeDecoder
 from arborspec.kernels import build
-from arborspec.kernels.build import KernelBuildError, library
+from arborspec.kernels.build import KernelBuildError
 from arborspec.kernels.reference import reference_matmul
 from arborspec.models import check_session_support, llamacpp
 from arborspec.models.hf import TreeSession
@@ -56,14 +56,7 @@ FILES = {  # name -> write_tiny_gguf options
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """`auto` and the CLI profile the tiny models and cache the curves: not in ~/.cache. The kernels are loaded
-    first, from the real cache (compiled once per CPU, not again for every test run)."""
-    library()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

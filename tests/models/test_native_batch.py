@@ -13,7 +13,6 @@ import torch
 from transformers import DynamicCache
 
 from arborspec.engine import SpeculativeDecoder
-from arborspec.kernels.build import library
 from arborspec.models import batching
 from arborspec.models.hf import TreeSession
 from arborspec.models.loading import load_model
@@ -30,13 +29,7 @@ FILES = {"q4_k": {"dtype": "q4_k"}, "llama": {"dtype": "mixed", "ffn": 288, "arc
 PROMPTS = ["def fib(n):\n    return", "x = ", "import os\nprint(os.path.join('a', 'b'))\n# now"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """Cost profiles of the tiny models in a temp dir; the kernels from the real cache (compiled once per CPU)."""
-    library()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ARBORSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

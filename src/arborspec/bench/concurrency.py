@@ -26,10 +26,10 @@ from ..cache import write_json
 from ..drafting.base import parse_int_list
 from ..models.batching import can_batch
 from ..plotting import grid, save_figure
-from ..spec import build_decoder, load_pair
+from ..spec import build_decoder
 from .datasets import prompt_ids
 from .runner import (SCHEMA, UNRECORDED, WARMUP_TOKENS, Bench, BenchSettings, Config, _configs, _prompts, environment,
-                     run_from_args, settings_from_args)
+                     load_models, run_from_args, settings_from_args)
 
 
 def run_concurrency(settings: BenchSettings, levels: list[int], models=None) -> Path:
@@ -53,10 +53,7 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
             configs.append(cfg)
     if not configs:
         raise ValueError("none of the methods can run batched: " + "; ".join(warnings))
-    need_draft = any(c.spec.needs_draft for c in configs)
-    target, draft = models if models is not None else load_pair(
-        settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
-        backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama)
+    target, draft = models if models is not None else load_models(settings, configs)
     bench = Bench(settings, target, draft)
     prompts = _prompts(settings, bench.tokenizer)
     ids = [prompt_ids(bench.tokenizer, p) for p in prompts]

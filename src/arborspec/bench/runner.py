@@ -283,6 +283,14 @@ class Bench:
 
 
 # ---------------------------------------------------------------------------------------------- the loop
+def load_models(settings: BenchSettings, configs: list) -> tuple:
+    """(target, draft) for a run of `configs`: the draft only if a method needs one, loaded as it is (each method's
+    variant is prepared from it), both on the run's backends."""
+    need_draft = any(c.spec.needs_draft for c in configs)
+    return load_pair(settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
+                     backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama)
+
+
 def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
     out = []
     for t in settings.temperatures:
@@ -340,9 +348,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
         raise ValueError("none of the methods can run: " + "; ".join(warnings))
     need_draft = any(c.spec.needs_draft for c in configs)
     # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
-    target, draft = models if models is not None else load_pair(
-        settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
-        backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama)
+    target, draft = models if models is not None else load_models(settings, configs)
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
