@@ -13,18 +13,13 @@ LEVEL_FIELDS = {"label", "method", "temperature", "concurrency", "requests", "to
                 "tpot_p50_s", "tpot_p90_s", "per_request", "same_tokens", "error"}
 
 
-@pytest.fixture(scope="module")
-def models(loaded_pair):
-    return loaded_pair  # tests/conftest.py
-
-
-def test_a_sweep_records_throughput_and_latency_per_level(models, tmp_path, capsys):
+def test_a_sweep_records_throughput_and_latency_per_level(loaded_pair, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "y = x + "}\n{"prompt": "for i in range(10):"}\n')
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                              methods=["ar", "static", "llamacpp-ar"], temperatures=[0.0, 1.0], max_new_tokens=6,
                              out=str(tmp_path / "out"), progress=False, ignore_eos=True, threads=1, draft_quant="none")
-    path = run_concurrency(settings, [2, 1], models=models)
+    path = run_concurrency(settings, [2, 1], models=loaded_pair)
     results = json.loads(path.read_text())
     assert results["levels"] == [1, 2] and results["batched"] is False  # a torch target runs its steps in turn
     assert any("llamacpp-ar" in w for w in results["warnings"])  # a baseline's own loop is not run batched

@@ -11,12 +11,7 @@ from arborspec.bench import runner
 from arborspec.bench.runner import BenchSettings, run_bench
 
 
-@pytest.fixture(scope="module")
-def models(loaded_pair):
-    return loaded_pair  # tests/conftest.py
-
-
-def test_failures_are_recorded_and_the_run_goes_on(models, tmp_path, monkeypatch):
+def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "y = x + "}\n')
     real = runner.Bench.generate
@@ -32,7 +27,7 @@ def test_failures_are_recorded_and_the_run_goes_on(models, tmp_path, monkeypatch
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                              methods=["ar", "static", "dyspec", "chain"], max_new_tokens=10, out=str(tmp_path / "out"),
                              progress=False, ignore_eos=True, threads=1, draft_quant="none")
-    results = json.loads(run_bench(settings, models=models).read_text())
+    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
     assert [s["label"] for s in results["skipped"]] == ["dyspec"]
     assert "cannot even warm up" in results["skipped"][0]["reason"]
     by = {}
@@ -70,7 +65,7 @@ def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():
     assert not warnings
 
 
-def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, monkeypatch):
+def test_levers_run_on_their_own_draft_copy_and_stay_exact(loaded_pair, tmp_path, monkeypatch):
     from arborspec.models import draft_levers
 
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # the int8 draft is cached on disk
@@ -82,23 +77,24 @@ def test_levers_run_on_their_own_draft_copy_and_stay_exact(models, tmp_path, mon
                              methods=["ar", "chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"],
                              max_new_tokens=12, out=str(tmp_path / "out"), progress=False, ignore_eos=True,
                              threads=1, warmup=False, draft_quant="none")
-    results = json.loads(run_bench(settings, models=models).read_text())
+    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
     runs = {r["label"]: r for r in results["runs"]}
     assert all(r["error"] is None for r in runs.values()), [r["error"] for r in runs.values()]
     assert runs["chain@3+int8"]["draft_quant"] == "int8" and runs["dyspec@8+vocab40+ngram2"]["ngram"] == 2
     for label in ("chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"):
         assert runs[label]["token_ids"] == runs["ar"]["token_ids"], label  # greedy: levers keep the output
-    assert not hasattr(models[1].model.get_output_embeddings(), "keep")  # the shared draft was not pruned
-    assert type(models[1].model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # nor quantized
+    assert not hasattr(loaded_pair[1].model.get_output_embeddings(), "keep")  # the shared draft was not pruned
+    assert type(loaded_pair[1].model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # nor quantized
 
 
-def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models, tmp_path, monkeypatch):
+def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(loaded_pair, tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
     settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                     methods=["ar", "chain"], max_new_tokens=6, progress=False, ignore_eos=True, threads=1,
                     draft_quant="none")
-    whole = json.loads(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings), models=models).read_text())
+    whole = json.loads(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings),
+                                 models=loaded_pair).read_text())
 
     real = runner.Bench.run
 
@@ -110,14 +106,14 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models
     out = str(tmp_path / "cut")
     monkeypatch.setattr(runner.Bench, "run", dies_on_the_third_prompt)
     with pytest.raises(KeyboardInterrupt):
-        run_bench(BenchSettings(out=out, **settings), models=models)
+        run_bench(BenchSettings(out=out, **settings), models=loaded_pair)
     monkeypatch.setattr(runner.Bench, "run", real)
     cut = json.loads((tmp_path / "cut" / "results.json").read_text())
     assert cut["finished"] is None and {r["prompt_key"] for r in cut["runs"]} == {"p/0", "p/1"}
 
     with pytest.raises(ValueError, match="other settings .*max_new_tokens"):
-        run_bench(BenchSettings(out=out, resume=True, **{**settings, "max_new_tokens": 7}), models=models)
-    done = json.loads(run_bench(BenchSettings(out=out, resume=True, **settings), models=models).read_text())
+        run_bench(BenchSettings(out=out, resume=True, **{**settings, "max_new_tokens": 7}), models=loaded_pair)
+    done = json.loads(run_bench(BenchSettings(out=out, resume=True, **settings), models=loaded_pair).read_text())
     assert done["finished"] and done["resumed"][0]["prompts_done"] == 2
     from arborspec.bench.report import render
 
@@ -127,19 +123,19 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(models
     # greedy with the same seeds: the resumed run's outputs are the uninterrupted run's
     assert {key(r): r["token_ids"] for r in done["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
     with pytest.raises(ValueError, match="finished run"):
-        run_bench(BenchSettings(out=out, resume=True, **settings), models=models)
+        run_bench(BenchSettings(out=out, resume=True, **settings), models=loaded_pair)
     # a finished run grows with a larger --prompts: the old prompts come first and keep their seeds
     small = str(tmp_path / "small")
-    run_bench(BenchSettings(out=small, **{**settings, "prompts": 2}), models=models)
+    run_bench(BenchSettings(out=small, **{**settings, "prompts": 2}), models=loaded_pair)
     grown = json.loads(run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 3}),
-                                 models=models).read_text())
+                                 models=loaded_pair).read_text())
     assert grown["settings"]["prompts"] == 3 and len(grown["prompts"]) == 3 and grown["finished"]
     assert {key(r): r["token_ids"] for r in grown["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
     with pytest.raises(ValueError, match="other prompts"):
-        run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 1}), models=models)
+        run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 1}), models=loaded_pair)
 
 
-def test_methods_take_the_runs_draft_quant_measured_once(models, tmp_path, monkeypatch):
+def test_methods_take_the_runs_draft_quant_measured_once(loaded_pair, tmp_path, monkeypatch):
     """`--draft-quant auto` (the default, as for `generate`): methods without a quantization lever run the variant
     measured fastest, resolved once per benchmark and recorded per run; `+noquant` pins the draft as loaded."""
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
@@ -157,9 +153,9 @@ def test_methods_take_the_runs_draft_quant_measured_once(models, tmp_path, monke
                              out=str(tmp_path / "out"), progress=False, ignore_eos=True, threads=1,
                              draft_temperature=0.5)
     assert settings.draft_quant == "auto"
-    results = json.loads(run_bench(settings, models=models).read_text())
+    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
     runs = {r["label"]: r for r in results["runs"]}
-    assert len(calls) == 1 and calls[0] is models[1]
+    assert len(calls) == 1 and calls[0] is loaded_pair[1]
     assert {label: r["draft_quant"] for label, r in runs.items()} == \
         {"ar": "none", "chain@3": "int8", "chain@3+noquant": "none", "hf-assisted": "int8"}
     assert results["settings"]["draft_quant"] == "auto" and results["settings"]["draft_temperature"] == 0.5
@@ -167,7 +163,7 @@ def test_methods_take_the_runs_draft_quant_measured_once(models, tmp_path, monke
         assert runs[label]["error"] is None and runs[label]["token_ids"] == runs["ar"]["token_ids"], label
 
 
-def test_the_bench_passes_the_draft_temperature(models, monkeypatch):
+def test_the_bench_passes_the_draft_temperature(loaded_pair, monkeypatch):
     seen = []
     real = runner.build_decoder
 
@@ -176,7 +172,7 @@ def test_the_bench_passes_the_draft_temperature(models, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "build_decoder", spy)
-    bench = runner.Bench(BenchSettings(target="t", draft="d", draft_temperature=0.3, draft_quant="none"), *models)
+    bench = runner.Bench(BenchSettings(target="t", draft="d", draft_temperature=0.3, draft_quant="none"), *loaded_pair)
     cfg = runner._configs(BenchSettings(target="t", draft="d", methods=["chain"], temperatures=[1.0],
                                         draft_quant="none"), [])[0]
     assert bench.decoder(cfg).draft_sampling.temperature == 0.3 and seen == [0.3]
