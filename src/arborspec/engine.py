@@ -401,7 +401,7 @@ class SpeculativeDecoder:
         stats.t_prefill = time.perf_counter() - t_start
         context, new = list(ids), []
         lookahead = Lookahead(*self.lookahead) if self.lookahead else None
-        budget = GraftBudget(getattr(self.policy, "costs", None))  # which grafted rows pay (graft_budget.py)
+        budget = GraftBudget(getattr(self.policy, "costs", None)) if self.grafts else None  # graft_budget.py
         while not stats.finish_reason:
             with torch_threads(self.step_threads):  # see __init__
                 room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
@@ -443,10 +443,10 @@ class SpeculativeDecoder:
                     step.root_optimum = self._root_optimum(tree, logits, stats)
                 stats.steps.append(step)
                 self.policy.update(step)
-                budget.observe(step.sources)
-                budget.settle(kept)
                 stats.policy = self.policy.explain()
-                if self.grafts:
+                if budget is not None:
+                    budget.observe(step.sources)
+                    budget.settle(kept)
                     stats.policy = dict(stats.policy, grafts=budget.describe())
                 stats.new_tokens = len(new)
                 now = time.perf_counter()

@@ -48,6 +48,23 @@ def check_greedy_equivalence(pair, method: str, options: dict, orders=ORDERS, pr
     return accepted
 
 
+def repetitive_prompts(n: int, period: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts that repeat a random `period`-token pattern three times: text draft-free sources can copy from."""
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 56) for _ in range(period)] * 3 for _ in range(n)]
+
+
+def greedy_results(dec, target, prompts: list[list[int]], max_new_tokens: int) -> list:
+    """`dec`'s result for each prompt, each checked token-identical to the target's own greedy decoding."""
+    results = []
+    for prompt in prompts:
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        res = dec.generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+        assert res.token_ids == ref.token_ids, f"prompt {prompt}"
+        results.append(res)
+    return results
+
+
 def table_pair(vocab: int = 5, k: int = 2, horizon: int = 4, temperature: float = 1.0, seed: int = 0,
                arch: str = "llama"):
     """(target table, draft table, prompt, exact distribution of the first k tokens) for distribution tests: a tiny

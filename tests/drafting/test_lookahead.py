@@ -1,5 +1,4 @@
 """Lookahead branches: the window is the paper's mask as a tree, the Jacobi step fills the pool, decoding stays exact."""
-import random
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ from arborspec import SpeculativeDecoder
 from arborspec.drafting.lookahead import Lookahead
 from arborspec.tree import DrawRule, TokenTree
 from tests.conftest import noisy_copy, tiny_model
+from tests.drafting.equivalence import greedy_results, repetitive_prompts
 
 
 def logits_for(tree: TokenTree, argmax: dict[int, int], vocab: int = 64) -> torch.Tensor:
@@ -67,11 +67,6 @@ def test_bad_options_say_which(bad):
         Lookahead(**bad)
 
 
-def repetitive_prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 56) for _ in range(6)] * 3 for _ in range(n)]
-
-
 @pytest.mark.parametrize("method,options", [("ar", {"lookahead": 4}), ("ar", {"lookahead": 3, "lookahead_ngram": 4}),
                                             ("static", {"depth": 2, "branch": 2, "lookahead": 3})])
 def test_lookahead_branches_keep_greedy_output(method, options):
@@ -79,14 +74,10 @@ def test_lookahead_branches_keep_greedy_output(method, options):
     draft = noisy_copy(target, 0.5) if method != "ar" else None
     dec = SpeculativeDecoder(target, draft, method=method, **options)
     assert dec.verifier.name == "greedy"
-    credited = 0
-    for prompt in repetitive_prompts(3):
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=32, ignore_eos=True)
-        res = dec.generate(prompt, max_new_tokens=32, ignore_eos=True)
-        assert res.token_ids == ref.token_ids
-        credited += res.stats.sources.get("lookahead", {}).get("accepted", 0)
-        if method == "ar":
-            assert set(res.stats.sources) <= {"lookahead"}  # no draft model: every node is the window's or the pool's
+    results = greedy_results(dec, target, repetitive_prompts(3, period=6), max_new_tokens=32)
+    credited = sum(res.stats.sources.get("lookahead", {}).get("accepted", 0) for res in results)
+    if method == "ar":  # no draft model: every node is the window's or the pool's
+        assert all(set(res.stats.sources) <= {"lookahead"} for res in results)
     assert credited > 0  # lookahead's own proposals were accepted, so the identity means something
 
 

@@ -1,6 +1,5 @@
 """Suffix drafts: the index agrees with a brute-force scan, the store stays bounded, decoding stays exact."""
 import itertools
-import random
 from collections import Counter
 
 import pytest
@@ -13,6 +12,7 @@ from arborspec.drafting.suffix import SuffixPolicy, graft_suffix_branches, specu
 from arborspec.drafting.suffix_index import CountTrie, OutputStore, SuffixIndex
 from arborspec.tree import DrawRule, TokenTree
 from tests.conftest import noisy_copy, tiny_model
+from tests.drafting.equivalence import greedy_results, repetitive_prompts
 
 
 # ---- brute-force reference ---------------------------------------------------------------------------------------
@@ -215,11 +215,6 @@ def registered(monkeypatch):
     monkeypatch.setitem(POLICIES, "static+suffix", StaticWithSuffix)
 
 
-def repetitive_prompts(n, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 56) for _ in range(8)] * 3 for _ in range(n)]
-
-
 @pytest.mark.parametrize("method,options", [("suffix", {}), ("suffix", {"budget": 4, "factor": 0.0, "store": 64}),
                                             ("static+suffix", {"depth": 2, "branch": 2}),
                                             ("static", {"depth": 2, "branch": 2, "suffix": 6})])
@@ -228,12 +223,8 @@ def test_suffix_drafts_keep_greedy_output(registered, method, options):
     draft = noisy_copy(target, 0.5) if method != "suffix" else None
     dec = SpeculativeDecoder(target, draft, method=method, **options)  # one decoder: the store sees every request
     assert dec.verifier.name == "greedy"
-    accepted = 0
-    for prompt in repetitive_prompts(3):
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=24, ignore_eos=True)
-        res = dec.generate(prompt, max_new_tokens=24, ignore_eos=True)
-        assert res.token_ids == ref.token_ids
-        accepted += sum(s.accepted for s in res.stats.steps)
+    results = greedy_results(dec, target, repetitive_prompts(3, period=8), max_new_tokens=24)
+    accepted = sum(s.accepted for res in results for s in res.stats.steps)
     assert accepted > 0  # the drafts were used, so the identity means something
     if method == "static+suffix":
         assert dec.policy.grafted_accepted > 0  # grafted suffix nodes among them
@@ -241,7 +232,7 @@ def test_suffix_drafts_keep_greedy_output(registered, method, options):
         assert 0 < dec.policy.index.store.tokens <= 64
     if options.get("suffix"):  # the engine's lever: grafted branches must add accepted tokens over the bare policy
         bare = SpeculativeDecoder(target, draft, method=method, depth=2, branch=2)
-        bare_accepted = sum(s.accepted for p in repetitive_prompts(3)
+        bare_accepted = sum(s.accepted for p in repetitive_prompts(3, period=8)
                             for s in bare.generate(p, max_new_tokens=24, ignore_eos=True).stats.steps)
         assert accepted > bare_accepted
 

@@ -79,8 +79,9 @@ class Policy:
 
     def uses_draft(self, prompt_tokens: int = 0, new_tokens: int = 0) -> bool:
         """Whether the next generation (a prompt of `prompt_tokens`, up to `new_tokens` to generate) calls the draft
-        model at all; the engine neither opens nor prefills a draft session otherwise (auto says no when its measured costs leave no tree that could beat plain decoding). A
-        policy that needs a draft and says no drafts only bare roots: the engine decodes plainly (see `plain`)."""
+        model at all; the engine neither opens nor prefills a draft session otherwise (auto says no when its measured
+        costs leave no tree expected to beat plain decoding). A policy that needs a draft and says no drafts only
+        bare roots: the engine decodes plainly (see `plain`)."""
         return self.needs_draft
 
     def update(self, step) -> None:

@@ -14,17 +14,18 @@ credits nodes, with one accepted and one rejected node as the prior, so a source
 the engine's order and E, T grow with each branch kept, so later sources must beat the tree as it stands.
 
 A source that has proposed fewer than `WARMUP` nodes is kept regardless: its acceptance must be measured before it
-can be judged. A branch left out still teaches: once as many tokens have been committed after its step as it is deep (or
-`PATIENCE` steps have passed), its nodes are matched against them from the root on, and those on the matching path
-count as accepted: what verification would have accepted at T = 0, since the committed tokens are the target's
-own. So a source that starts to fit the text comes back, even while steps commit one token each. Policies without measured costs (every policy but
-auto) keep every branch, as asked.
+can be judged. A branch left out still teaches: once as many tokens have been committed after its step as it is
+deep (or `PATIENCE` steps have passed), its nodes are matched against them from the root on, and those on the
+matching path count as accepted: what verification would have accepted at T = 0, since the committed tokens are the
+target's own. So a source that starts to fit the text comes back, even while steps commit one token each. Policies
+without measured costs (every policy but auto) keep every branch, as asked.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..tree import TokenTree
+from ..verify.base import child_with_token
 
 WARMUP = 16  # nodes a source proposes before its measured acceptance decides
 PATIENCE = 16  # steps a left-out branch waits for the tokens that judge it
@@ -53,11 +54,15 @@ class GraftBudget:
             self.proposed[name] = self.proposed.get(name, 0) + row.get("proposed", 0)
             self.accepted[name] = self.accepted.get(name, 0) + row.get("accepted", 0)
 
+    def extra_seconds(self, nodes: int, rows: int) -> float:
+        """What `rows` more rows add to the verification of a tree of `nodes` drafted nodes: t(1+N+m) - t(1+N)."""
+        return float(self.costs.verify(1 + nodes + rows)) - float(self.costs.verify(1 + nodes))
+
     def pays(self, source: str, rows: int, nodes: int, expected: float, seconds: float) -> bool:
         """Whether `rows` more rows from `source` raise expected / seconds of a tree of `nodes` drafted nodes."""
         if rows == 0 or self.proposed.get(source, 0) < WARMUP:
             return True
-        extra = float(self.costs.verify(1 + nodes + rows)) - float(self.costs.verify(1 + nodes))
+        extra = self.extra_seconds(nodes, rows)
         return (expected + rows * self.acceptance(source)) * seconds > expected * (seconds + extra)
 
     def settle(self, committed: list[int]) -> None:
@@ -75,7 +80,7 @@ class GraftBudget:
             kids = trial.children_lists()
             node, hits = 0, 0
             for tok in after:
-                node = next((k for k in kids[node] if trial.tokens[k] == tok), None)
+                node = child_with_token(trial, kids[node], tok)
                 if node is None:
                     break
                 hits += node >= first and trial.sources[node] == source
@@ -105,7 +110,6 @@ class GraftBudget:
             self._left_out.append((source, trial, len(tree), len(self.committed), self._steps))
             return tree, False
         if rows:
-            nodes = len(tree) - 1
             estimate[0] += rows * self.acceptance(source)
-            estimate[1] += float(self.costs.verify(1 + nodes + rows)) - float(self.costs.verify(1 + nodes))
+            estimate[1] += self.extra_seconds(len(tree) - 1, rows)
         return trial, True

@@ -21,10 +21,7 @@ llama-cpp-python not installed) drops out before anything is timed.
 from __future__ import annotations
 
 import gc
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -32,8 +29,7 @@ from pathlib import Path
 import torch
 
 from ..cache import machine_id, read_record, write_record
-from ..tree import TokenTree
-from . import make_session
+from ..profile import measure_forward_cost
 
 TIE = 0.05  # t(1) within 5% of the fastest counts as equally fast plain decoding
 PREFIX = 64  # tokens in the cache before the timed forwards
@@ -54,30 +50,10 @@ def choice_key(path: Path, candidates: list[str], threads: int) -> dict:
     return key
 
 
-def time_forwards(model, sizes=(1, 4), prefix: int = PREFIX, repeats: int = REPEATS, seed: int = 0) -> dict[int, float]:
-    """Median seconds of one forward over an n-token chain tree after `prefix` random tokens, for each n in `sizes`
-    (one untimed warm-up per size; each forward is followed by commit([0]), as a plain step's)."""
-    rng = random.Random(seed)
-    vocab = int(model.config.vocab_size)
-    context = [rng.randrange(vocab) for _ in range(prefix)]
-    session = make_session(model, "target")
-    session.prefill(context[:-1])
-    out = {}
-    for n in sizes:
-        times = []
-        for rep in range(repeats + 1):
-            tree = TokenTree.root(context[-1])
-            for i in range(1, n):
-                tree.add(i - 1, rng.randrange(vocab))
-            start = time.perf_counter()
-            session.forward(context, tree, list(range(n)))
-            elapsed = time.perf_counter() - start
-            session.commit([0])
-            context.append(rng.randrange(vocab))
-            if rep:
-                times.append(elapsed)
-        out[n] = statistics.median(times)
-    return out
+def time_forwards(model, sizes=(1, 4)) -> dict[int, float]:
+    """Median seconds of one forward over an n-token tree after a `PREFIX`-token cache, for each n in `sizes`: the
+    profile's own measurement (profile.measure_forward_cost, through the sessions generation uses), shortened."""
+    return dict(zip(sizes, measure_forward_cost(model, sizes, prefix=PREFIX, repeats=REPEATS)))
 
 
 def pick(costs: dict[str, dict[int, float]], tie: float = TIE) -> str:

@@ -371,13 +371,20 @@ def gguf_fallback() -> str:
     return "llamacpp" if llamacpp.available() else "torch"
 
 
+def _spec_gguf(spec: str, progress: bool, check: bool = True) -> Path:
+    """The GGUF file of `spec`: an alias's kept GGUF (fetched if need be) or the .gguf path given; with `check`,
+    ModelLoadError if there is no such file."""
+    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    if check and not path.is_file():
+        raise ModelLoadError(f"model path {spec!r} not found")
+    return path
+
+
 def choose_gguf_backend(spec: str, progress: bool, llama: dict) -> tuple[str, object | None]:
     """`--backend auto` for a GGUF (backend_choice.py): (backend, the model loaded on it, or None when the choice was
     cached and the caller loads it). Candidates: native (when its kernels build here) and llama.cpp (when installed);
     transformers only when neither is available."""
-    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
-    if not path.is_file():
-        raise ModelLoadError(f"model path {spec!r} not found")
+    path = _spec_gguf(spec, progress)
     loaders = {"native": lambda: load_native_model(spec, progress, quiet=True)}
     if llamacpp.available():
         loaders["llamacpp"] = lambda: load_llamacpp_model(spec, progress, **llama)
@@ -389,7 +396,7 @@ def choose_gguf_backend(spec: str, progress: bool, llama: dict) -> tuple[str, ob
 
 def load_llamacpp_model(spec: str, progress: bool = True, **options):
     """An alias's kept GGUF or a .gguf file, on llama.cpp (models/llamacpp.py; `options` go to load_llamacpp)."""
-    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    path = _spec_gguf(spec, progress, check=False)  # llama.cpp's own message for a missing file
     _say(f"loading {spec} on llama.cpp", progress)
     try:
         return llamacpp.load_llamacpp_pair(path, name=spec, **options)
@@ -409,9 +416,7 @@ def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> 
     """An alias's kept GGUF or a .gguf file on the native backend (models/native.py), with the GGUF's tokenizer;
     None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight types, its
     architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
-    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
-    if not path.is_file():
-        raise ModelLoadError(f"model path {spec!r} not found")
+    path = _spec_gguf(spec, progress)
     _say(f"loading {spec} on arborspec's kernels (native)", progress)
     start = time.perf_counter()
     try:

@@ -123,16 +123,19 @@ class AutoPolicy(Policy):
         plain decoding itself."""
         if self.costs is None:
             return self.needs_draft
-        margin = self.options.guard_margin if self.options.guard else 0.0
         rate = self._expected_rate()
         if new_tokens > 0 and prompt_tokens > 1:
             rate = new_tokens / (new_tokens / rate + self.costs.layer(prompt_tokens - 1))
-        self.cannot_pay = rate <= (1.0 + margin) / self.costs.plain_step()
+        self.cannot_pay = rate <= (1.0 + self._margin) / self.costs.plain_step()
         return not self.cannot_pay
 
+    @property
+    def _margin(self) -> float:
+        """How much better than plain decoding speculation must be expected to be (uses_draft): the guard's margin."""
+        return self.options.guard_margin if self.options.guard else 0.0
+
     def _expected_rate(self) -> float:
-        greedy = self._greedy
-        return expected_ceiling(self.costs, self.calibrator, float(self.child_probs[greedy][0]))
+        return expected_ceiling(self.costs, self.calibrator, float(self.child_probs[self._greedy][0]))
 
     def _load_calibration(self) -> None:
         saved = read_record("calibration", self._calib_key)
@@ -246,9 +249,8 @@ class AutoPolicy(Policy):
         c = self.costs
         if self.cannot_pay:  # a plain generation: the engine consults the policy at no step (engine._plain_steps)
             steps, guard = [], []
-            margin = self.options.guard_margin if self.options.guard else 0.0
             summary = (f"auto: plain decoding, the draft unused: no tree is expected to beat it by more than the "
-                       f"guard's margin ({1 + margin:g} x) under the measured costs (best chain at the measured "
+                       f"guard's margin ({1 + self._margin:g} x) under the measured costs (best chain at the measured "
                        f"acceptance {self._expected_rate():.2f} tokens/s, with every token accepted "
                        f"{ceiling_rate(c):.2f}; plain {1 / c.plain_step():.2f}); "
                        f"costs: {self.source.get('costs', '?')}")
