@@ -2,7 +2,9 @@
 
 One `arborspec bench` run (results.json + report.md in the usual format), every method interleaved per prompt so
 that drift of the machine hits all alike, at sampling temperatures 0.6 and 1 (the verifiers differ only when
-sampling), on HumanEval and MT-Bench, target qwen2.5-coder-1.5b drafted by qwen2.5-coder-0.5b on llama.cpp:
+sampling), on HumanEval and MT-Bench, target qwen2.5-coder-1.5b drafted by qwen2.5-coder-0.5b on arborspec's own
+kernels (`--backend native`: extra verification rows cost less there than on llama.cpp, so the trees run at 0.5-0.8x
+plain decoding instead of 0.3-0.4x, and what a verifier accepts does not depend on the backend):
 
     ar                                          plain decoding on the same backend: the speed-up baseline
     sps@4, asps@4, chain(verifier=block)@4      a chain of 4 drafted tokens
@@ -17,17 +19,19 @@ Per method and temperature the report gives tokens/step (MAT), tok/s and the spe
 depths 1-3, the zero-accept share, and "root acc / opt": how often a first drafted token was accepted beside the best
 any exact verifier could reach on the same trees (an upper bound for children drawn without replacement; docs/
 verifiers.md, "distance to optimum"). This script also writes verifiers.md into --out: the same rows pooled over
-both datasets, one table per temperature.
+both datasets, one table per temperature, and the paired per-prompt differences of MAT between the rules compared.
+Each rule runs its own generation, so those differences carry the spread of sampled text; for a comparison on the
+very same trees see benchmarks/verifiers_same_trees.py.
 
-The full run (20 + 20 prompts x 10 methods x 2 temperatures x up to 128 tokens = 800 runs; on an otherwise idle
-2-core CPU about 20 s a run, so some 4-6 hours; `--resume` carries on an interrupted one):
+The full run (20 + 20 prompts x 10 methods x 2 temperatures x up to 64 tokens = 800 runs; about 10 s a run, some
+2 hours on an otherwise idle 2-core CPU; `--resume` carries on an interrupted one):
 
     python benchmarks/verifiers.py
 
 which runs
 
-    arborspec bench --backend llamacpp --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
-        --dataset humaneval,mt-bench --prompts 20 --temperatures 0.6,1 --max-new-tokens 128 --no-perplexity \\
+    arborspec bench --backend native --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+        --dataset humaneval,mt-bench --prompts 20 --temperatures 0.6,1 --max-new-tokens 64 --no-perplexity \\
         --out results/verifiers --methods 'ar,sps@4,asps@4,chain(verifier=block)@4,static(depth=3,branch=2,verifier=naive),static(depth=3,branch=2,verifier=mbr),static(depth=3,branch=2,verifier=traversal),static(depth=3,branch=2,draw=iid,verifier=mss),static(depth=3,branch=2,draw=iid,verifier=traversal),static(depth=3,branch=2,draw=greedy)'
 
 A smoke check of the whole pipeline (one prompt of each dataset, 16 tokens, 40 runs; its timings mean nothing):
@@ -41,6 +45,8 @@ import json
 import shlex
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 from arborspec.bench.report import depth_cell, root_cell
 from arborspec.bench.tables import BASELINES, fmt, summarize
@@ -90,13 +96,47 @@ def pooled_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+# (better?, than): the comparisons the issue asks about, each on the same policy and budget
+PAIRS = [
+    ("asps@4", "sps@4"), ("chain(verifier=block)@4", "sps@4"), ("chain(verifier=block)@4", "asps@4"),
+    (TREE.format(",verifier=mbr"), TREE.format(",verifier=naive")),
+    (TREE.format(",verifier=traversal"), TREE.format(",verifier=mbr")),
+    (TREE.format(",draw=iid,verifier=traversal"), TREE.format(",draw=iid,verifier=mss")),
+    (TREE.format(",draw=greedy"), TREE.format(",verifier=mbr")),
+]
+
+
+def paired_differences(results: dict) -> str:
+    """Per temperature, MAT of each pair of methods compared prompt by prompt: the mean difference with its standard
+    error, and the ratio of the pooled MATs (all tokens / all steps). A difference more than two standard errors
+    from 0 is one the run can tell apart from noise."""
+    runs: dict[tuple, dict] = {(r["temperature"], r["label"], r["prompt_key"]): r for r in results["runs"]
+                               if not r.get("error") and r.get("steps")}
+    lines = ["## Paired differences in tokens per step (MAT)", "",
+             "| T | method | against | prompts | mean difference ± s.e. | pooled MAT ratio |", "|---" * 6 + "|"]
+    for temp in sorted({key[0] for key in runs}):
+        for better, than in PAIRS:
+            keys = sorted(k for (t, label, k) in runs if t == temp and label == better and (t, than, k) in runs)
+            if len(keys) < 2:
+                continue
+            a = [runs[(temp, better, k)] for k in keys]
+            b = [runs[(temp, than, k)] for k in keys]
+            diffs = np.array([x["mat"] - y["mat"] for x, y in zip(a, b)])
+            se = diffs.std(ddof=1) / np.sqrt(len(diffs))
+            ratio = (sum(x["new_tokens"] for x in a) / sum(x["steps"] for x in a)) / (
+                sum(y["new_tokens"] for y in b) / sum(y["steps"] for y in b))
+            lines.append(f"| {temp:g} | {better} | {than} | {len(keys)} | {diffs.mean():+.3f} ± {se:.3f} "
+                         f"| {ratio:.3f} |")
+    return "\n".join(lines + [""])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=20, help="prompts per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", default="0.6,1")
     ap.add_argument("--dataset", default="humaneval,mt-bench")
-    ap.add_argument("--backend", default="llamacpp")
+    ap.add_argument("--backend", default="native")
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
     ap.add_argument("--out", default="results/verifiers")
@@ -111,7 +151,7 @@ def main(argv=None) -> int:
     if code:
         return code
     results = json.loads((Path(args.out) / "results.json").read_text())
-    text = pooled_tables(results)
+    text = pooled_tables(results) + "\n" + paired_differences(results)
     (Path(args.out) / "verifiers.md").write_text(text + "\n")
     print(text)
     return 0

@@ -27,7 +27,7 @@ def test_every_method_runs_with_the_verifier_it_names(script):
 def test_the_command_and_the_pooled_table(script, capsys):
     assert script.main(["--print-only", "--prompts", "2"]) == 0
     command = capsys.readouterr().out
-    assert "--backend llamacpp" in command and "--temperatures 0.6,1" in command and "--prompts 2" in command
+    assert "--backend native" in command and "--temperatures 0.6,1" in command and "--prompts 2" in command
     run = dict(dataset="humaneval", temperature=1.0, prompt_key="p0", error=None, committed_per_step=[3, 1],
                accepted_per_step=[2, 0], drafted_per_step=[4, 4], depth_per_step=[4, 4],
                root_optimum_per_step=[0.8, 0.6], tokens_per_s=5.0, wall=1.0, new_tokens=4, verifier="sps",
@@ -35,3 +35,14 @@ def test_the_command_and_the_pooled_table(script, capsys):
     results = dict(command="arborspec bench ...", settings=dict(datasets=["humaneval"]), prompts=[{}], runs=[run])
     table = script.pooled_tables(results)
     assert "| sps@4 | sps | 2.00 | 0.50/0.50/0.00 | 50.0 | 0.50 / 0.70 | 5.00 | – |" in table
+
+
+def test_paired_differences_compare_the_same_prompts(script):
+    def run(label, key, mat, steps=4):
+        return dict(temperature=1.0, label=label, prompt_key=key, error=None, mat=mat, steps=steps,
+                    new_tokens=int(mat * steps))
+
+    runs = [run("sps@4", "p0", 2.0), run("sps@4", "p1", 3.0), run("asps@4", "p0", 2.5), run("asps@4", "p1", 3.0),
+            run("asps@4", "p2", 9.0)]  # p2 has no sps run: left out of the pair
+    text = script.paired_differences({"runs": runs})
+    assert "| 1 | asps@4 | sps@4 | 2 | +0.250 ± 0.250 | 1.100 |" in text

@@ -144,28 +144,37 @@ def drafted_trees(q, branches: list[int], rule: DrawRule):
     """Every tree with branches[d] children per node at depth d drawn by `rule` from q: (weight, tree, prefix of each
     node). The root's token is 0 (it plays no part); the tree records q and the rule at every expanded node."""
     for weight, structure in _structures((), 0, branches, q, DRAWS[rule]):
-        tree, prefixes = TokenTree.root(0), [()]
+        yield (weight, *build_tree(q, structure, rule))
 
-        def add(node, struct):
-            if struct:
-                tree.set_children_dist(node, q[prefixes[node]], rule)
-            for y, sub in struct:
-                child = tree.add(node, y)
-                prefixes.append(prefixes[node] + (y,))
-                add(child, sub)
 
-        add(0, structure)
-        yield weight, tree, prefixes
+def build_tree(q, structure, rule: DrawRule):
+    """(tree, prefix of each node) for a drawn structure [(token, substructure), ...] under the root."""
+    tree, prefixes = TokenTree.root(0), [()]
+
+    def add(node, struct):
+        if struct:
+            tree.set_children_dist(node, q[prefixes[node]], rule)
+        for y, sub in struct:
+            child = tree.add(node, y)
+            prefixes.append(prefixes[node] + (y,))
+            add(child, sub)
+
+    add(0, structure)
+    return tree, prefixes
 
 
 def tree_outcomes(outcomes_fn, p, q, vocab, branches, rule):
     """Exact distribution of the first len(branches) + 1 tokens when a step verifies every drafted tree with
     `outcomes_fn(tree, P)` (yielding (node, mass, bonus distribution), masses summing to 1 per tree) and the target
     continues sampling; also the expected accepted drafted tokens per step."""
-    n = len(branches)
+    return outcomes_over(drafted_trees(q, branches, rule), outcomes_fn, p, vocab, len(branches))
+
+
+def outcomes_over(trees, outcomes_fn, p, vocab, n):
+    """`tree_outcomes` over any enumeration of drafted trees (weight, tree, prefixes), none deeper than n."""
     emitted: dict[tuple, float] = {}
     accepted = 0.0
-    for weight, tree, prefixes in drafted_trees(q, branches, rule):
+    for weight, tree, prefixes in trees:
         P = torch.stack([p[s] for s in prefixes])
         total = 0.0
         for node, mass, bonus in outcomes_fn(tree, P):

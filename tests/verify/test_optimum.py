@@ -8,8 +8,10 @@
   on greedy multi-draft trees) accept a first token as often as the recorded optimum says, mbr stays below its
   bound, and the time spent measuring is kept out of the timings.
 """
+import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +66,22 @@ def test_the_without_replacement_bound_against_the_linear_program(k):
         assert max(gaps) < 1e-9
     else:
         assert max(gaps) < 0.1
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_without_replacement_bound_for_a_draft_sure_of_one_token(k):
+    """A draft with all but 1e-17 of its mass on one token (1 - q rounds to 0): a finite bound, continuous in that
+    mass (the residual decides the later draws), never below one draw's optimum."""
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64)
+
+    def bound(eps):
+        q = torch.tensor([1.0, eps, eps, 2 * eps], dtype=torch.float64)
+        return acceptance_bound_without_replacement(p, q / q.sum(), k)
+
+    with np.errstate(all="raise"):
+        sure = bound(1e-17)
+    assert math.isfinite(sure) and optimal_acceptance_one(p, torch.tensor([1.0, 0, 0, 0])) - 1e-12 <= sure <= 1.0
+    assert sure == pytest.approx(bound(1e-9), abs=1e-6)
 
 
 def root_tree(children: list[int], q: torch.Tensor, rule: DrawRule) -> TokenTree:

@@ -16,8 +16,8 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain
-from .rules import asps_log_neighbor, sample_neighbor
+from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain, expected_on_chain
+from .rules import asps_expected_tokens_by_prefix, asps_log_neighbor, sample_neighbor
 
 
 class ASpSVerifier(Verifier):
@@ -35,3 +35,6 @@ class ASpSVerifier(Verifier):
         if row == n - 1 and token == tokens[-1]:  # the whole chain: the bonus comes from the target after it
             return Verdict(nodes[1:], draw(p[nodes[-1]], generator))
         return Verdict(nodes[1 : row + 1], token)
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        return expected_on_chain(tree, p, asps_expected_tokens_by_prefix, self.name)

@@ -43,6 +43,12 @@ class Verifier:
         """target_logits: (len(tree), vocab), row i = the target's next-token logits after node i's path."""
         raise NotImplementedError
 
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float | None:
+        """The exact expected number of drafted tokens this rule accepts on `tree` (bonus excluded), given the warped
+        target distributions p (len(tree), vocab) float64; None where a rule has no closed form. Comparing rules on
+        the same trees this way has no sampling noise (benchmarks/verifiers_same_trees.py)."""
+        return None
+
 
 SAMPLED = frozenset({DrawRule.WITH_REPLACEMENT, DrawRule.WITHOUT_REPLACEMENT})
 ONE_DRAW = SAMPLED | {DrawRule.GREEDY_TOPK_PLUS_ONE}  # the rules that all mean "one sample from q" for a single child
@@ -88,6 +94,17 @@ def drafted_chain(tree: TokenTree, target_logits: torch.Tensor, sampling, who: s
     return p, nodes, tokens, q
 
 
+def expected_on_chain(tree: TokenTree, p: torch.Tensor, by_prefix, who: str) -> float:
+    """A chain rule's expected accepted tokens from its `rules.*_expected_tokens_by_prefix` (tokens per step of every
+    prefix, the bonus included): the whole chain's value minus the bonus."""
+    nodes = chain_nodes(tree, who)
+    tokens = [tree.tokens[c] for c in nodes[1:]]
+    if not tokens:
+        return 0.0
+    q = torch.stack([draft_dist(tree, node, who) for node in nodes[:-1]])
+    return by_prefix(tokens, q, p[nodes[:-1]])[-1] - 1.0
+
+
 def child_with_token(tree: TokenTree, kids: list[int], token: int) -> int | None:
     """The first child among `kids` that carries `token`, or None."""
     for c in kids:
@@ -130,6 +147,24 @@ def root_optimum(tree: TokenTree, root_logits: torch.Tensor, sampling: SamplingC
     if kids == 1:
         return optimal_acceptance_one(p, q)
     return ROOT_OPTIMUM[rule](p, q, kids)
+
+
+def expected_walk(tree: TokenTree, p: torch.Tensor, plan, who: str) -> float:
+    """`multi_draft_walk`'s expected accepted tokens: at each node, child j is entered with the probability that the
+    earlier children were rejected and it was accepted, and then contributes 1 plus its own expectation."""
+    kids = tree.children_lists()
+
+    def below(node: int) -> float:
+        if not kids[node]:
+            return 0.0
+        result = plan(p[node], draft_dist(tree, node, who), [tree.tokens[c] for c in kids[node]])
+        total, reach = 0.0, 1.0
+        for child, a in zip(kids[node], result.accept):
+            total += reach * a * (1.0 + below(child))
+            reach *= 1.0 - a
+        return total
+
+    return below(0)
 
 
 def multi_draft_walk(tree: TokenTree, p: torch.Tensor, plan, who: str, generator: torch.Generator | None) -> Verdict:

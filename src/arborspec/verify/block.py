@@ -21,8 +21,8 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain
-from .rules import block_plan
+from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain, expected_on_chain
+from .rules import block_expected_tokens_by_prefix, block_plan
 
 
 class BlockVerifier(Verifier):
@@ -42,3 +42,6 @@ class BlockVerifier(Verifier):
         if kept == n:
             return Verdict(nodes[1:], draw(p[nodes[-1]], generator))
         return Verdict(nodes[1 : kept + 1], draw(torch.from_numpy(plan.residual[kept]), generator))
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        return expected_on_chain(tree, p, block_expected_tokens_by_prefix, self.name)

@@ -18,7 +18,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
-from .base import Verdict, Verifier, multi_draft_walk, target_probs
+from .base import Verdict, Verifier, expected_walk, multi_draft_walk, target_probs
 from .rules import greedy_draft_plan
 
 
@@ -29,3 +29,6 @@ class GreedyDraftVerifier(Verifier):
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
         return multi_draft_walk(tree, target_probs(target_logits, sampling), greedy_draft_plan, self.name, generator)
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        return expected_walk(tree, p, greedy_draft_plan, self.name)

@@ -11,7 +11,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import DrawRule, TokenTree
-from .base import Verdict, Verifier, multi_draft_walk, target_probs
+from .base import Verdict, Verifier, expected_walk, multi_draft_walk, target_probs
 from .rules import mbr_plan
 
 
@@ -22,3 +22,6 @@ class MBRVerifier(Verifier):
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
         return multi_draft_walk(tree, target_probs(target_logits, sampling), mbr_plan, self.name, generator)
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        return expected_walk(tree, p, mbr_plan, self.name)

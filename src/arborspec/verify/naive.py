@@ -29,3 +29,16 @@ class NaiveVerifier(Verifier):
                 return Verdict(path, token)
             path.append(child)
             node = child
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        """At each node the target's draw enters the first child carrying it: sum over distinct child tokens y of
+        p(y) (1 + the child's own expectation)."""
+        kids = tree.children_lists()
+
+        def below(node: int) -> float:
+            seen = {}
+            for c in kids[node]:
+                seen.setdefault(tree.tokens[c], c)
+            return sum(float(p[node, y]) * (1.0 + below(c)) for y, c in seen.items())
+
+        return below(0)

@@ -211,13 +211,22 @@ def acceptance_bound_without_replacement(p, q, k: int) -> float:
     if k == 1:
         return optimal_acceptance_one(p_, q_)
     pp, qq = _by_ratio(p_, q_)
+    qq = qq / qq.sum()
     a = np.cumsum(qq)  # q(A) of each prefix A
-    inside = a * np.cumsum(qq / (1 - qq)) - np.cumsum(qq * qq / (1 - qq))  # P(first two draws in A), exactly
-    largest = np.cumsum(np.sort(qq)[::-1])  # largest[i - 1]: the i largest q overall
+    # 1 - q(A) and 1 - q(x) as sums of the other tokens' mass, not as differences from 1: a draft that puts all but
+    # 1e-17 of its mass on one token would otherwise divide by zero.
+    outside = np.concatenate([np.cumsum(qq[::-1])[::-1][1:], [0.0]])  # 1 - q(A)
+    others = np.concatenate([[0.0], a[:-1]]) + outside  # 1 - q(x)
+    # P(first two draws in A) = sum_{x in A} q(x) (q(A) - q(x)) / (1 - q(x))
+    #                         = q(A) - (1 - q(A)) sum_{x in A} q(x) / (1 - q(x))
+    inside = np.maximum(a - outside * np.cumsum(qq / others), 0.0)
+    ranked = np.sort(qq)[::-1]
+    largest = np.cumsum(ranked)  # largest[i - 1]: the i largest q overall
+    rest = np.cumsum(ranked[::-1])[::-1]  # rest[i]: 1 - largest[i - 1], > 0 as k < support
     biggest_in_a = np.maximum.accumulate(qq)
     for i in range(2, k):  # draw i + 1, after i draws inside A
-        drawn = np.minimum(largest[i - 1], i * biggest_in_a)  # < 1: k < support
-        inside = inside * np.maximum(a - drawn, 0.0) / (1.0 - drawn)
+        drawn = np.minimum(largest[i - 1], i * biggest_in_a)
+        inside = inside * np.minimum(np.maximum(a - drawn, 0.0) / np.maximum(1.0 - drawn, rest[i]), 1.0)
     return float(min(1.0, (1.0 - inside + np.cumsum(pp)).min(initial=1.0)))
 
 

@@ -10,8 +10,8 @@ import torch
 
 from ..sampling import SamplingConfig
 from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, chain_nodes, draft_dist, draw, target_probs
-from .rules import accept_prob, residual
+from .base import SAMPLED, Verdict, Verifier, chain_nodes, draft_dist, draw, expected_on_chain, target_probs
+from .rules import accept_prob, residual, sps_expected_tokens_by_prefix
 
 
 class SpSVerifier(Verifier):
@@ -32,3 +32,6 @@ class SpSVerifier(Verifier):
                 return Verdict(path, draw(residual(p[parent], q), generator))
             path.append(child)
         return Verdict(path, draw(p[nodes[len(path)]], generator))
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        return expected_on_chain(tree, p, sps_expected_tokens_by_prefix, self.name)

@@ -72,3 +72,11 @@ class TraversalVerifier(Verifier):
             if accept >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < accept:
                 return Verdict(tree.path(node)[1:], draw(bonus, generator))
         raise AssertionError("traversal verification always accepts the root")  # unreachable: the root's weight is 1
+
+    def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
+        """The tests run in a fixed order and the first success wins: sum of P(reached) * accept * depth."""
+        total, reach = 0.0, 1.0
+        for node, accept, _ in traversal_plan(tree, p, self.name):
+            total += reach * accept * (len(tree.path(node)) - 1)
+            reach *= 1.0 - accept
+        return total

@@ -8,7 +8,7 @@ decoding step runs them) and every M, the best-of-R time of the kernels, next to
     independent chains of the one instruction every kernel is built on), what large M cannot beat.
 The whole-model line sums every matrix (the linear layers and the output head: what the kernels do in a step).
 
-Usage: python benchmarks/kernels.py [--model PATH.gguf] [--sizes 1,2,...] [--repeats 5] [--out results/kernels]
+Usage: python benchmarks/kernel_shapes.py [--model PATH.gguf] [--sizes 1,2,...] [--repeats 5] [--out results/kernels]
 Writes kernels.json and kernels.md into --out and a plot (docs/figures/kernels.png by default).
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.json").write_text(json.dumps(result, indent=1))
-    command = "python benchmarks/kernels.py " + " ".join(
+    command = "python benchmarks/kernel_shapes.py " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if k != "model" and v is not None)
     (out / "kernels.md").write_text(markdown(result, command))
     plot(result, Path(args.figure))

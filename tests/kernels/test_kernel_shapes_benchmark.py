@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py on a tiny K-quant GGUF: it finds and groups the matrices the kernels cover (the embedding
+"""benchmarks/kernel_shapes.py on a tiny K-quant GGUF: it finds and groups the matrices the kernels cover (the embedding
 table left out), times them, and its whole-model table adds the groups up and divides by the right rooflines."""
 import pytest
 
@@ -8,7 +8,7 @@ from tests.models.tiny_gguf import write_tiny_gguf
 
 @pytest.fixture(scope="module")
 def script():
-    return load_benchmark("kernels")
+    return load_benchmark("kernel_shapes")
 
 
 def test_groups_cover_every_layer_matrix_and_the_head(script, tmp_path):

@@ -1,0 +1,149 @@
+"""Every exact verifier on the very same trees: exact expected tokens per step on the default pair, no sampling noise.
+
+`benchmarks/verifiers.py` runs each verifier on its own generation, so two rules see different trees and different
+text, and a gain of a few percent drowns in the spread between prompts. Here one generation drafts each tree once,
+and on that tree and the target's logits for it every candidate rule's *exact* expected number of accepted tokens is
+computed (`Verifier.expected_accepted`); the text then advances with the policy's own default rule. The difference
+between two rules on the same tree is then only the rules'.
+
+Tree families (each with the rules exact for it; the engine's own `fits` check refuses any other):
+
+    chain      chain@4                                    sps, asps, block
+    sampled    static(depth=3,branch=2), without repl.    naive, mbr, traversal
+    iid        static(depth=3,branch=2,draw=iid)          naive, mss, traversal
+    greedy     static(depth=3,branch=2,draw=greedy)       naive, greedy-draft
+    auto       auto(guard=false), its own trees           naive, mbr, traversal
+
+`auto` drafts only where it expects to win; on a backend whose extra rows are expensive (llama.cpp, arborspec's
+kernels on AVX2) it expects nothing at T > 0 and drafts no tree, so its family runs on the PyTorch backend
+(`--backend torch`), where verification is flat and auto builds its real trees.
+
+    python benchmarks/verifiers_same_trees.py --backend native --families chain,sampled,iid,greedy --prompts 10
+    python benchmarks/verifiers_same_trees.py --backend torch --families auto --prompts 10
+
+The table (also written to --out as same_trees.md / same_trees.json): per family and temperature, tokens per step
+(accepted + 1) of each rule, and each rule's gain over the family's first rule: the mean over prompts of the
+per-prompt relative gain, with its standard error over prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from arborspec import SpeculativeDecoder
+from arborspec.bench.datasets import load_prompts, prompt_ids
+from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+from arborspec.verify import VERIFIERS
+from arborspec.verify.base import Verifier, target_probs
+
+TREE = dict(depth=3, branch=2)
+FAMILIES = {  # name: (method, options, candidate rules, the first being the reference)
+    "chain": ("chain", dict(k=4), ["sps", "asps", "block"]),
+    "sampled": ("static", TREE, ["naive", "mbr", "traversal"]),
+    "iid": ("static", dict(TREE, draw="iid"), ["naive", "mss", "traversal"]),
+    "greedy": ("static", dict(TREE, draw="greedy"), ["naive", "greedy-draft"]),
+    "auto": ("auto", dict(guard=False), ["naive", "mbr", "traversal"]),
+}
+
+
+class SameTrees(Verifier):
+    """Advances the text with `commit`; before that, records every candidate's exact expected accepted tokens on
+    the step's tree (bare roots, which every rule treats alike, are left out)."""
+
+    def __init__(self, commit: Verifier, candidates: list[str]):
+        self.commit, self.candidates = commit, [VERIFIERS[name]() for name in candidates]
+        self.name, self.exact = commit.name, commit.exact
+        self.rows: list[list[float]] = []
+
+    def verify(self, tree, target_logits, sampling, generator):
+        if len(tree) > 1:
+            p = target_probs(target_logits, sampling)
+            self.rows.append([v.expected_accepted(tree, p) for v in self.candidates])
+        return self.commit.verify(tree, target_logits, sampling, generator)
+
+
+def measure(target, draft, family: str, temperature: float, prompts: list, max_new_tokens: int, seed: int):
+    """Per prompt, the (steps, rules) array of expected accepted tokens."""
+    method, options, candidates = FAMILIES[family]
+    dec = SpeculativeDecoder(target, draft, method=method, temperature=temperature, top_k=0, top_p=1.0, **options)
+    for name in candidates:  # the engine's own check: refuses a rule that is not exact for these trees
+        dec._pick_verifier(name, allow_lossy=False)
+    recorder = SameTrees(dec.verifier, candidates)
+    dec.verifier = recorder
+    per_prompt = []
+    for i, ids in enumerate(tqdm(prompts, desc=f"{family} T={temperature:g}", file=sys.stderr)):
+        start = len(recorder.rows)
+        dec.generate(ids, max_new_tokens=max_new_tokens, seed=seed + i)
+        per_prompt.append(np.array(recorder.rows[start:], dtype=float).reshape(-1, len(candidates)))
+    return per_prompt
+
+
+def summarize(per_prompt: list[np.ndarray], candidates: list[str]) -> dict:
+    """Tokens per step of each rule over all steps, and each rule's relative gain over the first: mean over prompts
+    (each prompt's own ratio of means) with the standard error over prompts."""
+    used = [a for a in per_prompt if len(a)]
+    steps = np.concatenate(used) if used else np.zeros((0, len(candidates)))
+    out = {"steps": len(steps), "prompts": len(used), "rules": {}}
+    for j, name in enumerate(candidates):
+        gains = np.array([(a[:, j].mean() + 1) / (a[:, 0].mean() + 1) - 1 for a in used])
+        se = gains.std(ddof=1) / np.sqrt(len(gains)) if len(gains) > 1 else float("nan")
+        out["rules"][name] = {"tokens_per_step": float(steps[:, j].mean() + 1) if len(steps) else None,
+                              "gain": float(gains.mean()) if len(gains) else None, "gain_se": float(se)}
+    return out
+
+
+def table(results: dict) -> str:
+    lines = ["| family | T | prompts | steps | rule | tokens/step | gain over the first rule ± s.e. |", "|---" * 7 + "|"]
+    for family, by_temp in results["families"].items():
+        for temp, s in by_temp.items():
+            for name, r in s["rules"].items():
+                tps = "–" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.3f}"
+                gain = "–" if r["gain"] is None else f"{100 * r['gain']:+.2f}% ± {100 * r['gain_se']:.2f}"
+                lines.append(f"| {family} | {temp} | {s['prompts']} | {s['steps']} | {name} | {tps} | {gain} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", default="chain,sampled,iid,greedy", help=f"comma-separated: {', '.join(FAMILIES)}")
+    ap.add_argument("--backend", default="native", help="the models' backend (auto, torch, native, llamacpp)")
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--dataset", default="humaneval,mt-bench")
+    ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
+    ap.add_argument("--temperatures", default="0.6,1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/verifiers-same-trees")
+    args = ap.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
+    target, draft = load_pair(args.target, args.draft, draft_quant="none", backend=args.backend)
+    prompts = [prompt_ids(target.tokenizer, p) for name in args.dataset.split(",")
+               for p in load_prompts(name, args.prompts, target.tokenizer)]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    results = {"command": "python benchmarks/verifiers_same_trees.py " + " ".join(argv or sys.argv[1:]),
+               "settings": vars(args), "families": {}}
+    for family in families:
+        results["families"][family] = {
+            f"{t:g}": summarize(measure(target, draft, family, t, prompts, args.max_new_tokens, args.seed),
+                                FAMILIES[family][2])
+            for t in temperatures}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"same_trees_{'_'.join(families)}.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = f"Command: `{results['command']}`\n\n" + table(results) + "\n"
+    (out / f"same_trees_{'_'.join(families)}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

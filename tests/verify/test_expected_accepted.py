@@ -1,0 +1,75 @@
+"""`Verifier.expected_accepted`: the exact expected accepted tokens each rule reaches on a given tree.
+
+It is what benchmarks/verifiers_same_trees.py compares rules by, so each closed form is checked against something
+computed another way: the walk rules and traversal against their exact outcome enumerations (tests/verify/exact.py),
+the chain rules against their outcome tables, and naive (and one walk rule, as a check of the check) against the
+mean of the real verifier's sampled paths.
+"""
+import itertools
+
+import pytest
+import torch
+
+from arborspec.sampling import SamplingConfig
+from arborspec.tree import DrawRule
+from arborspec.verify import VERIFIERS
+from arborspec.verify.rules import (
+    asps_neighbor,
+    block_neighbor,
+    expected_tokens,
+    greedy_draft_plan,
+    mbr_plan,
+    mss_plan,
+    sps_neighbor,
+)
+from arborspec.verify.traversal import traversal_plan
+from tests.verify.exact import drafted_trees, random_tree_dists, sequential, walk_outcomes
+
+W, WO, G = DrawRule.WITH_REPLACEMENT, DrawRule.WITHOUT_REPLACEMENT, DrawRule.GREEDY_TOPK_PLUS_ONE
+OUTCOMES = {
+    "mss": (W, walk_outcomes(mss_plan)),
+    "mbr": (WO, walk_outcomes(mbr_plan)),
+    "greedy-draft": (G, walk_outcomes(greedy_draft_plan)),
+    "traversal": (WO, lambda tree, P: sequential(traversal_plan(tree, P))),
+}
+
+
+def some_trees(rule, seed=0, vocab=4, branches=(2, 2), count=12):
+    p, q = random_tree_dists(seed, vocab, len(branches))
+    for _, tree, prefixes in itertools.islice(drafted_trees(q, list(branches), rule), count):
+        yield tree, prefixes, torch.stack([p[s] for s in prefixes])
+
+
+@pytest.mark.parametrize("name", sorted(OUTCOMES))
+def test_tree_rules_match_their_outcome_enumeration(name):
+    rule, outcomes = OUTCOMES[name]
+    checked = 0
+    for tree, prefixes, P in some_trees(rule):
+        want = sum(mass * len(prefixes[node]) for node, mass, _ in outcomes(tree, P))
+        assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-12)
+        checked += want > 0
+    assert checked > 5
+
+
+@pytest.mark.parametrize("name,neighbor", [("sps", sps_neighbor), ("asps", asps_neighbor), ("block", block_neighbor)])
+def test_chain_rules_match_their_outcome_tables(name, neighbor):
+    for tree, prefixes, P in some_trees(W, seed=3, vocab=4, branches=(1, 1, 1)):
+        tokens = list(prefixes[-1])
+        q = torch.stack([tree.child_dist[n].to(torch.float64) for n in range(len(tokens))])
+        want = expected_tokens(neighbor(tokens, q, P[: len(tokens)]), tokens) - 1.0
+        assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("name,rule", [("naive", WO), ("naive", W), ("mbr", WO)])
+def test_expectation_is_the_mean_of_the_sampled_verdicts(name, rule):
+    verifier, gen, draws = VERIFIERS[name](), torch.Generator().manual_seed(1), 3000
+    for tree, _, P in itertools.islice(some_trees(rule, seed=2, vocab=3, branches=(2, 1)), 3):
+        lengths = torch.tensor([float(len(verifier.verify(tree, P.log(), SamplingConfig(1.0), gen).path))
+                                for _ in range(draws)])
+        want = verifier.expected_accepted(tree, P)
+        assert abs(float(lengths.mean()) - want) < 4 * max(float(lengths.std()), 0.05) / draws**0.5
+
+
+def test_a_rule_without_a_closed_form_says_so():
+    tree, _, P = next(some_trees(WO))
+    assert VERIFIERS["wetap"]().expected_accepted(tree, P) is None
