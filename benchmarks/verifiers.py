@@ -43,24 +43,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
-
-from arborspec.bench.report import depth_cell, root_cell
-from arborspec.bench.tables import BASELINES, fmt, summarize
+from arborspec.bench.reproduction import VERIFIER_METHODS as METHODS, paired_differences, pooled_verifier_tables
 from arborspec.cli import main as arborspec_main
 from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET
-
-TREE = "static(depth=3,branch=2{})"
-METHODS = [
-    "ar",
-    "sps@4", "asps@4", "chain(verifier=block)@4",
-    *[TREE.format(f",verifier={v}") for v in ("naive", "mbr", "traversal")],
-    *[TREE.format(f",draw=iid,verifier={v}") for v in ("mss", "traversal")],
-    TREE.format(",draw=greedy"),
-]
 
 
 def bench_argv(args) -> list[str]:
@@ -73,61 +60,13 @@ def bench_argv(args) -> list[str]:
 
 
 def pooled_tables(results: dict) -> str:
-    """verifiers.md: one table per temperature, a row per method, pooled over every dataset's prompts."""
-    groups: dict[float, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for r in results["runs"]:
-        groups[r["temperature"]][r["label"]].append(r)
+    """verifiers.md: the rows pooled over every dataset's prompts, one table per temperature, then the paired
+    per-prompt differences of MAT (the same tables as docs/reproduction.md's section)."""
     lines = ["# Verifiers on the same drafts", "", f"Command: `{results.get('command', '')}`", "",
-             "Pooled over " + ", ".join(results["settings"]["datasets"]) + f" ({len(results['prompts'])} prompts). "
              "root acc / opt: first drafted token accepted / the best any exact verifier could reach (an upper "
              "bound for children drawn without replacement). report.md has the per-dataset tables.", ""]
-    for temp in sorted(groups):
-        by_label = groups[temp]
-        baselines = {b: by_label.get(b, []) for b in BASELINES}
-        lines += [f"## T={temp:g}", "",
-                  "| method | verifier | MAT | acc@1/2/3 | zero % | root acc / opt | tok/s median | speed-up vs ar |",
-                  "|---" * 8 + "|"]
-        for label in [m for m in METHODS if m in by_label]:
-            s = summarize(by_label[label], baselines)
-            lines.append(f"| {label} | {s['verifier']} | {fmt(s['mat'])} | {depth_cell(s['acc_at_depth'])} "
-                         f"| {fmt(s['zero_accept'], 1, 100)} | {root_cell(s['root'])} "
-                         f"| {fmt(s['tps'][0] if s['tps'] else None)} | {fmt(s['speedup'].get('ar'))} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-# (better?, than): the comparisons the issue asks about, each on the same policy and budget
-PAIRS = [
-    ("asps@4", "sps@4"), ("chain(verifier=block)@4", "sps@4"), ("chain(verifier=block)@4", "asps@4"),
-    (TREE.format(",verifier=mbr"), TREE.format(",verifier=naive")),
-    (TREE.format(",verifier=traversal"), TREE.format(",verifier=mbr")),
-    (TREE.format(",draw=iid,verifier=traversal"), TREE.format(",draw=iid,verifier=mss")),
-    (TREE.format(",draw=greedy"), TREE.format(",verifier=mbr")),
-]
-
-
-def paired_differences(results: dict) -> str:
-    """Per temperature, MAT of each pair of methods compared prompt by prompt: the mean difference with its standard
-    error, and the ratio of the pooled MATs (all tokens / all steps). A difference more than two standard errors
-    from 0 is one the run can tell apart from noise."""
-    runs: dict[tuple, dict] = {(r["temperature"], r["label"], r["prompt_key"]): r for r in results["runs"]
-                               if not r.get("error") and r.get("steps")}
-    lines = ["## Paired differences in tokens per step (MAT)", "",
-             "| T | method | against | prompts | mean difference ± s.e. | pooled MAT ratio |", "|---" * 6 + "|"]
-    for temp in sorted({key[0] for key in runs}):
-        for better, than in PAIRS:
-            keys = sorted(k for (t, label, k) in runs if t == temp and label == better and (t, than, k) in runs)
-            if len(keys) < 2:
-                continue
-            a = [runs[(temp, better, k)] for k in keys]
-            b = [runs[(temp, than, k)] for k in keys]
-            diffs = np.array([x["mat"] - y["mat"] for x, y in zip(a, b)])
-            se = diffs.std(ddof=1) / np.sqrt(len(diffs))
-            ratio = (sum(x["new_tokens"] for x in a) / sum(x["steps"] for x in a)) / (
-                sum(y["new_tokens"] for y in b) / sum(y["steps"] for y in b))
-            lines.append(f"| {temp:g} | {better} | {than} | {len(keys)} | {diffs.mean():+.3f} ± {se:.3f} "
-                         f"| {ratio:.3f} |")
-    return "\n".join(lines + [""])
+    lines += pooled_verifier_tables(results) + ["## Paired differences in tokens per step (MAT)", ""]
+    return "\n".join(lines + paired_differences(results))
 
 
 def main(argv=None) -> int:
@@ -151,7 +90,7 @@ def main(argv=None) -> int:
     if code:
         return code
     results = json.loads((Path(args.out) / "results.json").read_text())
-    text = pooled_tables(results) + "\n" + paired_differences(results)
+    text = pooled_tables(results)
     (Path(args.out) / "verifiers.md").write_text(text + "\n")
     print(text)
     return 0

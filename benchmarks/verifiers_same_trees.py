@@ -21,9 +21,10 @@ kernels on AVX2) it expects nothing at T > 0 and drafts no tree, so its family r
     python benchmarks/verifiers_same_trees.py --backend native --families chain,sampled,iid,greedy --prompts 10
     python benchmarks/verifiers_same_trees.py --backend torch --families auto --prompts 10
 
-The table (also written to --out as same_trees.md / same_trees.json): per family and temperature, tokens per step
-(accepted + 1) of each rule, and each rule's gain over the family's first rule: the mean over prompts of the
-per-prompt relative gain, with its standard error over prompts.
+The table (also written to --out as same_trees.md / same_trees.json, which keep the families of earlier runs, so the
+two commands above fill one file): per family and temperature, tokens per step (accepted + 1) of each rule, and each
+rule's gain over the family's first rule: the mean over prompts of the per-prompt relative gain, with its standard
+error over prompts. docs/reproduction.md's verifier section is generated from it.
 """
 from __future__ import annotations
 
@@ -129,18 +130,20 @@ def main(argv=None) -> int:
     prompts = [prompt_ids(target.tokenizer, p) for name in args.dataset.split(",")
                for p in load_prompts(name, args.prompts, target.tokenizer)]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    results = {"command": "python benchmarks/verifiers_same_trees.py " + " ".join(argv or sys.argv[1:]),
-               "settings": vars(args), "families": {}}
+    command = "python benchmarks/verifiers_same_trees.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "same_trees.json"  # runs of other families (e.g. auto on another backend) are kept beside
+    results = json.loads(path.read_text()) if path.exists() else {"commands": [], "families": {}}
+    results["commands"] = [c for c in results["commands"] if c != command] + [command]
     for family in families:
         results["families"][family] = {
             f"{t:g}": summarize(measure(target, draft, family, t, prompts, args.max_new_tokens, args.seed),
                                 FAMILIES[family][2])
             for t in temperatures}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"same_trees_{'_'.join(families)}.json").write_text(json.dumps(results, indent=2) + "\n")
-    text = f"Command: `{results['command']}`\n\n" + table(results) + "\n"
-    (out / f"same_trees_{'_'.join(families)}.md").write_text(text)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+    text = "\n".join(f"Command: `{c}`" for c in results["commands"]) + "\n\n" + table(results) + "\n"
+    (out / "same_trees.md").write_text(text)
     print(text)
     return 0
 

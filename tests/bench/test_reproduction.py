@@ -128,3 +128,25 @@ def test_beyond_the_papers_checks_the_issue_targets(tmp_path):
     # ar: 0.1 s verify over 8 steps; auto: 8 tokens in 2/3 s, 0.2 s of it drafting -> 8 / (2/3 - 0.2) tok/s over ar's 5
     assert ("where auto's time goes: a step (4.00 tokens) spends 100 ms drafting, 50 ms verifying (a plain decoding "
             "step: 12 ms) and 183 ms in bookkeeping; with free drafting it would run at 3.43x ar.") in text
+
+
+def test_verifier_sections_compare_the_rules(tmp_path):
+    runs = []
+    for prompt, extra in (("p0", 0), ("p1", 1)):
+        runs += [run("ar", 1.0, [1] * 8, 10.0, prompt), run("sps@4", 1.0, [2] * 4, 6.0, prompt),
+                 run("asps@4", 1.0, [2 + extra] * 4, 6.5, prompt)]
+    data = grid(8, 12.0) | dict(runs=runs)
+    write(tmp_path, "verifiers", data)
+    rule = lambda tps, gain: dict(tokens_per_step=tps, gain=gain, gain_se=0.01)  # noqa: E731
+    same = {"commands": ["python benchmarks/verifiers_same_trees.py --families chain,sampled"], "families": {
+        "chain": {"1": dict(steps=40, prompts=2, rules={"sps": rule(2.0, 0.0), "asps": rule(2.2, 0.1),
+                                                        "block": rule(2.2, 0.1)})},
+        "sampled": {"1": dict(steps=40, prompts=2, rules={"naive": rule(2.0, 0.0), "mbr": rule(2.5, 0.25),
+                                                          "traversal": rule(2.4, 0.2)})}}}
+    write(tmp_path, "same_trees", same)
+    text = section(reproduction.render(tmp_path), "## Beyond the seeds")
+    assert "| asps@4 | greedy | 2.50 | – | – | – | 6.50 | 0.65 |" in text  # MAT pooled over prompts; x ar
+    assert "| 1 | asps@4 | sps@4 | 2 | +0.500 ± 0.500 | 1.250 |" in text
+    assert "| sampled | 1 | 2 | 40 | traversal | 2.400 | +20.00% ± 1.00 |" in text
+    assert "block accepts what ASpS accepts on the same chains (|difference| < 0.1%): **holds**" in text
+    assert "traversal never below the token-wise rule on the same trees: **does not hold** (vs mbr -4.00%)" in text

@@ -39,10 +39,9 @@ def test_the_command_and_the_pooled_table(script, capsys):
 
 def test_paired_differences_compare_the_same_prompts(script):
     def run(label, key, mat, steps=4):
-        return dict(temperature=1.0, label=label, prompt_key=key, error=None, mat=mat, steps=steps,
-                    new_tokens=int(mat * steps))
+        return dict(temperature=1.0, label=label, prompt_key=key, error=None, committed_per_step=[mat] * steps)
 
     runs = [run("sps@4", "p0", 2.0), run("sps@4", "p1", 3.0), run("asps@4", "p0", 2.5), run("asps@4", "p1", 3.0),
             run("asps@4", "p2", 9.0)]  # p2 has no sps run: left out of the pair
-    text = script.paired_differences({"runs": runs})
+    text = "\n".join(script.paired_differences({"runs": runs}))
     assert "| 1 | asps@4 | sps@4 | 2 | +0.250 ± 0.250 | 1.100 |" in text

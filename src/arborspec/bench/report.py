@@ -23,7 +23,7 @@ from pathlib import Path
 from . import metrics
 from .figures import write_plots
 from .reproduction import write_reproduction
-from .tables import category_tables, fmt, ordered_sources, resumed_lines, tables
+from .tables import category_tables, depth_cell, fmt, ordered_sources, resumed_lines, root_cell, tables
 
 
 def load_results(path: str | Path) -> tuple[dict, Path]:
@@ -81,16 +81,6 @@ def _row(label: str, s: dict, peer: bool = False) -> str:
     cells += [fmt(s["ttft"]), fmt(s["tpot"], 1, 1000), fmt(s["perplexity"]), fmt(s["peak_rss"], 0),
               fmt(s["rss_delta"], 1)]
     return "| " + " | ".join(cells) + " |"
-
-
-def depth_cell(shares: list[float], depths: int = 3) -> str:
-    """Acceptance at depths 1..3 as one compact cell, "0.81/0.62/0.45" (fewer where the trees were shallower)."""
-    return "/".join(f"{x:.2f}" for x in shares[:depths]) or "–"
-
-
-def root_cell(root: tuple[float, float] | None) -> str:
-    """Measured root acceptance and its optimum, "0.71 / 0.78"."""
-    return "–" if root is None else f"{root[0]:.2f} / {root[1]:.2f}"
 
 
 HEADER = ("| method | verifier | runs ok | MAT | acc./step | acc. rate | acc@1/2/3 | zero % | root acc / opt | tree | "

@@ -14,11 +14,14 @@ and verdicts.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tables import fmt, resumed_lines, tables
+import numpy as np
+
+from .tables import BASELINES, depth_cell, fmt, resumed_lines, root_cell, summarize, tables
 
 # experiment name -> (file under the results root, the command that produces it). Bench experiments recorded before
 # `wetap` meant the exact verifier and before methods took the run's --draft-quant (auto) ran their draft unquantized:
@@ -46,6 +49,11 @@ SOURCES: dict[str, tuple[str, str]] = {
                "asps,auto+int8,auto+int4,auto+int8+vocab32k,auto+int4+ngram' --out results/auto-levers"),
     "stree_hybrid": ("stree-hybrid/results.json",
                      "python benchmarks/stree_hybrid_chain_vs_tree.py --threads 1 --out results/stree-hybrid"),
+    "verifiers": ("verifiers/results.json", "python benchmarks/verifiers.py"),
+    "same_trees": ("verifiers-same-trees/same_trees.json",
+                   "python benchmarks/verifiers_same_trees.py --backend native --families chain,sampled,iid,greedy "
+                   "--prompts 5 && python benchmarks/verifiers_same_trees.py --backend torch --families auto "
+                   "--prompts 5"),
 }
 
 
@@ -428,6 +436,107 @@ def _against_fixed(t: dict) -> list[str]:
             f"{_verdict(_gt(x_auto, x_best))} ({fmt(x_auto)}x)."]
 
 
+# ---- exact verifiers beyond the seeds: block, traversal, greedy multi-draft -----------------------------------------
+TREE = "static(depth=3,branch=2{})"
+VERIFIER_METHODS = [  # benchmarks/verifiers.py's line-up: every exact rule on the same policy and budget
+    "ar", "sps@4", "asps@4", "chain(verifier=block)@4",
+    *[TREE.format(f",verifier={v}") for v in ("naive", "mbr", "traversal")],
+    *[TREE.format(f",draw=iid,verifier={v}") for v in ("mss", "traversal")],
+    TREE.format(",draw=greedy"),
+]
+VERIFIER_PAIRS = [  # (better?, than) on the same policy and budget
+    ("asps@4", "sps@4"), ("chain(verifier=block)@4", "sps@4"), ("chain(verifier=block)@4", "asps@4"),
+    (TREE.format(",verifier=mbr"), TREE.format(",verifier=naive")),
+    (TREE.format(",verifier=traversal"), TREE.format(",verifier=mbr")),
+    (TREE.format(",draw=iid,verifier=traversal"), TREE.format(",draw=iid,verifier=mss")),
+    (TREE.format(",draw=greedy"), TREE.format(",verifier=mbr")),
+]
+
+
+def pooled_verifier_tables(results: dict) -> list[str]:
+    """One table per temperature, a row per method, pooled over every dataset's prompts."""
+    groups: dict[float, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in results["runs"]:
+        groups[r["temperature"]][r["label"]].append(r)
+    lines = []
+    for temp in sorted(groups):
+        by_label = groups[temp]
+        baselines = {b: by_label.get(b, []) for b in BASELINES}
+        rows = []
+        for label in [m for m in VERIFIER_METHODS if m in by_label]:
+            x = summarize(by_label[label], baselines)
+            rows.append([label, x["verifier"], fmt(x["mat"]), depth_cell(x["acc_at_depth"]),
+                         fmt(x["zero_accept"], 1, 100), root_cell(x["root"]), fmt(x["tps"][0] if x["tps"] else None),
+                         fmt(x["speedup"].get("ar"))])
+        lines += [f"T = {temp:g}, pooled over {', '.join(results['settings']['datasets'])}:", ""]
+        lines += _md_table(["method", "verifier", "MAT", "acc@1/2/3", "zero %", "root acc / opt", "tok/s median",
+                            "x ar"], rows)
+    return lines
+
+
+def paired_differences(results: dict) -> list[str]:
+    """Per temperature, the MAT of each pair of methods compared prompt by prompt: the mean difference with its
+    standard error, and the ratio of the pooled MATs (all tokens / all steps). Each method runs its own generation,
+    so the spread of sampled text is in the error; benchmarks/verifiers_same_trees.py removes it."""
+    runs = {(r["temperature"], r["label"], r["prompt_key"]): r for r in results["runs"]
+            if not r.get("error") and r.get("committed_per_step")}
+    rows = []
+    for temp in sorted({key[0] for key in runs}):
+        for better, than in VERIFIER_PAIRS:
+            keys = sorted(k for (t, label, k) in runs if t == temp and label == better and (t, than, k) in runs)
+            if len(keys) < 2:
+                continue
+            a = [runs[(temp, better, k)]["committed_per_step"] for k in keys]
+            b = [runs[(temp, than, k)]["committed_per_step"] for k in keys]
+            diffs = np.array([np.mean(x) - np.mean(y) for x, y in zip(a, b)])
+            ratio = np.mean(np.concatenate(a)) / np.mean(np.concatenate(b))
+            rows.append([f"{temp:g}", better, than, len(keys),
+                         f"{diffs.mean():+.3f} ± {diffs.std(ddof=1) / np.sqrt(len(diffs)):.3f}", f"{ratio:.3f}"])
+    return _md_table(["T", "method", "against", "prompts", "MAT difference ± s.e.", "pooled MAT ratio"], rows)
+
+
+def verifiers_body(data: dict) -> list[str]:
+    return (pooled_verifier_tables(data)
+            + ["Paired by prompt (each method its own generation):", ""] + paired_differences(data))
+
+
+def _gain(data: dict, family: str, temp: str, rule: str) -> dict | None:
+    return data.get("families", {}).get(family, {}).get(temp, {}).get("rules", {}).get(rule)
+
+
+def same_trees_body(data: dict) -> list[str]:
+    lines = ["What we ran, on the very same trees (one generation drafts each tree; every rule's exact expected "
+             "accepted tokens on it; the text advances with the policy's own rule): "
+             + "; ".join(f"`{c}`" for c in data.get("commands", [])), ""]
+    rows = []
+    for family, by_temp in data.get("families", {}).items():
+        for temp, x in by_temp.items():
+            for name, r in x["rules"].items():
+                rows.append([family, temp, x["prompts"], x["steps"], name, fmt(r["tokens_per_step"], 3),
+                             "–" if r["gain"] is None else f"{100 * r['gain']:+.2f}% ± {100 * r['gain_se']:.2f}"])
+    lines += _md_table(["trees", "T", "prompts", "steps", "rule", "tokens/step", "gain over the first rule ± s.e."],
+                       rows)
+
+    def delta(family, temp, better, than):
+        a, b = _gain(data, family, temp, better), _gain(data, family, temp, than)
+        if a is None or b is None or a["tokens_per_step"] is None:
+            return None
+        return a["tokens_per_step"] / b["tokens_per_step"] - 1
+
+    verdicts = []
+    for temp in sorted({t for by_temp in data.get("families", {}).values() for t in by_temp}):
+        same = delta("chain", temp, "block", "asps")
+        trav = delta("sampled", temp, "traversal", "mbr")
+        iid = delta("iid", temp, "traversal", "mss")
+        auto = delta("auto", temp, "traversal", "mbr")
+        verdicts.append(
+            f"- T = {temp}: block accepts what ASpS accepts on the same chains (|difference| < 0.1%): "
+            f"{_verdict(None if same is None else abs(same) < 1e-3)}; traversal never below the token-wise rule "
+            f"on the same trees: {_verdict(_all(d > -1e-9 for d in (trav, iid, auto) if d is not None))} "
+            f"({', '.join(f'{n} {100 * d:+.2f}%' for n, d in (('vs mbr', trav), ('vs mss', iid), ('vs mbr on auto', auto)) if d is not None)}).")
+    return lines + verdicts + [""]
+
+
 # ---- the sections: each paper's claim, as data -----------------------------------------------------------------------
 SECTIONS: list[Section] = [
     Section("## DySpec (dynamic token trees)",
@@ -476,6 +585,17 @@ SECTIONS: list[Section] = [
              "other (drafting builds the tree; verifying is the target's forward and the verifier; other is "
              "bookkeeping: cache compaction, stop checks, statistics; prefill excluded).",),
             "beyond", beyond_body),
+    Section("## Beyond the seeds: exact verifiers on the same drafts (block, traversal, greedy multi-draft)",
+            ("Claims: block verification (Sun et al., ICLR 2025) is optimal for one chain and never worse than "
+             "token-wise speculative sampling; traversal verification (Weng et al., NeurIPS 2025) adds **2.2-5.7% "
+             "acceptance length** over token-wise recursive rejection sampling on trees; greedy multi-draft (Hu et "
+             "al., ICLR 2025) has an optimal verifier for k-1 top tokens plus one sample. Every rule is exact for its "
+             "drawing rule (docs/verifiers.md); here they run on the same policy and budget: chains of 4 "
+             "(sps, asps, block) and a binary tree of 14 drafted tokens (naive, mbr, traversal without replacement; "
+             "mss, traversal i.i.d.; greedy-draft).",),
+            "verifiers", verifiers_body,
+            subsections=(Section("### The same comparison on the very same trees", (), "same_trees",
+                                 same_trees_body, bench=False),)),
 ]
 
 

@@ -31,6 +31,16 @@ def _label_order(results: dict, labels) -> list[str]:
     return sorted(set(labels), key=key)
 
 
+def depth_cell(shares: list[float], depths: int = 3) -> str:
+    """Acceptance at depths 1..3 as one compact cell, "0.81/0.62/0.45" (fewer where the trees were shallower)."""
+    return "/".join(f"{x:.2f}" for x in shares[:depths]) or "–"
+
+
+def root_cell(root: tuple[float, float] | None) -> str:
+    """Measured root acceptance and its optimum, "0.71 / 0.78"."""
+    return "–" if root is None else f"{root[0]:.2f} / {root[1]:.2f}"
+
+
 def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
     """One table row from the runs of one method/budget (all prompts of one dataset and temperature)."""
     ok = [r for r in runs if not r.get("error")]
