@@ -89,7 +89,8 @@ def summarize(per_prompt: list[np.ndarray], candidates: list[str]) -> dict:
     (each prompt's own ratio of means) with the standard error over prompts."""
     used = [a for a in per_prompt if len(a)]
     steps = np.concatenate(used) if used else np.zeros((0, len(candidates)))
-    out = {"steps": len(steps), "prompts": len(used), "rules": {}}
+    out = {"steps": len(steps), "prompts": len(used), "rules": {},
+           "per_prompt": [[float(a[:, j].mean() + 1) for j in range(len(candidates))] for a in used]}
     for j, name in enumerate(candidates):
         gains = np.array([(a[:, j].mean() + 1) / (a[:, 0].mean() + 1) - 1 for a in used])
         se = gains.std(ddof=1) / np.sqrt(len(gains)) if len(gains) > 1 else float("nan")

@@ -142,7 +142,8 @@ def test_verifier_sections_compare_the_rules(tmp_path):
         "chain": {"1": dict(steps=40, prompts=2, rules={"sps": rule(2.0, 0.0), "asps": rule(2.2, 0.1),
                                                         "block": rule(2.2, 0.1)})},
         "sampled": {"1": dict(steps=40, prompts=2, rules={"naive": rule(2.0, 0.0), "mbr": rule(2.5, 0.25),
-                                                          "traversal": rule(2.4, 0.2)})}}}
+                                                          "traversal": rule(2.4, 0.2)},
+                              per_prompt=[[2.0, 2.0, 2.2], [2.0, 3.0, 2.7]])}}}
     write(tmp_path, "same_trees", same)
     text = section(reproduction.render(tmp_path), "## Beyond the seeds")
     assert "| asps@4 | greedy | 2.50 | – | – | – | 6.50 | 0.65 |" in text  # MAT pooled over prompts; x ar
@@ -150,3 +151,4 @@ def test_verifier_sections_compare_the_rules(tmp_path):
     assert "| sampled | 1 | 2 | 40 | traversal | 2.400 | +20.00% ± 1.00 |" in text
     assert "block accepts what ASpS accepts on the same chains (|difference| < 0.1%): **holds**" in text
     assert "traversal never below the token-wise rule on the same trees: **does not hold** (vs mbr -4.00%)" in text
+    assert "| sampled | 1 | traversal | mbr | 2 | +0.00% ± 10.00 |" in text  # +10% and -10%: paired by prompt

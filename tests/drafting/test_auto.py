@@ -452,6 +452,17 @@ def test_budget_auto_on_dyspec_is_the_auto_policy(cheap_profile):
     assert res.stats.policy["summary"].startswith("auto:")
 
 
+def test_auto_verifies_its_sampled_trees_by_traversal(cheap_profile):
+    """Traversal at T > 0 (exact for auto's trees: tests/verify/test_adaptive_trees.py); naive once deterministic
+    n-gram branches are grafted (traversal is not exact for them); greedy at T = 0."""
+    target, draft = make_pair("llama")
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8).verifier.name == "traversal"
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, ngram=2).verifier.name == "naive"
+    assert SpeculativeDecoder(target, draft, method="auto").verifier.name == "greedy"
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=0.8, verifier="mbr")  # still the user's call
+    assert dec.verifier.name == "mbr"
+
+
 def test_stats_explain_the_choices(cheap_profile):
     target, draft = make_pair("llama")
     dec = SpeculativeDecoder(target, draft, method="auto")
@@ -509,14 +520,15 @@ class LearningTableDecoder:
         return out
 
 
-def test_sampled_output_follows_the_target_distribution():
+@pytest.mark.parametrize("verifier", ["mbr", "traversal"])
+def test_sampled_output_follows_the_target_distribution(verifier):
     from tests.drafting.equivalence import table_pair
     from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
 
     vocab, k, horizon = 5, 2, 4
     t_table, d_table, prompt, probs = table_pair(vocab, k, horizon)
     policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
-    dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="mbr", temperature=1.0,
+    dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier=verifier, temperature=1.0,
                                             horizon=horizon))
     counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
     assert_same_distribution(counts, probs, tv=0.05)

@@ -52,7 +52,6 @@ SOURCES: dict[str, tuple[str, str]] = {
     "verifiers": ("verifiers/results.json", "python benchmarks/verifiers.py"),
     "same_trees": ("verifiers-same-trees/same_trees.json",
                    "python benchmarks/verifiers_same_trees.py --backend native --families chain,sampled,iid,greedy "
-                   "--prompts 5 && python benchmarks/verifiers_same_trees.py --backend torch --families auto "
                    "--prompts 5"),
 }
 
@@ -523,17 +522,33 @@ def same_trees_body(data: dict) -> list[str]:
             return None
         return a["tokens_per_step"] / b["tokens_per_step"] - 1
 
+    pairs = [("chain", "block", "asps"), ("chain", "block", "sps"), ("sampled", "traversal", "mbr"),
+             ("iid", "traversal", "mss"), ("auto", "traversal", "mbr")]
+    paired = []
+    for family, better, than in pairs:
+        for temp, x in data.get("families", {}).get(family, {}).items():
+            rules = list(x["rules"])
+            if x.get("per_prompt") and better in rules and than in rules:
+                i, j = rules.index(better), rules.index(than)
+                g = np.array([row[i] / row[j] - 1 for row in x["per_prompt"]])
+                se = g.std(ddof=1) / np.sqrt(len(g)) if len(g) > 1 else float("nan")
+                paired.append([family, temp, better, than, len(g), f"{100 * g.mean():+.2f}% ± {100 * se:.2f}"])
+    if paired:
+        lines += ["Paired by prompt on the same trees (each prompt's ratio of tokens per step):", ""]
+        lines += _md_table(["trees", "T", "rule", "against", "prompts", "gain ± s.e."], paired)
+
     verdicts = []
     for temp in sorted({t for by_temp in data.get("families", {}).values() for t in by_temp}):
         same = delta("chain", temp, "block", "asps")
         trav = delta("sampled", temp, "traversal", "mbr")
         iid = delta("iid", temp, "traversal", "mss")
         auto = delta("auto", temp, "traversal", "mbr")
+        measured = [(n, d) for n, d in (("vs mbr", trav), ("vs mss", iid), ("vs mbr on auto", auto)) if d is not None]
         verdicts.append(
             f"- T = {temp}: block accepts what ASpS accepts on the same chains (|difference| < 0.1%): "
             f"{_verdict(None if same is None else abs(same) < 1e-3)}; traversal never below the token-wise rule "
-            f"on the same trees: {_verdict(_all(d > -1e-9 for d in (trav, iid, auto) if d is not None))} "
-            f"({', '.join(f'{n} {100 * d:+.2f}%' for n, d in (('vs mbr', trav), ('vs mss', iid), ('vs mbr on auto', auto)) if d is not None)}).")
+            f"on the same trees: {_verdict(_all(d > -1e-9 for _, d in measured))} "
+            f"({', '.join(f'{n} {100 * d:+.2f}%' for n, d in measured)}).")
     return lines + verdicts + [""]
 
 

@@ -54,7 +54,15 @@ class AutoPolicy(Policy):
     name = "auto"
     summary = "hardware-aware DySpec tree: grow layers while the measured-cost rate rises; plain decoding if it never does"
     Options = AutoOptions
-    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # siblings drawn without replacement: verified exactly by mbr
+    sampled_rule = DrawRule.WITHOUT_REPLACEMENT  # siblings drawn without replacement (tree_builder.py)
+
+    def default_verifier(self, sampling: SamplingConfig) -> str:
+        """Traversal verification at T > 0, not the drawing rule's own mbr. It stays exact when the tree's shape
+        depends on the tokens already drawn, as auto's does (tests/verify/test_adaptive_trees.py); on every tree the
+        tests enumerate it accepts at least as many tokens as mbr in expectation (measured, not a theorem); and on
+        the default pair it accepted more per step at the same cost (docs/verifiers.md, "Which verifier auto
+        uses"). A tree with grafted deterministic branches falls back to naive (the engine checks `fits`)."""
+        return "greedy" if sampling.greedy else "traversal"
 
     def __init__(self, **options):
         super().__init__(**options)

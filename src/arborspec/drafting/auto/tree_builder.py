@@ -3,10 +3,11 @@
 Scores (DySpec's node values). At temperature 0 a node's score is its path probability under the draft,
 x_u = product of draft probabilities along its path (DySpec Fig. 2: draft probability approximates acceptance), and
 the children of u are its top draft tokens. At temperature > 0 children are drawn one at a time without replacement
-(verified by multi-branch rejection, `mbr`); the j-th draw under u comes from the residual R_j (the draft's q with
-the earlier draws removed) and its score is its *expected* path probability x_u * sum_y R_j(y) q(y), known before
-the token is drawn; the drawn child's own path probability x_u * q(y_j) scores its children. A node's expected
-accepted tokens (its gain) is a(score), the calibrated acceptance (calibration.py).
+(verified exactly by traversal, auto's default, or multi-branch rejection, `mbr`); the j-th draw under u comes from
+the residual R_j (the draft's q with the earlier draws removed) and its score is its *expected* path probability
+x_u * sum_y R_j(y) q(y), known before the token is drawn; the drawn child's own path probability x_u * q(y_j)
+scores its children. A node's expected accepted tokens (its gain) is a(score), the calibrated acceptance
+(calibration.py).
 
 Growing the tree, one draft call per layer; F = the newest layer (the frontier), best score first:
 
@@ -23,7 +24,7 @@ Growing the tree, one draft call per layer; F = the newest layer (the frontier),
    g_1 >= g_2 >= ..., add the m* best, m* = argmax_m (E + g_1 + ... + g_m) / (D + t(1 + N + m) + c), D now including
    the call just made. m* = 0 ends the tree (that call was wasted: `wasted` in the per-step stats). At T > 0 the
    candidates are drawn one at a time and the test runs before each draw over the slots already known, so whether a
-   child exists never depends on its own token (this is what keeps multi-branch rejection exact).
+   child exists never depends on its own token (this is what keeps mbr and traversal exact).
 
 Exactness: a tree depends only on the draft's outputs for this step, on draws from the step's generator, and on
 the past (calibration, timings, guard state), never on the target's verdict for the step being drafted. Timing
