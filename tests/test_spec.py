@@ -8,6 +8,7 @@ import torch
 from arborspec import SpeculativeDecoder, spec
 from arborspec.bench import runner
 from arborspec.cli import build_parser, run_spec
+from arborspec.drafting.suffix import AUTO_SUFFIX
 from arborspec.models.loading import LoadedModel
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
@@ -120,6 +121,18 @@ def test_lookahead_levers_name_the_window_and_ngram():
     assert run_spec(args).lookahead == 6
 
 
+def test_auto_grafts_suffix_branches_by_default_at_temperature_zero_only():
+    """`auto` without a number: AUTO_SUFFIX nodes at T = 0 (exact under greedy), none at T > 0 (they would force
+    naive verification on the draft's trees); `+suffixN` and --suffix say otherwise, 0 turns them off."""
+    auto, chain = spec.parse("auto"), spec.parse("chain")
+    assert auto.suffix is None and spec.suffix_nodes(auto, 0.0) == AUTO_SUFFIX > 0
+    assert spec.suffix_nodes(auto, 0.7) == 0 and spec.suffix_nodes(chain, 0.0) == 0
+    assert spec.suffix_nodes(spec.parse("auto+suffix0"), 0.0) == 0
+    assert spec.suffix_nodes(spec.parse("auto+suffix4"), 1.0) == 4 == spec.suffix_nodes(spec.parse("chain+suffix4"), 0)
+    assert run_spec(build_parser().parse_args(["generate", "--suffix", "0"])).suffix == 0
+    assert run_spec(build_parser().parse_args(["generate"])).suffix is None
+
+
 # ---- models and decoders -------------------------------------------------------------------------------------------
 def test_build_decoder_runs_the_spec_exactly(models):
     target, draft = models
@@ -135,6 +148,10 @@ def test_build_decoder_runs_the_spec_exactly(models):
     dec = spec.build_decoder(spec.parse("ar+lookahead3x2+suffix4"), target)
     assert (dec.lookahead, dec.suffix, dec.draft) == ((3, 2, 3), 4, None)
     assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
+    for temperature, nodes in ((0.0, AUTO_SUFFIX), (1.0, 0)):
+        assert spec.build_decoder(spec.parse("auto"), target, draft, temperature=temperature).suffix == nodes
+        assert SpeculativeDecoder(target, draft, temperature=temperature).suffix == nodes  # the API's default too
+    assert spec.build_decoder(spec.parse("auto+suffix0"), target, draft).suffix == 0
 
 
 def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models, monkeypatch, tmp_path):

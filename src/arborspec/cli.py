@@ -93,9 +93,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     levers.add_argument("--ngram", type=int, default=0,
                         help="graft prompt-lookup branches matching up to N-token n-grams of the context (0 = off)")
     levers.add_argument("--ngram-len", type=int, default=NGRAM_LEN, help="tokens per prompt-lookup branch")
-    levers.add_argument("--suffix", type=int, default=0,
+    levers.add_argument("--suffix", type=int, default=None,
                         help="graft up to N suffix-tree nodes a step: the most frequent earlier continuations of the "
-                             "text's suffix (0 = off; `--method suffix` drafts with them alone, no draft model)")
+                             "text's suffix (0 = off; default: 16 for auto at T = 0, else off; `--method suffix` "
+                             "drafts with them alone, no draft model)")
     levers.add_argument("--lookahead", type=int, default=0,
                         help="graft lookahead branches: a Jacobi window W guesses wide and the n-grams it found "
                              "(0 = off; `--method ar --lookahead 4` is lookahead decoding, no draft model)")
@@ -190,7 +191,8 @@ def run_spec(args) -> RunSpec:
     spec = replace(spec, options=spec.options + tuple(flags.items()), allow_lossy=args.allow_lossy,
                    verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    vocab=args.draft_vocab or spec.vocab, ngram=args.ngram or spec.ngram, ngram_len=args.ngram_len,
-                   suffix=args.suffix or spec.suffix, lookahead=args.lookahead or spec.lookahead)
+                   suffix=spec.suffix if args.suffix is None else args.suffix,
+                   lookahead=args.lookahead or spec.lookahead)
     return check_lossy(spec)
 
 

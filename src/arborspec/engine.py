@@ -18,7 +18,7 @@ from .drafting.budget_tuner import make_policy
 from .drafting.graft_budget import GraftBudget
 from .drafting.lookahead import Lookahead
 from .drafting.ngram import add_ngram_branch
-from .drafting.suffix import graft_suffix_branches
+from .drafting.suffix import default_suffix_nodes, graft_suffix_branches
 from .drafting.suffix_index import SuffixIndex
 from .models import check_session_support, make_session
 from .models.model_info import check_pair, context_window, eos_ids, pair_names
@@ -219,7 +219,7 @@ class SpeculativeDecoder:
         ssm_tree: str = "packed",
         ngram: int = 0,
         ngram_len: int = 8,
-        suffix: int = 0,
+        suffix: int | None = None,
         suffix_store: int = 0,
         lookahead: int = 0,
         lookahead_ngram: int = 3,
@@ -239,14 +239,17 @@ class SpeculativeDecoder:
         if ssm_tree not in ("packed", "unrolled"):
             raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
         self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
+        if suffix is None:  # the method's default: auto grafts suffix branches at T = 0 (drafting/suffix.py)
+            suffix = default_suffix_nodes(method, SamplingConfig(temperature, top_k, top_p).greedy)
         for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
                             ("suffix_store", suffix_store)):
             check_int(value, name, 0)
         self.ngram, self.ngram_len = int(ngram), int(ngram_len)  # prompt-lookup branches (drafting/ngram.py)
-        # suffix branches (drafting/suffix.py): up to `suffix` nodes a step; the index (and its store of earlier
-        # outputs) lives as long as the decoder, so later requests can draft from earlier ones
+        # suffix branches (drafting/suffix.py): up to `suffix` nodes a step, as deep as that (a copied span is a
+        # chain); the index (and its store of earlier outputs) lives as long as the decoder, so later requests can
+        # draft from earlier ones
         self.suffix = int(suffix)
-        self.suffix_index = SuffixIndex(store=int(suffix_store)) if suffix else None
+        self.suffix_index = SuffixIndex(max_depth=max(8, self.suffix), store=int(suffix_store)) if suffix else None
         # lookahead branches (drafting/lookahead.py): a Jacobi window `lookahead` guesses wide, `lookahead_ngram`-grams,
         # up to `lookahead_guesses` pool n-grams a step (default: as many as the window is wide, the paper's G = W);
         # one window and pool per request (made in `steps`)
@@ -464,8 +467,9 @@ class SpeculativeDecoder:
             tree, _ = budget.graft(tree, "ngram", lambda t: add_ngram_branch(t, context, self.ngram,
                                                                              min(self.ngram_len, room)), estimate)
         if self.suffix:
-            tree, _ = budget.graft(tree, "suffix", lambda t: graft_suffix_branches(t, self.suffix_index, context,
-                                                                                   self.suffix, room), estimate)
+            scores: dict[int, float] = {}
+            tree, _ = budget.graft(tree, "suffix", lambda t: graft_suffix_branches(
+                t, self.suffix_index, context, self.suffix, room, scores=scores), estimate, scores)
         if lookahead:
             tree, kept = budget.graft(tree, "lookahead", lambda t: lookahead.graft(t, context, room), estimate)
             if not kept:

@@ -465,7 +465,7 @@ def test_auto_verifies_its_sampled_trees_by_traversal(cheap_profile):
 
 def test_stats_explain_the_choices(cheap_profile):
     target, draft = make_pair("llama")
-    dec = SpeculativeDecoder(target, draft, method="auto")
+    dec = SpeculativeDecoder(target, draft, method="auto", suffix=0)  # the drafted trees alone (grafts: "grafts")
     assert dec.verifier.name == "greedy" and dec.policy.source["costs"] == "target measured, draft measured"
     res = dec.generate([5, 6, 7, 8], max_new_tokens=30, ignore_eos=True)
     info = res.stats.policy
@@ -599,7 +599,9 @@ def test_auto_drafts_only_when_the_expected_rate_beats_plain_decoding_by_the_gua
     target, draft = make_pair("llama", seed=3, noise=0.0)
     cases = [(True, 0.99, False), (False, 0.99, True), (False, 0.6, False)]  # (guard, top-1 acceptance, drafts?)
     for guard, top1, drafts in cases:
-        dec = SpeculativeDecoder(target, draft, method="auto", guard=guard, calibration=False, remember=False)
+        # suffix=0: a graft step would adapt the given costs to the tiny model's measured times (policy._adapt)
+        dec = SpeculativeDecoder(target, draft, method="auto", guard=guard, calibration=False, remember=False,
+                                 suffix=0)
         dec.policy.use_costs(native)
         dec.policy.child_probs[True][0] = top1
         assert dec.policy.uses_draft(3, 10_000) == drafts, (guard, top1)

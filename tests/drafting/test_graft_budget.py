@@ -90,3 +90,85 @@ def test_a_left_out_branch_is_judged_once_the_tokens_after_it_are_known():
     assert budget.proposed["suffix"] == 43 and budget.accepted["suffix"] == 2
     budget.settle([7, 8, 9])  # nothing left out since: nothing more counted
     assert budget.proposed["suffix"] == 43
+
+
+def chain_graft(tokens: list[int], scores: dict[int, float], prob: float = 1.0):
+    """An `add` that grafts `tokens` as one suffix chain under the root, filling `scores` with path probabilities."""
+    def add(tree: TokenTree) -> None:
+        parent, path = 0, 1.0
+        for tok in tokens:
+            parent = tree.add(parent, tok, prob, source="suffix")
+            path *= prob
+            scores[parent] = path
+    return add
+
+
+def judged(budget: GraftBudget, depth_hits: list[tuple[int, int]]) -> GraftBudget:
+    """`budget` with judged suffix nodes of count ratio 1: (exposed nodes, accepted) at depths 1, 2, ..."""
+    budget.observe({"suffix": {"proposed": WARMUP, "accepted": WARMUP // 2}})
+    budget.by_depth["suffix"] = [[0.0, 0.0]] + [[float(n), float(a)] for n, a in depth_hits]
+    return budget
+
+
+def test_the_conditional_acceptance_starts_at_the_prior_and_inherits_it_downwards():
+    budget = GraftBudget(costs(0.01))
+    assert budget.calibration("suffix") == [0.5] and budget.reach("suffix", 3) == [0.5, 0.25, 0.125]
+    judged(budget, [(9, 9), (0, 0), (3, 0)])  # depth 2 unexplored: as good as depth 1
+    q = budget.calibration("suffix")
+    assert abs(q[0] - 9.5 / 10) < 1e-12 and q[1] == q[0] and abs(q[2] - q[1] / 4) < 1e-12
+    reach = budget.reach("suffix", 5)
+    assert abs(reach[2] - q[0] * q[1] * q[2]) < 1e-12 and abs(reach[4] / reach[3] - q[2]) < 1e-12  # deeper: the last
+
+
+def test_a_scored_branch_is_cut_where_its_expected_gain_stops_paying():
+    """A 12-node copy whose conditional acceptance holds for 5 tokens and collapses after: the best prefix keeps the
+    5 that pay; with free rows all 12; with rows at a full forward's cost, none."""
+    hits = [(100, 95)] * 5 + [(100, 2)] * 7
+    plain = [1.0, 0.05]
+    kept_rows = {}
+    for per_row in (0.005, 0.0, 0.05):
+        budget = judged(GraftBudget(costs(per_row)), hits)
+        scores, estimate = {}, list(plain)
+        out, kept = budget.graft(TokenTree.root(1), "suffix", chain_graft(list(range(10, 22)), scores), estimate,
+                                 scores)
+        kept_rows[per_row] = len(out) - 1
+        assert kept == (len(out) > 1)
+        if kept:
+            assert out.tokens[1:] == list(range(10, 10 + len(out) - 1))  # a prefix of the chain
+            assert estimate[0] > plain[0]
+    assert kept_rows == {0.005: 5, 0.0: 12, 0.05: 0}
+
+
+def test_a_scored_source_needs_no_warm_up_its_prior_decides_from_the_first_step():
+    scores = {}
+    out, kept = GraftBudget(costs(0.02)).graft(TokenTree.root(1), "suffix", chain_graft(list(range(10, 26)), scores),
+                                               [1.0, 0.05], scores)
+    assert kept and 1 <= len(out) - 1 < 16  # the prior's 1/2, 1/4, ... pays for the first nodes only
+
+
+def test_kept_and_cut_nodes_are_judged_by_the_committed_tokens():
+    """Nodes whose parent was accepted teach their depth's conditional acceptance, those below a rejected node
+    nothing; the cut nodes also count as proposed (the kept ones are counted from the step's own sources)."""
+    budget = judged(GraftBudget(costs(0.005)), [(100, 95)] * 5 + [(100, 2)] * 7)
+    scores = {}
+    out, _ = budget.graft(TokenTree.root(1), "suffix", chain_graft(list(range(10, 22)), scores), [1.0, 0.05], scores)
+    assert len(out) - 1 == 5
+    before = [row[:] for row in budget.by_depth["suffix"]]
+    proposed = budget.proposed["suffix"]
+    budget.settle([10])  # a step that committed one token decides the depth-1 node alone
+    table = budget.by_depth["suffix"]
+    assert [table[d][0] - before[d][0] for d in (1, 2)] == [1, 0] and table[1][1] - before[1][1] == 1
+    assert budget.proposed["suffix"] == proposed  # the branch's cut nodes wait until all of it is decided
+    budget.settle([11, 12, 99])  # the copy breaks at depth 4
+    assert [table[d][0] - before[d][0] for d in range(1, 13)] == [1] * 4 + [0] * 8  # depth 4 had its chance
+    assert [table[d][1] - before[d][1] for d in range(1, 13)] == [1] * 3 + [0] * 9
+    assert budget.proposed["suffix"] == proposed + 7 and budget.accepted["suffix"] == WARMUP // 2  # cut nodes: 0 hits
+
+
+def test_the_count_ratio_not_the_path_probability_is_what_a_node_is_judged_against():
+    budget = judged(GraftBudget(costs(0.005)), [(100, 95)] * 3)
+    scores = {}
+    budget.graft(TokenTree.root(1), "suffix", chain_graft([10, 11, 12], scores, prob=0.5), [1.0, 0.05], scores)
+    before = [row[:] for row in budget.by_depth["suffix"]]
+    budget.settle([10, 11, 99])
+    assert [budget.by_depth["suffix"][d][0] - before[d][0] for d in (1, 2, 3)] == [0.5, 0.5, 0.5]

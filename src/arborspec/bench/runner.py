@@ -47,7 +47,7 @@ from ..drafting.base import parse_int_list
 from ..models.loading import ALIASES, alias_gguf
 from ..models.model_info import eos_ids
 from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
-                    parse, prepare_draft, resolve_quant, split_methods)
+                    parse, prepare_draft, resolve_quant, split_methods, suffix_nodes)
 from . import metrics
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
@@ -247,7 +247,7 @@ class Bench:
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
                    lossy=cfg.spec.lossy, draft_quant=None, draft_vocab=cfg.spec.vocab,
-                   ngram=cfg.spec.ngram, suffix=cfg.spec.suffix,
+                   ngram=cfg.spec.ngram, suffix=suffix_nodes(cfg.spec, cfg.temperature),
                    lookahead=cfg.spec.lookahead, error=None)
         rss0 = current_rss_mb()
         try:

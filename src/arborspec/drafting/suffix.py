@@ -24,6 +24,20 @@ from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, check_int, opt
 from .suffix_index import Speculation, SuffixIndex
 
+AUTO_SUFFIX = 16  # suffix nodes `auto` may graft a step at T = 0 when the caller names no number (default_suffix_nodes)
+
+
+def default_suffix_nodes(method: str | None, greedy: bool) -> int:
+    """How many suffix nodes a step of `method` grafts when the caller does not say: `AUTO_SUFFIX` for `auto` at
+    T = 0, else none.
+
+    Why auto grafts them: where the answer repeats its prompt (code edits, quoting) they are the only drafts that pay
+    on a CPU whose draft model cannot (docs/suffix.md), and auto's budget cuts each branch to the prefix whose
+    measured acceptance pays for its rows, so where they miss little is grafted (graft_budget.py). Why only at T = 0:
+    a grafted tree is verified by `naive` at T > 0, which accepts fewer of the draft model's tokens than the
+    traversal rule auto uses otherwise; there `+suffixN` asks for that trade."""
+    return AUTO_SUFFIX if method == "auto" and greedy else 0
+
 
 @dataclass
 class SuffixOptions:
@@ -95,10 +109,12 @@ def speculation_tree(root_token: int, spec: Speculation) -> TokenTree:
 
 def graft_suffix_branches(tree: TokenTree, index: SuffixIndex, context: list[int], budget: int,
                           max_depth: int | None = None, min_match: int = 1, factor: float = 0.0,
-                          min_prob: float = 0.0) -> TokenTree:
+                          min_prob: float = 0.0, scores: dict[int, float] | None = None) -> TokenTree:
     """Add the `budget` most probable suffix continuations of `context` to `tree` (drafted by any policy), reusing
     children that already carry the same token (they stay credited to their first source, tree.py; suffix goes to
-    `also`); at most `budget` nodes are added, none deeper than `max_depth`.
+    `also`); at most `budget` nodes are added, none deeper than `max_depth`. New nodes are added most probable
+    first, parents before children, so every prefix of them is a tree; `scores`, if given, gets each new node's
+    empirical path probability (what graft_budget.py cuts the branch by).
 
     A node that gets a new child is marked DETERMINISTIC (its children are no longer all drawn from its draft
     distribution). A new node's prob is the draft's probability of its token where the parent recorded one (so the
@@ -114,6 +130,8 @@ def graft_suffix_branches(tree: TokenTree, index: SuffixIndex, context: list[int
         if node is None:
             dist = tree.child_dist.get(parent)
             node = tree.add(parent, c.token, float(dist[c.token]) if dist is not None else c.prob, source="suffix")
+            if scores is not None:
+                scores[node] = c.path_prob
             tree.child_rule[parent] = DrawRule.DETERMINISTIC
             kids[parent].append(node)
             kids.append([])
