@@ -21,6 +21,7 @@ from .drafting.ngram import add_ngram_branch
 from .drafting.suffix import default_suffix_nodes, graft_suffix_branches
 from .drafting.suffix_index import SuffixIndex
 from .models import check_session_support, make_session
+from .models.batching import sharing
 from .models.model_info import check_pair, context_window, eos_ids, pair_names
 from .sampling import SamplingConfig, make_generator
 from .tree import ORDERS, DrawRule, TokenTree
@@ -410,7 +411,8 @@ class SpeculativeDecoder:
                 room = min(max_new_tokens - len(new), window - len(context)) - 1  # tokens the tree may add
                 t0 = time.perf_counter()
                 calls0 = draft.forwards if draft else 0
-                tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0)))
+                tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0),
+                                                      sharing=sharing()))
                 if self.grafts:
                     tree = self._graft(tree, context, max(room, 0), budget, lookahead)
                 t1 = time.perf_counter()

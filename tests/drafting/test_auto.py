@@ -214,6 +214,19 @@ def test_cpu_costs_give_wide_shallow_trees_for_an_unsure_draft_and_deep_ones_for
     assert tree.depth >= 4 and len(tree) - 1 <= tree.depth + 2
 
 
+def test_in_a_batching_round_a_tree_must_pay_for_every_request_it_delays():
+    """Rows at 2/5 of a one-token forward: a sure draft's tree pays for one request alone. In a round of four requests
+    verified by one forward, each row delays all four, whose plain round commits 4 tokens in t(4): no tree pays."""
+    linear = CostCurve.from_measurements(SIZES, [0.05 + 0.02 * (n - 1) for n in SIZES])
+    p = [0.6, 0.2, 0.1, 0.1]
+    assert len(auto(CostModel(linear, flat(0.005)), p).draft(ctx_for(ConstSession(p)))) > 1
+    shared = auto(CostModel(linear, flat(0.005)), p)
+    ctx = ctx_for(ConstSession(p))
+    ctx.sharing = 4
+    assert len(shared.draft(ctx)) == 1 and shared._built.record["mode"] == "ar (objective)"
+    assert shared.costs.sharing == 4 and shared.costs.verify(2) == linear(8)  # four requests' two rows each
+
+
 @given(st.integers(2, 14), st.integers(0, 10**6), st.floats(0.3, 6.0), st.sampled_from([0.0, 0.7, 1.0]),
        st.integers(0, 6), st.integers(1, 20), st.floats(0.001, 0.5))
 @settings(max_examples=60, deadline=None)

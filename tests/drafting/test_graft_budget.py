@@ -172,3 +172,24 @@ def test_the_count_ratio_not_the_path_probability_is_what_a_node_is_judged_again
     before = [row[:] for row in budget.by_depth["suffix"]]
     budget.settle([10, 11, 99])
     assert [budget.by_depth["suffix"][d][0] - before[d][0] for d in (1, 2, 3)] == [0.5, 0.5, 0.5]
+
+
+def test_in_a_shared_forward_a_row_must_pay_for_every_request_it_delays():
+    """A row that pays for one request alone (a 1/4 chance against a tenth of a forward) does not when four
+    requests share the forward (objective.py, `CostModel.sharing`): it delays all four, whose round commits 4 tokens
+    in t(4)."""
+    shared = costs(0.005)
+    shared.sharing = 4
+    budget = seasoned(GraftBudget(costs(0.005)), "ngram", 40, 9)
+    assert budget.pays("ngram", 2, 0, 1.0, 0.05)
+    budget = seasoned(GraftBudget(shared), "ngram", 40, 9)
+    assert not budget.pays("ngram", 2, 0, 1.0, float(shared.verify(1)))
+    assert abs(budget.extra_seconds(0, 2) - 0.04) < 1e-12  # 4 x 2 more rows of the round's forward
+    lengths = []
+    for model in (costs(0.005), shared):
+        budget = judged(GraftBudget(model), [(100, 70)] * 6)
+        scores = {}
+        out, _ = budget.graft(TokenTree.root(1), "suffix", chain_graft(list(range(10, 16)), scores),
+                              [1.0, float(model.verify(1))], scores)
+        lengths.append(len(out))
+    assert lengths[1] < lengths[0]

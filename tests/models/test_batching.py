@@ -176,3 +176,15 @@ def test_can_batch_is_whether_the_forward_has_many():
             return x
 
     assert batching.can_batch(FakeModel()) and not batching.can_batch(Bare()) and not batching.can_batch(object())
+
+
+def test_a_step_knows_how_many_requests_share_its_forwards():
+    seen = []
+
+    def task():
+        seen.append(batching.sharing())
+
+    assert run([task, task, task]) == [None] * 3 and seen == [3, 3, 3]
+    seen.clear()
+    assert run([task, task], batch=False) == [None] * 2 and seen == [1, 1]  # one after another: nothing shared
+    assert batching.sharing() == 1

@@ -216,3 +216,16 @@ def test_the_scheduler_batches_requests_that_join_and_leave_and_a_failing_one_fa
     assert last[4].code == "internal_error" and "non-finite" in last[4].error
     assert [u.result.token_ids for u in last[:4]] == want and all(not u.error for u in last[:4])
     assert max(shared_forwards) >= 2
+
+
+def test_a_policy_drafts_knowing_how_many_requests_share_the_round(native, monkeypatch):
+    """The engine tells a policy how many requests its step's forwards serve (DraftContext.sharing): the round's size
+    in a batch, 1 alone. auto's costs count a round's rows for every request it delays (auto/objective.py)."""
+    dec = SpeculativeDecoder(native("q4_k"), native("draft"), method="chain", k=2)
+    seen, real = [], type(dec.policy).draft
+    monkeypatch.setattr(type(dec.policy), "draft", lambda self, ctx: seen.append(ctx.sharing) or real(self, ctx))
+    dec.generate_batch(PROMPTS[:2], max_new_tokens=6, concurrency=2, ignore_eos=True)
+    assert 2 in seen and set(seen) <= {1, 2}
+    seen.clear()
+    dec.fork().generate(PROMPTS[0], max_new_tokens=6, ignore_eos=True)
+    assert seen and set(seen) == {1}

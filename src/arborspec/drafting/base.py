@@ -26,6 +26,7 @@ class DraftContext:
     sampling: SamplingConfig  # the draft's own warp (its temperature may differ from the target's)
     generator: torch.Generator | None
     max_depth: int  # the tree may not go deeper than this (context window, tokens left to generate)
+    sharing: int = 1  # requests whose steps share this step's forwards (a batching round: models/batching.py)
 
 
 @dataclass

@@ -11,6 +11,11 @@ where E and T are the policy's expected tokens and predicted seconds for the tre
 auto/objective.py), N its drafted nodes, m the rows kept, t the measured verification curve. Sources are tried in the
 engine's order and E, T grow with each branch kept, so later sources must beat the tree as it stands.
 
+In a batching round (models/batching.py: B requests' trees verified by one forward) a row delays all B requests,
+while the round's forward costs far less than B forwards. The costs then count B times the rows (objective.py,
+`CostModel.sharing`), so E / T and a branch's extra seconds are the round's, per request. Without this, a branch worth
+its rows to one request alone made four batched requests 11% slower than plain batched decoding.
+
 What a branch is expected to gain depends on what its source says about its nodes:
 - **Unscored sources** (n-gram, lookahead: one guess per position) are kept or left out whole, with gain = m * a_s,
   a_s the source's acceptance per proposed node, learned online within the request (accepted / proposed, credited

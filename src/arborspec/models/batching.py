@@ -44,6 +44,13 @@ def forward(model, kwargs: dict, role: str = "target"):
     return model(**kwargs)
 
 
+def sharing() -> int:
+    """How many requests' steps share this thread's forwards: the size of the batching round it runs in, else 1.
+    A row added to one request's tree then delays every request of the round (drafting/graft_budget.py)."""
+    round_ = getattr(_local, "round", None)
+    return round_.size if round_ is not None else 1
+
+
 def run_round(tasks: list[Callable[[], None]], batch: bool) -> list[BaseException | None]:
     """Run every task once (one request's step each); each task's exception, or None. With `batch`, as a `Round`
     (forwards shared); without, one after another in this thread, as they would run alone."""
@@ -63,6 +70,7 @@ class Round:
     """One round of `n` steps (see the module docstring). `run` is called once, from the thread that owns it."""
 
     def __init__(self, n: int):
+        self.size = n
         self._cond = threading.Condition()
         self._state = [_READY] * n
         self._turn: int | None = None  # the step whose thread may run now; None: the coordinator's turn

@@ -44,12 +44,26 @@ class CostModel:
     overhead: float = 0.0
     draft_scale: float = 1.0
     verify_scale: float = 1.0
+    sharing: int = 1  # requests whose steps share every forward (a batching round, models/batching.py)
 
     def layer(self, w):
-        return self.draft_scale * self.draft(w)
+        return self.draft_scale * self.raw_draft(w)
 
     def verify(self, n):
-        return self.verify_scale * self.target(n)
+        return self.verify_scale * self.raw_verify(n)
+
+    # In a batching round of B = `sharing` requests, one forward runs every request's rows, and a row of one request
+    # delays all B. Taking every request's tree to be like this one, the round commits B E tokens in the seconds of
+    # forwards over B times the rows, so E / T with row counts times B is the round's rate over B: the objective
+    # stays the same expression and ranks trees by what they do to the round. (Without it, trees that paid for one
+    # request alone made four batched requests slower than plain batched decoding.)
+    def raw_draft(self, w):
+        """d(w) in this step's forward: the unscaled profile, at `sharing` times the rows."""
+        return self.draft(self.sharing * np.asarray(w))
+
+    def raw_verify(self, n):
+        """t(n) in this step's forward: the unscaled profile, at `sharing` times the rows."""
+        return self.target(self.sharing * np.asarray(n))
 
     def plain_step(self) -> float:
         """Predicted seconds per token of plain decoding (a root-only step)."""

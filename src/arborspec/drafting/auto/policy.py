@@ -174,6 +174,7 @@ class AutoPolicy(Policy):
             raise RuntimeError("the auto policy has no cost profile: build it through SpeculativeDecoder (which "
                                "profiles the models) or call use_costs()")
         self._track_generation(ctx.context)
+        self.costs.sharing = ctx.sharing  # rows of a batching round count for every request (objective.py)
         mode = self.guard.plan()
         session = ctx.session
         cached = getattr(session, "cached", None)  # (test stand-ins may not track it: then nothing is pending)
@@ -234,7 +235,7 @@ class AutoPolicy(Policy):
         if built.draft_raw > 0 and step.t_draft > 0:
             ratios["draft"].append(step.t_draft / built.draft_raw)
             costs.draft_scale = float(np.clip(np.median(ratios["draft"]), 0.1, 20.0))
-        raw_verify = float(costs.target(1 + step.tree_size))
+        raw_verify = float(costs.raw_verify(1 + step.tree_size))
         if raw_verify > 0 and step.t_verify > 0:
             ratios["verify"].append(step.t_verify / raw_verify)
             costs.verify_scale = float(np.clip(np.median(ratios["verify"]), 0.1, 20.0))

@@ -97,9 +97,9 @@ class TreeBuilder:
             fwd = frontier[: max(f, 1)]
             logits = self.ctx.session.forward(self.ctx.context, self.tree, fwd)  # (len(fwd), vocab)
             self.forwarded.append(len(fwd))
-            raw = float(self.costs.draft(len(fwd) + (self.pending if layer == 0 else 0)))
+            raw = float(self.costs.raw_draft(len(fwd) + (self.pending if layer == 0 else 0)))
             self.draft_raw += raw  # what the call really costs, catch-up included (for the measured/predicted ratio)
-            self.draft_time += self.costs.draft_scale * float(self.costs.draft(len(fwd)))  # the steady-state cost
+            self.draft_time += float(self.costs.layer(len(fwd)))  # the steady-state cost
             warped = self.ctx.sampling.probs(logits)
             plain = logits.float().softmax(dim=-1)
             new = self.select_greedy(fwd, warped, plain, forced) if self.greedy else \
