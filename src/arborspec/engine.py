@@ -448,11 +448,13 @@ class SpeculativeDecoder:
                     step.root_optimum = self._root_optimum(tree, logits, stats)
                 stats.steps.append(step)
                 self.policy.update(step)
-                stats.policy = self.policy.explain()
                 if budget is not None:
                     budget.observe(step.sources)
                     budget.settle(kept)
-                    stats.policy = dict(stats.policy, grafts=budget.describe())
+                if stats.finish_reason:  # the policy's account, once: auto's takes ~2 ms, paid B times a batching round
+                    stats.policy = self.policy.explain()
+                    if budget is not None:
+                        stats.policy = dict(stats.policy, grafts=budget.describe())
                 stats.new_tokens = len(new)
                 now = time.perf_counter()
                 if len(stats.steps) == 1:
