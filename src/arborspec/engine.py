@@ -63,7 +63,8 @@ class GenerationStats:
     t_total: float = 0.0
     t_measure: float = 0.0  # seconds spent on measure_optimum's statistics, left out of t_total and t_first_token
     steps: list[StepStats] = field(default_factory=list)
-    policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration, guard)
+    policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration,
+    # guard); the speculative loop fills it in when the generation ends, not at every step
 
     @property
     def n_steps(self) -> int:
