@@ -94,7 +94,7 @@ class Policy:
         calibration it saved for this pair and these settings."""
 
     def explain(self) -> dict:
-        """The policy's account of its choices so far, copied into `GenerationStats.policy` after each step."""
+        """The policy's account of its choices so far, copied into `GenerationStats.policy` when the generation ends."""
         return {}
 
     def estimate(self) -> list[float] | None:
