@@ -67,6 +67,10 @@ class _Graft:
     step: int  # the step it was grafted at
     scores: dict[int, float] = field(default_factory=dict)  # node -> empirical path probability (scored sources)
     judged: set[int] = field(default_factory=set)  # scored nodes already in the calibration
+    kids: list[list[int]] = field(init=False)  # trial's children lists, for the walk at every step until judged
+
+    def __post_init__(self):
+        self.kids = self.trial.children_lists()
 
 
 class GraftBudget:
@@ -138,7 +142,7 @@ class GraftBudget:
         waiting = []
         for g in self._pending:
             known = len(self.committed) - g.start
-            on, left = _walk(g.trial, self.committed[g.start:])
+            on, left = _walk(g.trial, g.kids, self.committed[g.start:])
             final = left or known >= max(g.trial.depths[g.first:]) or self._steps - g.step >= PATIENCE
             self._calibrate(g, on, known, final)
             if final:
@@ -194,11 +198,10 @@ class GraftBudget:
         first, new = len(tree), len(trial) - len(tree)
         if scores:
             kept, gain = self.best_prefix(source, trial, first, scores, *estimate)
-        elif new == 0 or self.proposed.get(source, 0) < WARMUP:
+        elif self.pays(source, new, first - 1, *estimate):  # (kept whole before WARMUP nodes: pays says so)
             kept, gain = new, new * self.acceptance(source)
         else:
-            pays = self.pays(source, new, first - 1, *estimate)
-            kept, gain = (new, new * self.acceptance(source)) if pays else (0, 0.0)
+            kept, gain = 0, 0.0
         if scores or kept < new:  # something to judge later: scored nodes, or nodes that were not verified
             self._pending.append(_Graft(source, trial, first, kept, len(self.committed), self._steps, scores))
         if kept == 0 and new:
@@ -210,10 +213,9 @@ class GraftBudget:
         return (trial if kept == new else trial.select(list(range(first + kept)))), True
 
 
-def _walk(tree: TokenTree, tokens: list[int]) -> tuple[set[int], bool]:
-    """The nodes reached by following `tokens` from the root, and whether that decides every node: the walk left
-    the tree (a token no child carries) or ended on a leaf."""
-    kids = tree.children_lists()
+def _walk(tree: TokenTree, kids: list[list[int]], tokens: list[int]) -> tuple[set[int], bool]:
+    """The nodes reached by following `tokens` from the root (`kids`: the tree's children lists), and whether that
+    decides every node: the walk left the tree (a token no child carries) or ended on a leaf."""
     node, on = 0, set()
     for tok in tokens:
         node = child_with_token(tree, kids[node], tok)

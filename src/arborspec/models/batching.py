@@ -70,13 +70,17 @@ class Round:
     """One round of `n` steps (see the module docstring). `run` is called once, from the thread that owns it."""
 
     def __init__(self, n: int):
-        self.size = n
         self._cond = threading.Condition()
         self._state = [_READY] * n
         self._turn: int | None = None  # the step whose thread may run now; None: the coordinator's turn
         self._calls: dict[int, tuple] = {}  # step -> (model, kwargs, role) it waits on
         self._outputs: dict[int, object] = {}  # step -> its forward's output, or the exception to raise
         self._errors: list[BaseException | None] = [None] * n
+
+    @property
+    def size(self) -> int:
+        """The number of steps in the round (models/batching.sharing)."""
+        return len(self._state)
 
     def run(self, tasks: list[Callable[[], None]]) -> list[BaseException | None]:
         threads = [threading.Thread(target=self._step, args=(i, task), name=f"arborspec-step-{i}", daemon=True)
