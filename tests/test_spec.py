@@ -121,14 +121,14 @@ def test_lookahead_levers_name_the_window_and_ngram():
     assert run_spec(args).lookahead == 6
 
 
-def test_auto_grafts_suffix_branches_by_default_at_temperature_zero_only():
-    """`auto` without a number: AUTO_SUFFIX nodes at T = 0 (exact under greedy), none at T > 0 (they would force
-    naive verification on the draft's trees); `+suffixN` and --suffix say otherwise, 0 turns them off."""
-    auto, chain = spec.parse("auto"), spec.parse("chain")
-    assert auto.suffix is None and spec.suffix_nodes(auto, 0.0) == AUTO_SUFFIX > 0
-    assert spec.suffix_nodes(auto, 0.7) == 0 and spec.suffix_nodes(chain, 0.0) == 0
-    assert spec.suffix_nodes(spec.parse("auto+suffix0"), 0.0) == 0
-    assert spec.suffix_nodes(spec.parse("auto+suffix4"), 1.0) == 4 == spec.suffix_nodes(spec.parse("chain+suffix4"), 0)
+def test_auto_grafts_suffix_branches_by_default():
+    """`auto` without a number: the spec leaves the number to the method (None), the engine grafts AUTO_SUFFIX nodes;
+    `+suffixN` and --suffix say otherwise, 0 turns them off; other methods graft none unless asked."""
+    from arborspec.drafting.suffix import default_suffix_nodes
+
+    assert spec.parse("auto").suffix is None and default_suffix_nodes("auto") == AUTO_SUFFIX > 0
+    assert spec.parse("chain").suffix is None and default_suffix_nodes("chain") == 0
+    assert spec.parse("auto+suffix0").suffix == 0 and spec.parse("chain+suffix4").suffix == 4
     assert run_spec(build_parser().parse_args(["generate", "--suffix", "0"])).suffix == 0
     assert run_spec(build_parser().parse_args(["generate"])).suffix is None
 
@@ -148,9 +148,13 @@ def test_build_decoder_runs_the_spec_exactly(models):
     dec = spec.build_decoder(spec.parse("ar+lookahead3x2+suffix4"), target)
     assert (dec.lookahead, dec.suffix, dec.draft) == ((3, 2, 3), 4, None)
     assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
-    for temperature, nodes in ((0.0, AUTO_SUFFIX), (1.0, 0)):
-        assert spec.build_decoder(spec.parse("auto"), target, draft, temperature=temperature).suffix == nodes
-        assert SpeculativeDecoder(target, draft, temperature=temperature).suffix == nodes  # the API's default too
+    # auto's default branches: on every tree at T = 0; at T > 0 only on bare trees, those verified by naive
+    for temperature, bare, verifier in ((0.0, False, "greedy"), (1.0, True, "traversal+naive")):
+        for dec in (spec.build_decoder(spec.parse("auto"), target, draft, temperature=temperature),
+                    SpeculativeDecoder(target, draft, temperature=temperature)):  # the API's default too
+            assert (dec.suffix, dec.bare_grafts, dec.verifier_name) == (AUTO_SUFFIX, bare, verifier)
+    asked = spec.build_decoder(spec.parse("auto+suffix4"), target, draft, temperature=1.0)  # asked for: every tree
+    assert (asked.suffix, asked.bare_grafts, asked.verifier_name) == (4, False, "naive")
     assert spec.build_decoder(spec.parse("auto+suffix0"), target, draft).suffix == 0
 
 

@@ -95,7 +95,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     levers.add_argument("--ngram-len", type=int, default=NGRAM_LEN, help="tokens per prompt-lookup branch")
     levers.add_argument("--suffix", type=int, default=None,
                         help="graft up to N suffix-tree nodes a step: the most frequent earlier continuations of the "
-                             "text's suffix (0 = off; default: 16 for auto at T = 0, else off; `--method suffix` "
+                             "text's suffix (0 = off; default: 16 for auto, at T > 0 only on steps it drafts nothing for; "
+                             "else off; `--method suffix` "
                              "drafts with them alone, no draft model)")
     levers.add_argument("--lookahead", type=int, default=0,
                         help="graft lookahead branches: a Jacobi window W guesses wide and the n-grams it found "

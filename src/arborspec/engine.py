@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -196,6 +196,18 @@ def torch_threads(n: int | None):
             torch.set_num_threads(before)
 
 
+def with_free_branches(tree: TokenTree, graft: Callable[[TokenTree], TokenTree], bare_only: bool, verifier,
+                       free_verifier) -> tuple[TokenTree, object]:
+    """(the step's tree, its verifier): `graft` adds the free branches (n-gram, suffix, lookahead) to the drafted
+    `tree`, or, with `bare_only`, only to a tree the policy left bare; a tree that got some is verified by
+    `free_verifier` (SpeculativeDecoder._grafts_bare_trees_only says why and when that is naive)."""
+    drafted = len(tree)
+    if bare_only and drafted > 1:
+        return tree, verifier
+    tree = graft(tree)
+    return tree, (free_verifier if len(tree) > drafted else verifier)
+
+
 class SpeculativeDecoder:
     """Tree speculative decoding of `target`, drafted by `draft`, with one policy and one verifier.
 
@@ -241,8 +253,11 @@ class SpeculativeDecoder:
         if ssm_tree not in ("packed", "unrolled"):
             raise ValueError(f"unknown ssm_tree {ssm_tree!r}; choose 'packed' or 'unrolled'")
         self.ssm_tree = ssm_tree  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
-        if suffix is None:  # the method's default: auto grafts suffix branches at T = 0 (drafting/suffix.py)
-            suffix = default_suffix_nodes(method, SamplingConfig(temperature, top_k, top_p).greedy)
+        # free branches the caller did not ask for (auto's default suffix branches) are grafted at T > 0 only onto
+        # the trees the policy left bare (`bare_grafts`, set with the verifier)
+        by_default = suffix is None and not ngram and not lookahead
+        if suffix is None:  # the method's default: auto grafts suffix branches (drafting/suffix.py)
+            suffix = default_suffix_nodes(method)
         for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
                             ("suffix_store", suffix_store)):
             check_int(value, name, 0)
@@ -274,7 +289,10 @@ class SpeculativeDecoder:
         self.draft_sampling = SamplingConfig(dt, top_k, top_p) if not self.sampling.greedy else SamplingConfig(0.0)
         if self.policy.needs_draft and self.draft is None:
             raise ValueError(f"method {method!r} needs a draft model")
+        self.bare_grafts = self._grafts_bare_trees_only(by_default, verifier)
         self.verifier = self._pick_verifier(verifier, allow_lossy)
+        # the verifier of a step whose tree carries free branches: naive when they go onto bare trees only
+        self.free_verifier = VERIFIERS["naive"]() if self.bare_grafts else self.verifier
         check_session_support(self.target)
         if self.draft is not None and self.policy.needs_draft:
             check_session_support(self.draft)
@@ -287,16 +305,40 @@ class SpeculativeDecoder:
         self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling)
 
     @property
+    def verifier_name(self) -> str:
+        """The verifier, as the stats report it: e.g. 'traversal+naive' when bare trees with free branches get naive."""
+        return self.verifier.name + ("+naive" if self.free_verifier is not self.verifier else "")
+
+    @property
     def grafts(self) -> bool:
         """Whether draft-free branches (n-gram, suffix, lookahead) are grafted onto every tree."""
         return bool(self.ngram or self.suffix or self.lookahead)
 
     # ---- construction checks ---------------------------------------------------------------------------------
+    def _grafts_bare_trees_only(self, by_default: bool, verifier: str | None) -> bool:
+        """Whether free branches go only onto the trees the policy leaves bare (the root alone), each such step
+        verified by naive, and the drafted trees, without them, by the policy's own verifier.
+
+        Why: at T > 0 free branches are deterministic children, which only verifiers exact for any tree (naive)
+        handle, and naive accepts fewer of a sampled draft's tokens than the policy's own rule (auto's traversal).
+        Mixing them would trade draft tokens for free ones; on a bare tree there is nothing to trade, so a step with
+        nothing drafted still gets them. Exact because the choice is made before anything is drawn: a policy decides
+        whether the root gets children before drawing any (auto: tree_builder.py; a plain or guard step, or no draft
+        model at all), so the drafted trees keep their distribution given that choice, and naive is exact for
+        whatever tree it is given. Only for free branches the caller did not ask for (auto's default suffix
+        branches), and only where the verifier (named, or the policy's own) is not exact for them; `+suffixN` (or
+        ngram, lookahead) at T > 0 asks for naive on every tree, and gets it."""
+        if not (by_default and self.grafts) or self.sampling.greedy:
+            return False
+        own = VERIFIERS.get(verifier or self.policy.default_verifier(self.sampling))
+        return own is not None and not fits(own, self.policy.draw_rules(self.draft_sampling) | {DrawRule.DETERMINISTIC},
+                                            False)
+
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
         rules = self.policy.draw_rules(self.draft_sampling)
         chain = self.policy.draws_chains
-        if self.grafts:  # grafted branches are deterministic children, and make chains into trees
+        if self.grafts and not self.bare_grafts:  # grafted branches are deterministic children, and make chains into trees
             rules, chain = rules | {DrawRule.DETERMINISTIC}, False
         if name is None:
             name = self.policy.default_verifier(self.sampling)
@@ -393,7 +435,7 @@ class SpeculativeDecoder:
         gen = make_generator(seed)
         eos = set() if ignore_eos else eos_ids(self.target, self.tokenizer)
         window = context_window(self.target)
-        stats = GenerationStats(self.policy.name, self.verifier.name, not self.verifier.exact, len(ids))
+        stats = GenerationStats(self.policy.name, self.verifier_name, not self.verifier.exact, len(ids))
         use_draft = self.policy.needs_draft and self.policy.uses_draft(len(ids), max_new_tokens)  # auto: can it pay?
         if (self.policy.plain or (self.policy.needs_draft and not use_draft)) and not self.grafts:
             yield from self._plain_steps(ids, max_new_tokens, stop, gen, eos, window, stats, t_start)
@@ -414,8 +456,11 @@ class SpeculativeDecoder:
                 calls0 = draft.forwards if draft else 0
                 tree = self.policy.draft(DraftContext(draft, context, self.draft_sampling, gen, max(room, 0),
                                                       sharing=sharing()))
+                verifier = self.verifier
                 if self.grafts:
-                    tree = self._graft(tree, context, max(room, 0), budget, lookahead)
+                    tree, verifier = with_free_branches(
+                        tree, lambda t: self._graft(t, context, max(room, 0), budget, lookahead), self.bare_grafts,
+                        self.verifier, self.free_verifier)
                 t1 = time.perf_counter()
                 # the target sees the tree packed in `token_order`; the verifier sees it as drafted (sibling order is
                 # drawing order) and the draft's cache keeps the drafted indices, so only target rows/slots are mapped
@@ -425,7 +470,7 @@ class SpeculativeDecoder:
                 at = torch.empty(len(order), dtype=torch.long)
                 at[torch.tensor(order)] = torch.arange(len(order))  # at[drafted node] = its packed position
                 logits = logits[at] if packed else logits  # (len(tree), vocab), rows in drafted order
-                verdict = self.verifier.verify(tree, logits, self.sampling, gen)
+                verdict = verifier.verify(tree, logits, self.sampling, gen)
                 if lookahead:
                     lookahead.observe(logits)  # the Jacobi step: the window's next guesses from this forward
                 t2 = time.perf_counter()

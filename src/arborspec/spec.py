@@ -16,7 +16,8 @@ A run spec is one decoding method with everything that shapes it, written as
   every tree), `+suffix` / `+suffix8` (suffix-tree branches), `+lookahead` / `+lookahead4` / `+lookahead4x3`
   (lookahead branches: a Jacobi window 4 guesses wide building 3-grams; drafting/lookahead.py). On `ar` these
   draft-free levers are the whole draft: `ar+lookahead` is lookahead decoding, `ar+suffix8` suffix decoding.
-  `auto` at T = 0 grafts suffix branches unless told otherwise (`suffix_nodes`; `auto+suffix0` turns them off).
+  `auto` grafts suffix branches unless told otherwise (drafting/suffix.py: default_suffix_nodes; at T > 0 only onto
+  the steps it drafts nothing for); `auto+suffix0` turns them off.
 
 `generate`'s flags compose the same spec (--method takes the whole grammar; --k, --verifier, --draft-quant,
 --ngram ... add to it), so the defaults live here once: method `auto`, the draft quantization measured fastest for
@@ -42,7 +43,6 @@ import torch
 
 from .drafting import POLICIES
 from .drafting.base import option_parser
-from .drafting.suffix import default_suffix_nodes
 from .engine import SpeculativeDecoder
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
@@ -79,11 +79,12 @@ class RunSpec:
     ngram: int = 0  # prompt-lookup branches matching up to this many tokens (0: off)
     ngram_len: int = NGRAM_LEN
     suffix: int | None = None  # suffix-tree branches: at most this many nodes a step (0: off; None: the method's
-    # default, suffix_nodes; drafting/suffix.py)
+    # default: drafting/suffix.py, default_suffix_nodes)
     lookahead: int = 0  # lookahead branches: the Jacobi window's width (0: off; drafting/lookahead.py)
     lookahead_ngram: int = LOOKAHEAD_DEFAULT[1]  # ... and the size of the n-grams it collects
     hf: dict | None = None  # a transformers baseline's generate() settings (bench/methods.py)
-    llamacpp: dict | None = None  # a llama.cpp peer's settings (bench/llamacpp_peers.py): {"lookup": drafted tokens}
+    llamacpp: dict | None = None  # a llama.cpp peer's settings (bench/llamacpp_peers.py): {"lookup": drafted tokens} or
+    # {"lookahead": True}
     size: Callable[[int], dict] | None = field(default=None, compare=False)  # budget -> policy options
 
     @property
@@ -135,6 +136,7 @@ METHODS: dict[str, RunSpec] = {m.name: m for m in [
     RunSpec("hf-lookup", None, hf={"prompt_lookup_num_tokens": 10}),
     RunSpec("llamacpp-ar", None, llamacpp={"lookup": 0}),  # plain llama.cpp decoding of the target's GGUF
     RunSpec("llamacpp-lookup", None, llamacpp={"lookup": 10}),  # llama-cpp-python's prompt-lookup speculation
+    RunSpec("llamacpp-lookahead", None, llamacpp={"lookahead": True}),  # llama.cpp's lookahead example program
 ]}
 
 
@@ -399,12 +401,6 @@ def _draft_backend(backend: str, target, draft: str) -> str:
     return "auto" if is_torch_model(target) else "llamacpp"
 
 
-def suffix_nodes(spec: RunSpec, temperature: float) -> int:
-    """The suffix-tree nodes a step may graft: what the spec says (`+suffixN`, 0 = off), else the method's default
-    (drafting/suffix.py: default_suffix_nodes; `auto` grafts them at T = 0)."""
-    return default_suffix_nodes(spec.policy, temperature == 0) if spec.suffix is None else spec.suffix
-
-
 def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   draft_temperature: float | None = None, budget: int | None = None,
                   **engine_options) -> SpeculativeDecoder:
@@ -417,5 +413,5 @@ def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, t
     return SpeculativeDecoder(
         target, draft if spec.needs_draft else None, method=spec.policy, temperature=temperature, top_k=top_k,
         top_p=top_p, draft_temperature=draft_temperature, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
-        ngram=spec.ngram, ngram_len=spec.ngram_len, suffix=suffix_nodes(spec, temperature), lookahead=spec.lookahead,
+        ngram=spec.ngram, ngram_len=spec.ngram_len, suffix=spec.suffix, lookahead=spec.lookahead,
         lookahead_ngram=spec.lookahead_ngram, **engine_options, **options)

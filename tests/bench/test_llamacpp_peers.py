@@ -62,3 +62,45 @@ def test_report_adds_the_llamacpp_speedup_column_only_when_that_peer_ran():
     assert "| 1.50 |" in row
     plain = render({"runs": [_run("ar", 20.0, "p0")], "settings": {"methods": ["ar"]}, "env": {}}, [])
     assert "llamacpp-ar" not in plain
+
+
+FAKE_LOOKAHEAD = r'''#!/usr/bin/env python3
+"""Prints what llama.cpp's llama-lookahead prints: the prompt, then the text (accepted tokens in colour) on stdout,
+the totals on stderr; records its arguments next to itself."""
+import pathlib, sys
+args = sys.argv[1:]
+pathlib.Path(__file__).with_suffix(".args").write_text("\n".join(args))
+prompt, n = args[args.index("-p") + 1], int(args[args.index("-n") + 1])
+sys.stdout.write("\n\n" + prompt + "ab\x1b[0;96mcd\x1b[0m\x1b[0;96mef\x1b[0mg" + "\n\n")
+sys.stderr.write(f"I encoded   5 tokens in    0.250 seconds, speed:   20.0 t/s\n"
+                 f"I decoded   7 tokens in    1.750 seconds, speed:    4.0 t/s\n\nI n_predict = 7\nI n_accept  = 4\n")
+'''
+
+
+def test_lookahead_peer_runs_the_program_and_reads_its_totals(tmp_path, monkeypatch, tokenizer):
+    """llamacpp-lookahead runs a program (llama.cpp's example): the prompt goes in as text with the run's settings,
+    the totals come back (7 tokens, 4 of them accepted: 3 steps; prompt + decoding seconds), the tokens are its text
+    after the prompt, colour codes removed. Without the program: a clear error saying how to get it."""
+    from arborspec.bench.llamacpp_peers import LOOKAHEAD_ENV, lookahead_generate
+
+    monkeypatch.setenv(LOOKAHEAD_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="llama-lookahead.*docs/llamacpp.md"):
+        lookahead_generate("m.gguf", [5, 6], 7, 0.0, 0, 1.0, False, 3, 2, tokenizer)
+    program = tmp_path / "fake-lookahead"
+    program.write_text(FAKE_LOOKAHEAD)
+    program.chmod(0o755)
+    monkeypatch.setenv(LOOKAHEAD_ENV, str(program))
+    ids = tokenizer("say hi:")["input_ids"]
+    out = lookahead_generate("m.gguf", ids, 7, 0.7, 20, 0.9, True, 3, 2, tokenizer)
+    assert tokenizer.decode(out["token_ids"]) == "abcdefg"
+    assert out["wall"] == pytest.approx(2.0) and out["ttft"] == pytest.approx(0.25)
+    assert sorted(out["committed_per_step"]) == [2, 2, 3] and sum(out["accepted_per_step"]) == 4
+    assert out["finish_reason"] == "length"
+    args = program.with_suffix(".args").read_text().split("\n")
+    for flag, value in (("-m", "m.gguf"), ("-p", tokenizer.decode(ids)), ("-n", "7"), ("--temp", "0.7"),
+                        ("--top-k", "20"), ("--top-p", "0.9"), ("-s", "3"), ("-t", "2")):
+        assert args[args.index(flag) + 1] == value
+    assert "--ignore-eos" in args
+    program.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    with pytest.raises(RuntimeError, match="exit 3.*broken"):
+        lookahead_generate("m.gguf", ids, 7, 0.0, 0, 1.0, False, 3, 2, tokenizer)

@@ -17,11 +17,15 @@ from arborspec.drafting.auto.calibration import Calibrator
 from arborspec.drafting.auto.guard import Guard
 from arborspec.drafting.auto.objective import CostModel, best_prefix, tree_rate
 from arborspec.drafting.auto.tree_builder import draw_new
-from arborspec.engine import StepStats
+from arborspec.drafting.suffix import graft_suffix_branches
+from arborspec.drafting.suffix_index import SuffixIndex
+from arborspec.engine import StepStats, with_free_branches
 from arborspec.isotonic import pool_adjacent_violators
 from arborspec.profile import CostCurve
 from arborspec.sampling import SamplingConfig, make_generator
 from arborspec.tree import DrawRule
+from arborspec.verify.naive import NaiveVerifier
+from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
 from tests.drafting.properties import check_tree
@@ -466,14 +470,18 @@ def test_budget_auto_on_dyspec_is_the_auto_policy(cheap_profile):
 
 
 def test_auto_verifies_its_sampled_trees_by_traversal(cheap_profile):
-    """Traversal at T > 0 (exact for auto's trees: tests/verify/test_adaptive_trees.py); naive once deterministic
-    n-gram branches are grafted (traversal is not exact for them); greedy at T = 0."""
+    """Traversal at T > 0 (exact for auto's trees: tests/verify/test_adaptive_trees.py), naive for the bare trees
+    its default suffix branches go onto; naive for all once n-gram branches are asked for (traversal is not exact
+    for deterministic children); greedy at T = 0."""
     target, draft = make_pair("llama")
-    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8).verifier.name == "traversal"
-    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, ngram=2).verifier.name == "naive"
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=0.8)
+    assert (dec.verifier.name, dec.free_verifier.name, dec.verifier_name) == ("traversal", "naive", "traversal+naive")
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, suffix=0).verifier_name == "traversal"
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, ngram=2).verifier_name == "naive"
     assert SpeculativeDecoder(target, draft, method="auto").verifier.name == "greedy"
     dec = SpeculativeDecoder(target, draft, method="auto", temperature=0.8, verifier="mbr")  # still the user's call
-    assert dec.verifier.name == "mbr"
+    assert dec.verifier_name == "mbr+naive"
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, verifier="naive").verifier_name == "naive"
 
 
 def test_stats_explain_the_choices(cheap_profile):
@@ -502,11 +510,16 @@ class LearningTableDecoder:
     with the accepted path and random step times, so calibration, cost scales and the guard all move between (and
     within) samples; the tree of a step still never sees that step's verdict."""
 
-    def __init__(self, table_decoder, seed: int = 0):
+    def __init__(self, table_decoder, seed: int = 0, suffix: int = 0):
         self.d = table_decoder
         self.vocab = table_decoder.vocab
         self.rng = random.Random(seed)
         self.shapes: set[tuple[int, int]] = set()  # (depth, widest layer) of the trees drafted
+        # with `suffix`: auto's default suffix branches at T > 0, as the engine grafts them (onto bare trees only,
+        # verified by naive: engine.with_free_branches); the index persists across samples, so trees vary
+        self.index = SuffixIndex(8, 4) if suffix else None
+        self.suffix = suffix
+        self.grafted_accepted = 0  # accepted suffix nodes
 
     def generate(self, prompt, max_new_tokens, seed=None, ignore_eos=True, generator=None):
         from tests.verify.harness import TableResult
@@ -519,9 +532,15 @@ class LearningTableDecoder:
         while len(out.token_ids) < max_new_tokens:
             room = horizon - len(out.token_ids) - 1
             tree = d.policy.draft(DraftContext(draft, context, d.draft_sampling, gen, max(room, 0)))
-            logits = target.forward(context, tree, list(range(len(tree))))
-            verdict = d.verifier.verify(tree, logits, d.sampling, gen)
             self.shapes.add((tree.depth, max(tree.widths())))
+            verifier = d.verifier
+            if self.index is not None:
+                tree, verifier = with_free_branches(
+                    tree, lambda t: graft_suffix_branches(t, self.index, context, self.suffix, max(room, 0)), True,
+                    d.verifier, NaiveVerifier())
+            logits = target.forward(context, tree, list(range(len(tree))))
+            verdict = verifier.verify(tree, logits, d.sampling, gen)
+            self.grafted_accepted += sum(tree.sources[n] == "suffix" for n in verdict.path)
             kept = ([tree.tokens[i] for i in verdict.path] + [verdict.bonus])[: max_new_tokens - len(out.token_ids)]
             target.commit([0] + verdict.path)
             draft.commit([0] + verdict.path)
@@ -549,6 +568,28 @@ def test_sampled_output_follows_the_target_distribution(verifier):
     assert "fallback" in actions  # the guard did switch during sampling
     assert (0, 1) in dec.shapes and any(depth >= 2 and width >= 2 for depth, width in dec.shapes)
     assert policy.calibrator.trials.sum() > 100
+
+
+@pytest.mark.slow
+def test_default_suffix_branches_on_bare_trees_keep_the_target_distribution():
+    """auto's default at T = 1: suffix branches only on the trees auto leaves bare (guard fallbacks, steps where no
+    child pays), those verified by naive, the drafted ones by traversal without them: the first tokens keep the
+    target's distribution, with both kinds of step and accepted suffix nodes among the samples."""
+    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
+                                      sample_outputs, samples_needed)
+
+    vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1, 3, 1]  # the prompt repeats, so suffix branches are drafted
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
+    dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="traversal", temperature=1.0,
+                                            horizon=horizon), suffix=4)
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)
+    assert (0, 1) in dec.shapes and any(depth >= 1 for depth, _ in dec.shapes)  # bare and drafted steps
+    assert dec.grafted_accepted > 100
 
 
 def test_bench_knows_auto():
@@ -595,6 +636,27 @@ def test_auto_leaves_the_draft_alone_when_no_tree_could_pay():
     dec.policy.use_costs(gentle)
     res = dec.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True)
     assert res.token_ids == ref.token_ids and sum(s.draft_calls for s in res.stats.steps) > 0
+
+
+def test_at_temperature_auto_grafts_its_default_suffix_branches_only_onto_bare_trees(cheap_profile):
+    """At T > 0 a step either keeps the draft's tree (traversal, nothing grafted) or, when auto drafts nothing (here:
+    a draft too slow to pay, so it is never called), gets suffix branches verified by naive; on a repetitive text
+    those are accepted."""
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    prompt = [5, 6, 7, 8, 9] * 4
+    for costs, drafts in ((CostModel(T_CPU, flat(10.0)), False), (CostModel(T_CPU, D_CPU), True)):
+        dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, top_k=2, record_trees=True,
+                                 remember=False)  # top-2 sampling: a text that repeats itself, now and then
+        dec.policy.use_costs(costs)
+        res = dec.generate(prompt, max_new_tokens=40, ignore_eos=True, seed=0)
+        assert res.stats.verifier == "traversal+naive"
+        trees = [set(s.tree["sources"][1:]) for s in res.stats.steps]
+        assert not any({"draft", "suffix"} <= t for t in trees)  # never both in one tree
+        if not drafts:
+            assert sum(s.draft_calls for s in res.stats.steps) == 0
+            assert res.stats.sources["suffix"]["accepted"] > 0
+        else:
+            assert sum(s.draft_calls for s in res.stats.steps) > 0
 
 
 def test_auto_drafts_only_when_the_expected_rate_beats_plain_decoding_by_the_guards_margin():

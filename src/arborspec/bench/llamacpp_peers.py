@@ -4,6 +4,12 @@
   no draft): the baseline that the llama.cpp backend's guard must never fall below.
 - `llamacpp-lookup`: llama-cpp-python's own speculation, prompt-lookup drafting (`LlamaPromptLookupDecoding`): the
   speculative decoding a Python user of llama.cpp gets today.
+- `llamacpp-lookahead`: llama.cpp's lookahead decoding example (`llama-lookahead`, Fu et al.'s Jacobi window and
+  n-gram pool; W = 15, N = 5, G = 15 fixed in its source). llama-cpp-python does not ship it: a user builds it from
+  llama.cpp's source (docs/llamacpp.md, "Lookahead peer") and names it in $ARBORSPEC_LLAMA_LOOKAHEAD. It runs as a
+  program, so it reads the prompt as text and prints text: the prompt is the ids decoded, the tokens are its output
+  text encoded again, and only totals come back (tokens, accepted tokens, prompt and decoding seconds), so a step's
+  share is the mean one.
 
 Both run the same GGUF file as the arborspec llama.cpp backend, with the same thread count. Sampling uses llama.cpp's
 sampler (temperature -> top-k -> top-p, seeded), so at T > 0 the token streams are draws from the same distribution
@@ -11,8 +17,13 @@ as arborspec's, not the same draws.
 """
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
 import time
 
+LOOKAHEAD_ENV = "ARBORSPEC_LLAMA_LOOKAHEAD"  # path of llama.cpp's llama-lookahead program (llamacpp-lookahead)
 LOOKUP_TOKENS = 10  # drafted tokens per step for llamacpp-lookup (llama-cpp-python's documented example)
 
 _LOADED: dict[tuple, object] = {}  # (path, lookup, threads, n_ctx) -> Llama; loading takes seconds, runs reuse it
@@ -83,6 +94,49 @@ def llamacpp_generate(path: str, ids: list[int], max_new_tokens: int, temperatur
         committed_per_step=committed, accepted_per_step=[max(n - 1, 0) for n in committed],
         drafted_per_step=drafted, finish_reason="eos" if new and new[-1] in eos else "length",
     )
+
+
+def lookahead_program() -> str:
+    """The llama-lookahead program: $ARBORSPEC_LLAMA_LOOKAHEAD, else `llama-lookahead` on the PATH."""
+    path = os.environ.get(LOOKAHEAD_ENV) or shutil.which("llama-lookahead")
+    if not path or not os.access(path, os.X_OK):
+        raise ValueError(f"llamacpp-lookahead runs llama.cpp's llama-lookahead program, which llama-cpp-python does "
+                         f"not ship: build it from llama.cpp's source (docs/llamacpp.md, 'Lookahead peer') and set "
+                         f"{LOOKAHEAD_ENV} to its path" + (f" ({path!r} is not an executable)" if path else ""))
+    return path
+
+
+_TOTALS = {"enc": re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+           "dec": re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds"),
+           "accept": re.compile(r"n_accept\s*=\s*(\d+)")}
+
+
+def lookahead_generate(path: str, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                       ignore_eos: bool, seed: int | None, n_threads: int, tokenizer, n_ctx: int = 4096) -> dict:
+    """Run llama-lookahead once on the prompt `ids` (decoded to text; the program tokenizes it, special tokens
+    included); the fields a bench run records. The wall time is the program's own prompt + decoding seconds (not its
+    start or model load, as the other peers keep their model loaded)."""
+    prompt = tokenizer.decode(ids)
+    cmd = [lookahead_program(), "-m", path, "-p", prompt, "-n", str(max_new_tokens), "-c", str(n_ctx),
+           "-t", str(n_threads), "-tb", str(n_threads), "--temp", str(temperature), "--top-k", str(top_k),
+           "--top-p", str(top_p), "--min-p", "0", "--repeat-penalty", "1", "-s", str(seed or 0)]
+    if ignore_eos:
+        cmd.append("--ignore-eos")
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=600)
+    log = done.stdout + done.stderr
+    found = {k: rx.search(log) for k, rx in _TOTALS.items()}
+    if done.returncode != 0 or not all(found.values()):
+        raise RuntimeError(f"llama-lookahead failed (exit {done.returncode}): {log.strip()[-400:]}")
+    n_new, t_enc, t_dec = int(found["dec"].group(1)), float(found["enc"].group(2)), float(found["dec"].group(2))
+    accepted = int(found["accept"].group(1))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)  # accepted tokens are printed in colour
+    text = text[text.find(prompt) + len(prompt):] if prompt in text else text
+    steps = max(n_new - accepted, 1)  # each step commits 1 + its accepted tokens
+    committed = [n_new // steps + (i < n_new % steps) for i in range(steps)]  # totals only: the mean split
+    return dict(token_ids=tokenizer(text.strip("\n"), add_special_tokens=False)["input_ids"][:n_new],
+                wall=t_enc + t_dec, ttft=t_enc, committed_per_step=committed,
+                accepted_per_step=[max(n - 1, 0) for n in committed], drafted_per_step=None,
+                finish_reason="length" if n_new >= max_new_tokens else "eos")
 
 
 def llamacpp_info() -> dict | None:

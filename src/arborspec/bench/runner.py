@@ -44,14 +44,15 @@ from tqdm import tqdm
 
 from ..cache import write_json
 from ..drafting.base import parse_int_list
+from ..drafting.suffix import default_suffix_nodes
 from ..models.loading import ALIASES, alias_gguf
 from ..models.model_info import eos_ids
 from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
-                    parse, prepare_draft, resolve_quant, split_methods, suffix_nodes)
+                    parse, prepare_draft, resolve_quant, split_methods)
 from . import metrics
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
-from .llamacpp_peers import llamacpp_generate, llamacpp_info
+from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
 from .methods import hf_generate
 from .report import write_report
 
@@ -218,8 +219,11 @@ class Bench:
                        sources=None)
             return out
         if cfg.spec.llamacpp is not None:
-            out = llamacpp_generate(str(self.target_gguf()), ids, max_new_tokens, cfg.temperature, self.s.top_k,
-                                    self.s.top_p, self.eos, seed, torch.get_num_threads(), **cfg.spec.llamacpp)
+            args = (str(self.target_gguf()), ids, max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p)
+            if cfg.spec.llamacpp.get("lookahead"):  # a program, not the Python binding (llamacpp_peers.py)
+                out = lookahead_generate(*args, self.s.ignore_eos, seed, torch.get_num_threads(), self.tokenizer)
+            else:
+                out = llamacpp_generate(*args, self.eos, seed, torch.get_num_threads(), **cfg.spec.llamacpp)
             out.update(verifier="llama.cpp", lossy=False, t_prefill=None, t_draft=None, t_verify=None,
                        node_outcomes=None, sources=None)
             return out
@@ -247,7 +251,8 @@ class Bench:
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
                    lossy=cfg.spec.lossy, draft_quant=None, draft_vocab=cfg.spec.vocab,
-                   ngram=cfg.spec.ngram, suffix=suffix_nodes(cfg.spec, cfg.temperature),
+                   ngram=cfg.spec.ngram,
+                   suffix=default_suffix_nodes(cfg.spec.policy) if cfg.spec.suffix is None else cfg.spec.suffix,
                    lookahead=cfg.spec.lookahead, error=None)
         rss0 = current_rss_mb()
         try:

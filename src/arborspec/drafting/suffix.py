@@ -24,19 +24,20 @@ from ..tree import DrawRule, TokenTree
 from .base import DraftContext, Policy, check_int, opt
 from .suffix_index import Speculation, SuffixIndex
 
-AUTO_SUFFIX = 16  # suffix nodes `auto` may graft a step at T = 0 when the caller names no number (default_suffix_nodes)
+AUTO_SUFFIX = 16  # suffix nodes `auto` may graft a step when the caller names no number (default_suffix_nodes)
 
 
-def default_suffix_nodes(method: str | None, greedy: bool) -> int:
-    """How many suffix nodes a step of `method` grafts when the caller does not say: `AUTO_SUFFIX` for `auto` at
-    T = 0, else none.
+def default_suffix_nodes(method: str | None) -> int:
+    """How many suffix nodes a step of `method` grafts when the caller does not say: `AUTO_SUFFIX` for `auto`, else
+    none.
 
     Why auto grafts them: where the answer repeats its prompt (code edits, quoting) they are the only drafts that pay
     on a CPU whose draft model cannot (docs/suffix.md), and auto's budget cuts each branch to the prefix whose
-    measured acceptance pays for its rows, so where they miss little is grafted (graft_budget.py). Why only at T = 0:
-    a grafted tree is verified by `naive` at T > 0, which accepts fewer of the draft model's tokens than the
-    traversal rule auto uses otherwise; there `+suffixN` asks for that trade."""
-    return AUTO_SUFFIX if method == "auto" and greedy else 0
+    measured acceptance pays for its rows, so where they miss little is grafted (graft_budget.py). At T > 0 the
+    engine grafts these default branches only onto the trees auto leaves bare, verified by naive, and keeps
+    traversal for the drafted ones (engine.py: `_grafts_bare_trees_only`); `+suffixN` there asks for naive on every
+    tree."""
+    return AUTO_SUFFIX if method == "auto" else 0
 
 
 @dataclass
