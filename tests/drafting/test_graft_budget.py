@@ -77,6 +77,32 @@ def test_auto_drops_free_branches_that_do_not_pay_and_keeps_them_where_rows_are_
             assert all(g["dropped"] == 0 for g in grafts.values()) and any(s.tree_size > 0 for s in late)
 
 
+def test_the_draft_free_mode_prices_its_branches_with_the_targets_measured_costs(monkeypatch):
+    """`ar` with free branches (the draft-free mode) measures the target's curve when the decoder is built (only then:
+    plain `ar` measures nothing) and prices the branches as auto does: left out once measured where rows are as steep
+    as llama.cpp's, kept where they are free; the output is the target's greedy text either way."""
+    from arborspec import profile
+
+    measured = []
+    monkeypatch.setattr(profile, "profile_model", lambda model, **kw: measured.append(model) or (curve(0.0), "cache"))
+    target, _ = make_pair("llama", seed=3, noise=0.0)
+    prompt = repetitive_prompt()
+    ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=60, ignore_eos=True)
+    assert measured == [] and ref.stats.n_steps == 60
+    for per_row, dropped in ((0.05, True), (0.0, False)):
+        dec = SpeculativeDecoder(target, method="ar", suffix=4, lookahead=2)
+        assert measured[-1] is target and dec.policy.estimate() == [1.0, 0.05]
+        dec.policy.costs = CostModel(curve(per_row), curve(per_row))
+        res = dec.generate(prompt, max_new_tokens=60, ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+        grafts = res.stats.policy["grafts"]
+        late = res.stats.steps[-10:]
+        if dropped:
+            assert sum(g["dropped"] for g in grafts.values()) > 0 and all(s.tree_size == 0 for s in late)
+        else:
+            assert all(g["dropped"] == 0 for g in grafts.values()) and any(s.tree_size > 0 for s in late)
+
+
 def test_a_left_out_branch_is_judged_once_the_tokens_after_it_are_known():
     tree = TokenTree.root(5)
     budget = seasoned(GraftBudget(costs(0.05)), "suffix", 40, 0)

@@ -38,7 +38,7 @@ calibration learns from every step; a branch's flat counts once all of it is dec
 passed). So a source that starts to fit the text comes back, even while steps commit one token each, and a scored
 source needs no warm-up: it grafts what the prior pays for and learns from the rest. An unscored source that has
 proposed fewer than `WARMUP` nodes is kept whole: its acceptance must be measured before it can be judged. Policies
-without measured costs (every policy but auto) keep every branch, as asked.
+without measured costs (every policy but auto and ar) keep every branch, as asked.
 """
 from __future__ import annotations
 
