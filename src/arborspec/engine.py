@@ -289,8 +289,11 @@ class SpeculativeDecoder:
         self.draft_sampling = SamplingConfig(dt, top_k, top_p) if not self.sampling.greedy else SamplingConfig(0.0)
         if self.policy.needs_draft and self.draft is None:
             raise ValueError(f"method {method!r} needs a draft model")
-        self.bare_grafts = self._grafts_bare_trees_only(by_default, verifier)
+        self.bare_grafts = self._grafts_bare_trees_only(by_default)
         self.verifier = self._pick_verifier(verifier, allow_lossy)
+        if self.bare_grafts and fits(type(self.verifier), self.policy.draw_rules(self.draft_sampling)
+                                     | {DrawRule.DETERMINISTIC}, False):
+            self.bare_grafts = False  # its verifier is exact for free branches too (naive): they go onto every tree
         # the verifier of a step whose tree carries free branches: naive when they go onto bare trees only
         self.free_verifier = VERIFIERS["naive"]() if self.bare_grafts else self.verifier
         check_session_support(self.target)
@@ -317,7 +320,7 @@ class SpeculativeDecoder:
         return bool(self.ngram or self.suffix or self.lookahead)
 
     # ---- construction checks ---------------------------------------------------------------------------------
-    def _grafts_bare_trees_only(self, by_default: bool, verifier: str | None) -> bool:
+    def _grafts_bare_trees_only(self, by_default: bool) -> bool:
         """Whether free branches go only onto the trees the policy leaves bare (the root alone), each such step
         verified by naive, and the drafted trees, without them, by the policy's own verifier.
 
@@ -328,13 +331,9 @@ class SpeculativeDecoder:
         whether the root gets children before drawing any (auto: tree_builder.py; a plain or guard step, or no draft
         model at all), so the drafted trees keep their distribution given that choice, and naive is exact for
         whatever tree it is given. Only for free branches the caller did not ask for (auto's default suffix
-        branches), and only where the verifier (named, or the policy's own) is not exact for them; `+suffixN` (or
-        ngram, lookahead) at T > 0 asks for naive on every tree, and gets it."""
-        if not (by_default and self.grafts) or self.sampling.greedy:
-            return False
-        own = VERIFIERS.get(verifier or self.policy.default_verifier(self.sampling))
-        return own is not None and not fits(own, self.policy.draw_rules(self.draft_sampling) | {DrawRule.DETERMINISTIC},
-                                            False)
+        branches), and only where the verifier picked for the drafted trees is not exact for them (checked in
+        __init__); `+suffixN` (or ngram, lookahead) at T > 0 asks for naive on every tree, and gets it."""
+        return by_default and self.grafts and not self.sampling.greedy
 
     def _pick_verifier(self, name: str | None, allow_lossy: bool):
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)

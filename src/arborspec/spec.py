@@ -5,7 +5,8 @@ A run spec is one decoding method with everything that shapes it, written as
     NAME[(option=value,...)][@BUDGET][+LEVER...]
 
 - NAME: a tree policy (`arborspec methods`), one of the named variants in METHODS below (`sps`, `wetap-lossy`, ...),
-  or, for `arborspec bench` only, a transformers baseline (`hf-ar`, `hf-assisted`, `hf-lookup`);
+  or, for `arborspec bench` only, a transformers or llama.cpp baseline (`hf-ar`, `hf-assisted`, `hf-lookup`,
+  `llamacpp-ar`, `llamacpp-lookup`, `llamacpp-lookahead`);
 - `(option=value,...)`: policy options, e.g. `dynatree(adapt=false)`, `static(widths=3,3,3,3)` (a value may hold
   commas); `verifier=NAME` picks the verification rule, e.g. `chain(verifier=asps)`;
 - `@BUDGET`: drafted tokens per step, mapped to the policy's own size option (`chain@5` is k = 5, `static@16` four

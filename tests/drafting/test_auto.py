@@ -482,6 +482,8 @@ def test_auto_verifies_its_sampled_trees_by_traversal(cheap_profile):
     dec = SpeculativeDecoder(target, draft, method="auto", temperature=0.8, verifier="mbr")  # still the user's call
     assert dec.verifier_name == "mbr+naive"
     assert SpeculativeDecoder(target, draft, method="auto", temperature=0.8, verifier="naive").verifier_name == "naive"
+    greedy_draft = SpeculativeDecoder(target, draft, method="auto", temperature=0.8, draft_temperature=0.0)
+    assert greedy_draft.verifier_name == "naive" and not greedy_draft.bare_grafts  # naive anyway: every tree
 
 
 def test_stats_explain_the_choices(cheap_profile):

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import library
-from arborspec.kernels.reference import ACTIVATION_BLOCK, quantize_activations, reference_matmul
+from arborspec.kernels.reference import ACTIVATION_BLOCK, quantize_activations
 
 from .blocks import KINDS, random_blocks
 
@@ -25,6 +25,18 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, matrix: QuantMatrix, x: tor
     assert torch.all(err <= 1e-5 * bound + 1e-30), (err / bound).max().item()
 
 
+def assert_same_activations(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, qtype) -> None:
+    """The kernel's 8-bit activations are the reference's, except where x / scale falls within float rounding of a
+    half: the two compute it in different float orders, so such a tie may round the other way, one step off."""
+    block = ACTIVATION_BLOCK[qtype]
+    m, k = x.shape
+    step = x.reshape(m, k // block, block).abs().amax(dim=-1, keepdim=True) / 127  # one 8-bit step of each block
+    step = step.expand(m, k // block, block).reshape(m, k)
+    off = ~torch.isclose(got, want, rtol=1e-6, atol=1e-7)
+    assert torch.all((got - want).abs()[off] <= 1.01 * step[off])
+    assert off.sum() <= max(1, got.numel() // 1000), int(off.sum())
+
+
 @settings(max_examples=60, deadline=None)
 @given(qtype=st.sampled_from(KINDS), n=st.integers(1, 40), blocks=st.integers(1, 3), m=st.integers(1, 33),
        seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([1e-3, 1.0, 40.0]))
@@ -33,7 +45,10 @@ def test_kernels_equal_the_reference(qtype, n, blocks, m, seed, magnitude):
     k = blocks * ACTIVATION_BLOCK[qtype]
     matrix = QuantMatrix(random_blocks(qtype, n, k, rng, magnitude), qtype, n, k)
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * float(rng.choice([1e-3, 1.0, 30.0]))
-    ref = reference_matmul(matrix, x)
+    acts = library().activations(x, qtype)  # what both code paths multiply by
+    assert_same_activations(acts, quantize_activations(x, qtype), x, qtype)
+    # the reference on the kernel's own activations (reference_matmul's, but for a tie rounded the other way)
+    ref = acts.double() @ matrix.dequantize().double().T
     for scalar in PATHS:
         assert_close(matrix(x, scalar=scalar), ref, matrix, x)
 
