@@ -48,7 +48,7 @@ FAMILIES = {  # name: (method, options, candidate rules, the first being the ref
     "sampled": ("static", TREE, ["naive", "mbr", "traversal"]),
     "iid": ("static", dict(TREE, draw="iid"), ["naive", "mss", "traversal"]),
     "greedy": ("static", dict(TREE, draw="greedy"), ["naive", "greedy-draft"]),
-    "auto": ("auto", dict(guard=False), ["naive", "mbr", "traversal"]),
+    "auto": ("auto", dict(guard=False, suffix=0), ["naive", "mbr", "traversal"]),  # the drafted trees alone
 }
 
 
@@ -73,7 +73,7 @@ def measure(target, draft, family: str, temperature: float, prompts: list, max_n
     method, options, candidates = FAMILIES[family]
     dec = SpeculativeDecoder(target, draft, method=method, temperature=temperature, top_k=0, top_p=1.0, **options)
     for name in candidates:  # the engine's own check: refuses a rule that is not exact for these trees
-        dec._pick_verifier(name, allow_lossy=False)
+        dec._pick_verifier(name, allow_lossy=False, free=dec.grafts and not dec.bare_grafts)
     recorder = SameTrees(dec.verifier, candidates)
     dec.verifier = recorder
     per_prompt = []

@@ -129,6 +129,7 @@ def test_auto_grafts_suffix_branches_by_default():
     assert spec.parse("auto").suffix is None and default_suffix_nodes("auto") == AUTO_SUFFIX > 0
     assert spec.parse("chain").suffix is None and default_suffix_nodes("chain") == 0
     assert spec.parse("auto+suffix0").suffix == 0 and spec.parse("chain+suffix4").suffix == 4
+    assert [spec.parse(m).suffix_nodes for m in ("auto", "chain", "auto+suffix0", "chain+suffix4")] == [AUTO_SUFFIX, 0, 0, 4]
     assert run_spec(build_parser().parse_args(["generate", "--suffix", "0"])).suffix == 0
     assert run_spec(build_parser().parse_args(["generate"])).suffix is None
 

@@ -289,11 +289,10 @@ class SpeculativeDecoder:
         self.draft_sampling = SamplingConfig(dt, top_k, top_p) if not self.sampling.greedy else SamplingConfig(0.0)
         if self.policy.needs_draft and self.draft is None:
             raise ValueError(f"method {method!r} needs a draft model")
-        self.bare_grafts = self._grafts_bare_trees_only(by_default)
-        self.verifier = self._pick_verifier(verifier, allow_lossy)
-        if self.bare_grafts and fits(type(self.verifier), self.policy.draw_rules(self.draft_sampling)
-                                     | {DrawRule.DETERMINISTIC}, False):
-            self.bare_grafts = False  # its verifier is exact for free branches too (naive): they go onto every tree
+        # at T > 0 the default free branches may stay off the drafted trees, whose verifier need not take them then
+        may_stay_off = by_default and self.grafts and not self.sampling.greedy
+        self.verifier = self._pick_verifier(verifier, allow_lossy, free=self.grafts and not may_stay_off)
+        self.bare_grafts = may_stay_off and self._grafts_bare_trees_only()
         # the verifier of a step whose tree carries free branches: naive when they go onto bare trees only
         self.free_verifier = VERIFIERS["naive"]() if self.bare_grafts else self.verifier
         check_session_support(self.target)
@@ -320,7 +319,7 @@ class SpeculativeDecoder:
         return bool(self.ngram or self.suffix or self.lookahead)
 
     # ---- construction checks ---------------------------------------------------------------------------------
-    def _grafts_bare_trees_only(self, by_default: bool) -> bool:
+    def _grafts_bare_trees_only(self) -> bool:
         """Whether free branches go only onto the trees the policy leaves bare (the root alone), each such step
         verified by naive, and the drafted trees, without them, by the policy's own verifier.
 
@@ -331,15 +330,18 @@ class SpeculativeDecoder:
         whether the root gets children before drawing any (auto: tree_builder.py; a plain or guard step, or no draft
         model at all), so the drafted trees keep their distribution given that choice, and naive is exact for
         whatever tree it is given. Only for free branches the caller did not ask for (auto's default suffix
-        branches), and only where the verifier picked for the drafted trees is not exact for them (checked in
-        __init__); `+suffixN` (or ngram, lookahead) at T > 0 asks for naive on every tree, and gets it."""
-        return by_default and self.grafts and not self.sampling.greedy
+        branches, at T > 0: __init__ asks only then), and only where the verifier picked for the drafted trees is not
+        exact for them (a greedy draft's: naive, which takes them on every tree); `+suffixN` (or ngram, lookahead) at
+        T > 0 asks for naive on every tree, and gets it."""
+        rules = self.policy.draw_rules(self.draft_sampling) | {DrawRule.DETERMINISTIC}
+        return not fits(type(self.verifier), rules, False)
 
-    def _pick_verifier(self, name: str | None, allow_lossy: bool):
+    def _pick_verifier(self, name: str | None, allow_lossy: bool, free: bool):
+        """The verifier for the drafted trees; with `free`, for the free branches grafted onto them too."""
         # how children are really drawn depends on the draft's own warp (a greedy draft picks them deterministically)
         rules = self.policy.draw_rules(self.draft_sampling)
         chain = self.policy.draws_chains
-        if self.grafts and not self.bare_grafts:  # grafted branches are deterministic children, and make chains into trees
+        if free:  # grafted branches are deterministic children, and make chains into trees
             rules, chain = rules | {DrawRule.DETERMINISTIC}, False
         if name is None:
             name = self.policy.default_verifier(self.sampling)

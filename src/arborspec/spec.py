@@ -44,6 +44,7 @@ import torch
 
 from .drafting import POLICIES
 from .drafting.base import option_parser
+from .drafting.suffix import default_suffix_nodes
 from .engine import SpeculativeDecoder
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
@@ -95,6 +96,12 @@ class RunSpec:
         if self.llamacpp is not None:
             return False
         return POLICIES[self.policy].needs_draft
+
+    @property
+    def suffix_nodes(self) -> int:
+        """The suffix-tree nodes a step may graft: `suffix` as given, else the method's default (the engine resolves
+        None the same way; drafting/suffix.py: default_suffix_nodes)."""
+        return default_suffix_nodes(self.policy) if self.suffix is None else self.suffix
 
     @property
     def lossy(self) -> bool:

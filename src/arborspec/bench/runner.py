@@ -44,7 +44,6 @@ from tqdm import tqdm
 
 from ..cache import write_json
 from ..drafting.base import parse_int_list
-from ..drafting.suffix import default_suffix_nodes
 from ..models.loading import ALIASES, alias_gguf
 from ..models.model_info import eos_ids
 from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
@@ -251,8 +250,7 @@ class Bench:
                    dataset=prompt.dataset, prompt_id=prompt.id, prompt_key=f"{prompt.dataset}/{prompt.id}",
                    category=prompt.category, prompt_tokens=len(ids), position=position,
                    lossy=cfg.spec.lossy, draft_quant=None, draft_vocab=cfg.spec.vocab,
-                   ngram=cfg.spec.ngram,
-                   suffix=default_suffix_nodes(cfg.spec.policy) if cfg.spec.suffix is None else cfg.spec.suffix,
+                   ngram=cfg.spec.ngram, suffix=cfg.spec.suffix_nodes,
                    lookahead=cfg.spec.lookahead, error=None)
         rss0 = current_rss_mb()
         try:
