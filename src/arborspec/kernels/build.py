@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gguf_mm.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "gguf_mm.cpp"]  # compiled into one library; gguf_mm.h is what other sources call
 
 
 class KernelBuildError(RuntimeError):
@@ -29,7 +30,7 @@ def library() -> "Kernels":
     directory.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils import cpp_extension
-        cpp_extension.load(name="arborspec_kernels", sources=[str(SOURCE)], build_directory=str(directory),
+        cpp_extension.load(name="arborspec_kernels", sources=[str(s) for s in SOURCES], build_directory=str(directory),
                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
@@ -48,6 +49,8 @@ class Kernels:
     def __init__(self):
         self.ops = torch.ops.arborspec_kernels
         self.isa = self.ops.isa()  # "avx2" or "scalar": what this build runs
+        # the packed layouts' numbers (gguf_mm.h), by name
+        self.layouts = dict(zip(["q4k_rows8"], self.ops.layouts().tolist()))
 
     def activations(self, x: torch.Tensor, qtype) -> torch.Tensor:
         """x (m, k) as the kernels quantize it (dequantized, float32): for tests against the reference."""
@@ -73,7 +76,8 @@ def cache_key() -> str:
                 break
     except OSError:
         pass
-    text = SOURCE.read_bytes() + Path(__file__).read_bytes() + flags.encode() + torch.__version__.encode()
+    sources = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")) + [Path(__file__)]
+    text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 

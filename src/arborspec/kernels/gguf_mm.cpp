@@ -23,11 +23,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "gguf_mm.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -36,7 +39,10 @@
 
 namespace {
 
-enum QType : int64_t { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+using arborspec::Q4_K;
+using arborspec::Q5_0;
+using arborspec::Q6_K;
+using arborspec::Q8_0;
 
 constexpr int64_t kTile = 16;  // rows of X handled together (accumulators live on the stack)
 constexpr int64_t kColumns = 16;  // columns per sweep over the row tiles (their weights stay in L2)
@@ -811,9 +817,83 @@ std::string isa() {
 #endif
 }
 
+at::Tensor layouts() {  // the layout numbers matrix.py uses: (Q4_K packed by 8 rows,)
+  return at::tensor(std::vector<int64_t>{arborspec::kQ4KByRows8}, at::kLong);
+}
+
+}  // namespace
+
+namespace arborspec {
+
+at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x) {
+  if (layout == kQ4KByRows8) return matmul_q4k8(w, k, x, false);
+  return matmul(w, layout, k, x, false);
+}
+
+void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_t* ids, int64_t count, float* out) {
+  check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  const uint8_t* base = w.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    TORCH_CHECK(ids[r] >= 0 && ids[r] < n, "token id ", ids[r], " is outside the table's ", n, " rows");
+    const uint8_t* row = base + ids[r] * row_bytes;
+    float* o = out + r * k;
+    if (qtype == Q4_K) {
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const uint8_t* blk = row + b * 144;
+        const float d = half(blk), dmin = half(blk + 2);
+        int q[256], sc[8], mn[8];
+        unpack_q4k(blk, q, sc, mn);
+        for (int i = 0; i < 256; ++i) o[256 * b + i] = d * sc[i / 32] * q[i] - dmin * mn[i / 32];
+      }
+    } else if (qtype == Q6_K) {
+      for (int64_t b = 0; b < k / 256; ++b) {
+        const uint8_t* blk = row + b * 210;
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = half(blk + 208);
+        float* ob = o + 256 * b;
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
+            const int v[4] = {(lo0 & 0x0F) | ((hi & 3) << 4), (lo1 & 0x0F) | (((hi >> 2) & 3) << 4),
+                              (lo0 >> 4) | (((hi >> 4) & 3) << 4), (lo1 >> 4) | (((hi >> 6) & 3) << 4)};
+            for (int j = 0; j < 4; ++j) {
+              const int at = 128 * h + 32 * j + l;
+              ob[at] = d * sc[at / 16] * (v[j] - 32);
+            }
+          }
+      }
+    } else {
+      const int64_t bytes = block_bytes(qtype);
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        const float d = half(blk);
+        int q[32];
+        unpack_32(qtype, blk, q);
+        for (int i = 0; i < 32; ++i) o[32 * b + i] = d * q[i];
+      }
+    }
+  }
+}
+
+}  // namespace arborspec
+
+namespace {
+
+// rows `ids` (long) of a file-layout matrix, dequantized (len(ids), k): for tests of dequantize_rows
+at::Tensor embedding_rows(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids: contiguous int64 (count,)");
+  at::Tensor out = at::empty({ids.size(0), k}, at::kFloat);
+  arborspec::dequantize_rows(w, qtype, k, ids.data_ptr<int64_t>(), ids.size(0), out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(arborspec_kernels, m) {
+  m.def("layouts() -> Tensor", &layouts);
+  m.def("embedding_rows(Tensor w, int qtype, int k, Tensor ids) -> Tensor", &embedding_rows);
   m.def("matmul(Tensor w, int qtype, int k, Tensor x, bool scalar) -> Tensor", &matmul);
   m.def("dequantized_activations(Tensor x, int qtype) -> Tensor", &dequantized_activations);
   m.def("isa() -> str", &isa);

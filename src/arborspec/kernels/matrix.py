@@ -37,6 +37,8 @@ class QuantMatrix:
         self.packed = pack and self.qtype == QT.Q4_K and n % 8 == 0
         # (n, row_bytes) as in the file, or (n / 8, blocks x 1184) interleaved groups
         self.data = _kernels().ops.repack_q4k8(data, k) if self.packed else data
+        # how `data` is laid out, as the C++ code names it (gguf_mm.h): the GGUF type, or a packed layout of it
+        self.layout = _kernels().layouts["q4k_rows8"] if self.packed else int(self.qtype)
 
     @classmethod
     def concat(cls, parts: list["QuantMatrix"]) -> "QuantMatrix":
@@ -44,10 +46,11 @@ class QuantMatrix:
         (q, k, v; gate, up) become one kernel call. Each part is then rebound as a view of its rows of the result,
         so no memory is held twice."""
         first = parts[0]
-        if any(p.qtype != first.qtype or p.k != first.k or p.packed != first.packed for p in parts):
+        if any(p.qtype != first.qtype or p.k != first.k or p.layout != first.layout for p in parts):
             raise ValueError("concat needs matrices of one type, row length and layout")
         whole = cls.__new__(cls)
         whole.qtype, whole.k, whole.row_bytes, whole.packed = first.qtype, first.k, first.row_bytes, first.packed
+        whole.layout = first.layout
         whole.n = sum(p.n for p in parts)
         whole.data = torch.cat([p.data for p in parts])
         start = 0
@@ -86,9 +89,14 @@ class QuantMatrix:
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of W dequantized, float32 (*index.shape, k): an embedding lookup without a float copy of W."""
-        from gguf.quants import dequantize
-        picked = self.blocks().index_select(0, index.reshape(-1).to(torch.long)).numpy()
-        return torch.from_numpy(dequantize(picked, self.qtype)).reshape(*index.shape, self.k)
+        flat = index.reshape(-1).to(torch.long).contiguous()
+        if self.packed:
+            from gguf.quants import dequantize
+            picked = self.blocks().index_select(0, flat).numpy()
+            return torch.from_numpy(dequantize(picked, self.qtype)).reshape(*index.shape, self.k)
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= self.n):
+            raise IndexError(f"token ids must lie in [0, {self.n}), got {int(flat.min())}..{int(flat.max())}")
+        return _kernels().ops.embedding_rows(self.data, int(self.qtype), self.k, flat).reshape(*index.shape, self.k)
 
 
 def _kernels():

@@ -1,0 +1,29 @@
+// The kernels' C++ entry points for other native code in this library (the forward step, kernels/forward.cpp).
+//
+// A weight matrix is held as kernels/matrix.py's QuantMatrix holds it: `data` (uint8, one row per weight row or per
+// packed group of rows) and `layout`, an integer naming how its bytes are arranged: a GGUF type number for blocks in
+// the file's row layout, or a packed layout below. Python and C++ agree on these numbers through matrix.py, which
+// reads them from `layouts()`.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace arborspec {
+
+// GGUF block types the kernels cover (their GGUF type numbers)
+enum QType : int64_t { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+// Packed layouts: the same bits as the file's blocks, rearranged for the products (see gguf_mm.cpp)
+enum Layout : int64_t {
+  kQ4KByRows8 = 1000 + Q4_K,  // Q4_K, 8 rows interleaved ("q4_K x8"; AVX2)
+};
+
+// y (m, n) float32 = x (m, k) float32 · Wᵀ, W (n, k) held as `w` in `layout`: the best path this build runs.
+at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x);
+
+// Rows `ids` of a matrix in a file row layout (an embedding table), dequantized: out (len(ids), k) float32.
+void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_t* ids, int64_t count, float* out);
+
+}  // namespace arborspec
