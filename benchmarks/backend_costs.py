@@ -1,7 +1,11 @@
 """Whole-model verification cost t(n) of one GGUF on two backends, measured interleaved: native vs llama.cpp.
 
 t(n) is one forward over an n-node tree (a complete binary tree after a 200-token prefix, as `arborspec profile`
-measures it), the median over rounds that alternate the backends so both see the same machine state.
+measures it), the median over rounds that alternate the backends so both see the same machine state. The native
+backend is timed three ways in the same rounds: its sessions (the C++ step, kernels/forward.cpp), the Python forward
+it replaced (models/native_forward.py through hf.TreeSession, kept as the reference), and its kernels alone (every
+matrix product of one forward, called as the step calls them, on random activations), so the table says where a
+forward's time goes: the kernels, and everything else (attention, norms, rotary, the cache, Python).
 
 Usage: python benchmarks/backend_costs.py [--model ALIAS|PATH.gguf] [--sizes 1,2,...] [--rounds 3]
            [--out results/native/costs.json] [--figure docs/figures/native_costs.png]
@@ -14,6 +18,13 @@ import json
 import statistics
 from pathlib import Path
 
+import time
+
+import torch
+
+from arborspec.bench.runner import cpu_model
+from arborspec.kernels.build import library
+from arborspec.models.hf import TreeSession
 from arborspec.models.loading import load_model
 from arborspec.plotting import pyplot, save_figure
 from arborspec.profile import measure_forward_cost
@@ -23,22 +34,46 @@ BACKENDS = ("native", "llamacpp")
 
 def measure(model_name: str, sizes: list[int], rounds: int) -> dict:
     models = {b: load_model(model_name, backend=b, progress=False).model for b in BACKENDS}
-    runs = {b: [] for b in BACKENDS}
+    native = models["native"]
+    timers = {"native": lambda: measure_forward_cost(native, sizes, prefix=200, repeats=3),
+              "native-python": lambda: measure_forward_cost(native, sizes, prefix=200, repeats=3,
+                                                            new_session=TreeSession),
+              "kernels": lambda: [kernel_seconds(native, n) for n in sizes],
+              "llamacpp": lambda: measure_forward_cost(models["llamacpp"], sizes, prefix=200, repeats=3)}
+    runs = {name: [] for name in timers}
     for _ in range(rounds):
-        for b in BACKENDS:
-            runs[b].append(measure_forward_cost(models[b], sizes, prefix=200, repeats=3))
-    return {"model": model_name, "sizes": sizes, "rounds": rounds,
-            "ms": {b: [1e3 * statistics.median(r[i] for r in runs[b]) for i in range(len(sizes))] for b in BACKENDS}}
+        for name, timer in timers.items():
+            time.sleep(0.5)  # the previous timer's threads (torch's or llama.cpp's pool) stop spinning first
+            runs[name].append(timer())
+    return {"model": model_name, "sizes": sizes, "rounds": rounds, "cpu": cpu_model(), "isa": library().isa, "threads": torch.get_num_threads(),
+            "ms": {b: [1e3 * statistics.median(r[i] for r in runs[b]) for i in range(len(sizes))] for b in runs}}
+
+
+def kernel_seconds(model, m: int, repeats: int = 3) -> float:
+    """The native model's matrix products of one forward over m rows (every layer's q/k/v, o, gate/up and down, and
+    the head), as the step calls them, on random activations: best of `repeats`."""
+    fast = model.forward
+    products = [p for layer in fast.layers for p in (*layer.qkv, layer.o, *layer.gate_up, layer.down)] + [fast.head]
+    x = {k: torch.randn(m, k) for k in {p.matrix.k for p in products}}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for p in products:
+            p.matrix(x[p.matrix.k])
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def markdown(result: dict) -> str:
     sizes, ms = result["sizes"], result["ms"]
     base = ms["llamacpp"][0]
-    lines = ["| n | native ms | native t(n)/t(1) | llama.cpp ms | llama.cpp t(n)/t(1) | native t(n) / llama.cpp t(1) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| n | native ms | t(n)/t(1) | kernels ms | outside the kernels ms | Python forward ms | llama.cpp ms | "
+             "llama.cpp t(n)/t(1) | native t(n) / llama.cpp t(1) |", "|---|---|---|---|---|---|---|---|---|"]
     for i, n in enumerate(sizes):
-        lines.append(f"| {n} | {ms['native'][i]:.1f} | {ms['native'][i] / ms['native'][0]:.2f} | "
-                     f"{ms['llamacpp'][i]:.1f} | {ms['llamacpp'][i] / base:.2f} | {ms['native'][i] / base:.2f} |")
+        nat, kern = ms["native"][i], ms["kernels"][i]
+        lines.append(f"| {n} | {nat:.1f} | {nat / ms['native'][0]:.2f} | {kern:.1f} | {nat - kern:.1f} | "
+                     f"{ms['native-python'][i]:.1f} | {ms['llamacpp'][i]:.1f} | {ms['llamacpp'][i] / base:.2f} | "
+                     f"{nat / base:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -46,8 +81,9 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     base = result["ms"]["llamacpp"][0]
-    for b, style in zip(BACKENDS, ("o-", "s--")):
-        ax.plot(result["sizes"], [t / base for t in result["ms"][b]], style, label=b)
+    for b, style in (("native", "o-"), ("native-python", "^-."), ("llamacpp", "s--")):
+        label = {"native": "native (C++ step)", "native-python": "native, Python forward"}.get(b, b)
+        ax.plot(result["sizes"], [t / base for t in result["ms"][b]], style, label=label)
     ax.plot(result["sizes"], result["sizes"], ":", color="grey", label="n separate tokens")
     ax.set(xlabel="tree size n (tokens verified in one forward)", ylabel="t(n) / llama.cpp's t(1)",
            title=f"verification cost, {Path(result['model']).name}")

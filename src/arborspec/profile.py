@@ -44,16 +44,17 @@ def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree
 
 
 def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3, ssm_tree: str = "packed",
-                         seed: int = 0) -> list[float]:
+                         seed: int = 0, new_session=None) -> list[float]:
     """Median seconds of one forward over an N-token complete binary tree, for each N in `sizes`.
 
     One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
     prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). One untimed warm-up call per size.
+    `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind.
     """
     rng = random.Random(seed)
     vocab = int(model.config.vocab_size)
     context = [rng.randrange(vocab) for _ in range(prefix)]
-    session = make_session(model, "target", ssm_tree=ssm_tree)
+    session = new_session(model, "target") if new_session else make_session(model, "target", ssm_tree=ssm_tree)
     session.prefill(context[:-1])
     out = []
     for n in sizes:

@@ -64,10 +64,10 @@ def random_tree(rng: random.Random, root: int, n: int, max_children: int = 3) ->
     return tree
 
 
-def chain_logits(model, context: list[int], tokens: list[int]) -> torch.Tensor:
+def chain_logits(model, context: list[int], tokens: list[int], new_session=make_session) -> torch.Tensor:
     """Logits after `tokens` (tokens[0] == context[-1]) forwarded as a plain sequence on a fresh session (of any
-    backend: test_native reuses it)."""
-    session = make_session(model)
+    backend: test_native reuses it; `new_session(model)` makes it)."""
+    session = new_session(model)
     session.prefill(context[:-1])
     chain = TokenTree.from_parents(tokens, [-1] + list(range(len(tokens) - 1)))
     return session.forward(context, chain, list(range(len(chain))))[-1]

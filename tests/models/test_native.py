@@ -32,7 +32,7 @@ from arborspec.engine import SpeculativeDecoder
 from arborspec.kernels import build
 from arborspec.kernels.build import KernelBuildError
 from arborspec.kernels.reference import reference_matmul
-from arborspec.models import check_session_support, llamacpp
+from arborspec.models import check_session_support, llamacpp, make_session
 from arborspec.models.hf import TreeSession
 from arborspec.models.loading import ModelLoadError, load_model, resolve_backend
 from arborspec.models.native import NotNative, QuantEmbedding, QuantLinear, is_native, load_native
@@ -195,21 +195,24 @@ def test_logits_agree_with_llamacpp(native, ggufs, name):
 # --------------------------------------------------------------------------------------- (d) tree == path chains
 
 
+@pytest.mark.parametrize("kind", ["step", "python"])
 @pytest.mark.parametrize("name,order", [("q4_k", "bfs"), ("q4_k", "dfs"), ("llama", "bfs"), ("tied", "bfs")])
-def test_tree_forward_equals_each_path_as_a_chain(native, name, order):
+def test_tree_forward_equals_each_path_as_a_chain(native, name, order, kind):
+    """On the C++ step (the backend's sessions) and on the Python forward (hf.TreeSession, the reference)."""
     model = native(name).model
+    new_session = make_session if kind == "step" else TreeSession
     rng = random.Random(1)
     context = [rng.randrange(VOCAB) for _ in range(10)]
     tree = random_tree(rng, context[-1], 24)
     if order == "dfs":
         tree = tree.permute(dfs_order(tree))
-    session = TreeSession(model)
+    session = new_session(model)
     logits = tree_logits(session, context, tree, 5)  # four committed tokens pending in front of the tree
     assert session.cached == context[:-1] and logits.shape == (len(tree), VOCAB)
-    chains = torch.stack([chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
+    chains = torch.stack([chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)], new_session)
                           for node in range(len(tree))])
-    # bit for bit: each row attends on its own to exactly its keys (models/native_forward.py), the kernels are
-    # row-independent, so a node's logits do not depend on what else shares its forward
+    # bit for bit: each row attends on its own to exactly its keys (kernels/forward.cpp, models/native_forward.py),
+    # the kernels are row-independent, so a node's logits do not depend on what else shares its forward
     assert torch.equal(logits, chains), row_errors(logits, chains).max()
     assert (logits[1:] - logits[0]).abs().amax() > 1.0  # the rows really differ from node to node
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "gguf_mm.cpp"]  # compiled into one library; gguf_mm.h is what other sources call
+SOURCES = [HERE / "gguf_mm.cpp", HERE / "forward.cpp"]  # one library; forward.cpp calls gguf_mm.h
 
 
 class KernelBuildError(RuntimeError):

@@ -38,7 +38,7 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPIN
 from ..cache import sha256_key
 from ..kernels import QuantMatrix, supported
 from ..kernels.matrix import SUPPORTED_TYPES
-from . import native_forward
+from . import native_step
 from .llamacpp import read_gguf_info
 
 ARCHITECTURES = ("qwen2", "llama")  # GGUF general.architecture values whose tensors map onto transformers' classes
@@ -357,7 +357,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
     model.native_gguf = NativeInfo(path, _weight_type(file))
     model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
-    native_forward.install(model)
+    native_step.install(model)
     return model
 
 
