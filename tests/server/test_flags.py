@@ -42,6 +42,9 @@ def one_error_line(capsys) -> str:
     (["--top-p", "1.5"], "--top-p", "in (0, 1]"),
     (["--top-k", "-1"], "--top-k", "integer >= 0"),
     (["--seed", str(2**64)], "--seed", "must be in"),
+    (["--llama-threads", "0"], "--llama-threads", "must be at least 1"),
+    (["--llama-ctx", "-5"], "--llama-ctx", "must be at least 1"),
+    (["--model-name", ""], "--model-name", "is empty"),
     (["--api-key", ""], "--api-key", "is empty"),
     (["--api-key", " "], "--api-key", "is empty"),
 ])
