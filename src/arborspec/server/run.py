@@ -135,7 +135,8 @@ def check_flags(args) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.model_name is not None and not args.model_name.strip():
-        raise ValueError("--model-name is empty: give the name clients put in `model`, or leave it out for the target's")
+        raise ValueError("--model-name is empty: give the name clients put in `model`, or leave it out (the "
+                         "target's)")
     for name in ("temperature", "top_k", "top_p", "draft_temperature", "seed"):
         if problem := sampling_problem(name, getattr(args, name)):
             raise ValueError(f"--{name.replace('_', '-')} {problem}")
