@@ -34,8 +34,9 @@ from .models import loading  # noqa: E402
 from .models.draft_choice import choose_draft_quant, describe, plot_variants  # noqa: E402
 from .plots import draw_trees  # noqa: E402
 from .spec import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_TARGET, GRAMMAR, NGRAM_LEN,  # noqa: E402
-                   RunSpec, add_backend_arguments, add_pair_arguments, build_decoder, check_lossy, check_verifier,
-                   is_torch_model, llama_options, load_pair, option_names, parse)
+                   RunSpec, add_backend_arguments, add_pair_arguments, add_sampling_arguments,
+                   add_tree_layout_arguments, build_decoder, check_lossy, check_verifier, is_torch_model, llama_options,
+                   load_pair, option_names, parse)
 from .verify import VERIFIERS  # noqa: E402
 
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
@@ -78,15 +79,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         f"docs/benchmarks.md); policies: {', '.join(POLICIES)}")
     p.add_argument("--verifier", default=None, help=f"verification rule (default: the method's): {', '.join(VERIFIERS)}")
     p.add_argument("--allow-lossy", action="store_true", help="permit a verifier that changes the output distribution")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--draft-temperature", type=float, default=None, help="the draft's own temperature (default: same)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"],
-                   help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
-    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
-                   help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
+    add_sampling_arguments(p)
+    add_tree_layout_arguments(p)
     levers = p.add_argument_group("cheaper drafting (any method; the output stays exact; --draft-quant above)")
     levers.add_argument("--draft-vocab", type=int, default=0,
                         help="draft head over the K most frequent tokens only (0 = full vocabulary)")

@@ -325,6 +325,27 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
 
 
+def add_sampling_arguments(p) -> None:
+    """--temperature, --top-k, --top-p, --draft-temperature and --seed (`generate`, `trees`, `calibrate`; `serve`:
+    the defaults for requests that leave the field out). `p`: a parser or an argument group."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities add up to P (1 = off)")
+    p.add_argument("--draft-temperature", type=float, default=None,
+                   help="the draft's own temperature (default: --temperature)")
+    p.add_argument("--seed", type=int, default=None, help="seeds the sampling, for a repeatable run (default: random)")
+
+
+def add_tree_layout_arguments(p) -> None:
+    """--token-order and --ssm-tree: how a drafted tree is laid out for the target's forward (the output is the
+    same either way)."""
+    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"],
+                   help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
+    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
+                   help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
+
+
 def llama_options(args) -> dict:
     """The llama.cpp options of the command line (--llama-threads/-ctx/-batch), for load_model / load_pair."""
     given = {"n_threads": args.llama_threads, "n_ctx": args.llama_ctx, "n_batch": args.llama_batch}

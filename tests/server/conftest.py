@@ -74,9 +74,12 @@ def server_args(model_dirs, *extra: str) -> list[str]:
             "--draft-quant", "none", "--method", METHOD, "--port", "0", "--model-name", MODEL, *extra]
 
 
-def launch(model_dirs, log: Path, *extra: str) -> LiveServer:
+def launch(model_dirs, log: Path, *extra: str, api_key: str | None = None) -> LiveServer:
+    """A server started with `extra` flags; `api_key`: the key it requires, given as $ARBORSPEC_API_KEY."""
     env = dict(os.environ, OMP_NUM_THREADS="1", ARBORSPEC_CACHE=str(log.parent / "cache"), PYTHONUNBUFFERED="1")
     env.pop("ARBORSPEC_API_KEY", None)
+    if api_key is not None:
+        env["ARBORSPEC_API_KEY"] = api_key
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "arborspec.server", *server_args(model_dirs, *extra)],
                                 stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=Path(__file__).parents[2])
@@ -85,12 +88,13 @@ def launch(model_dirs, log: Path, *extra: str) -> LiveServer:
 
 @pytest.fixture(scope="session")
 def servers(model_dirs, tmp_path_factory):
-    """Two servers, started at once: `main` (API key, room for 50 concurrent streams) and `tight` (one slot, no
-    queue: for 429 and disconnects; stopped by SIGTERM in the last test of test_capacity_and_shutdown.py)."""
+    """Two servers, started at once: `main` (an API key from the environment, room for 50 concurrent streams) and
+    `tight` (one slot, no queue: for 429 and disconnects; stopped by SIGTERM in the last test of
+    test_capacity_and_shutdown.py)."""
     root = tmp_path_factory.mktemp("servers")
     live = {
-        "main": launch(model_dirs, root / "main.log", "--api-key", API_KEY, "--max-batch", "8", "--max-queue", "64",
-                       "--max-tokens-limit", "480", "--max-body-bytes", "4096"),
+        "main": launch(model_dirs, root / "main.log", "--max-batch", "8", "--max-queue", "64",
+                       "--max-tokens-limit", "480", "--max-body-bytes", "4096", api_key=API_KEY),
         "tight": launch(model_dirs, root / "tight.log", "--max-batch", "1", "--max-queue", "0",
                         "--shutdown-timeout", "1"),
     }

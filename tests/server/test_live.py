@@ -110,6 +110,48 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, pair):
     assert streamed == text
 
 
+def test_stream_options_include_usage_puts_usage_in_a_last_chunk_with_no_choices(client, pair):
+    """As OpenAI streams it when asked: every chunk has `usage: null`, the finish chunk too, then one more chunk
+    with empty `choices` and the usage (and the `arborspec` statistics)."""
+    want = reference(pair).generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    chunks = [c.model_dump() for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, stream=True, stream_options={"include_usage": True}, **ext())]
+    *text_chunks, finish, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    assert last["usage"]["prompt_tokens"] == len(PROMPT) and last["arborspec"]["token_ids"] == want.token_ids
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["usage"] is None
+    assert all(c["usage"] is None for c in text_chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == want.text
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 6
+    assert chat[-2].choices[0].finish_reason is not None and chat[-2].usage is None
+
+
+def test_stream_options_need_a_stream(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, stream_options={"include_usage": True})
+    assert info.value.param == "stream_options"
+
+
+# ---- the model: listed, retrieved, or left out --------------------------------------------------------------------
+def test_the_model_is_retrieved_by_name_and_served_when_a_request_names_none(client, main_url, pair):
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    assert httpx.get(main_url + f"/v1/models/{MODEL}", timeout=30).status_code == 401  # the key is needed here too
+    body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}  # no "model", as llama-server and vLLM take it
+    reply = httpx.post(main_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 200 and reply.json()["model"] == MODEL
+    assert reply.json()["choices"][0]["text"] == reference(pair).generate(PROMPT, 6, ignore_eos=True).text
+    chat = httpx.post(main_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == MODEL
+
+
 # ---- the arborspec extension: per-request method and sizing ----------------------------------------------------
 def test_a_request_may_pick_its_method_and_budget(client, pair):
     reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, **ext(method="chain", budget=3))
@@ -131,11 +173,14 @@ def test_a_lossy_override_needs_the_requests_consent(client, main_url):
 
 
 # ---- robustness --------------------------------------------------------------------------------------------------
-def test_api_key_is_required_on_v1_routes_only(main_url):
+def test_api_key_is_required_on_v1_routes_only(main_url, servers):
+    """The `main` server took its key from $ARBORSPEC_API_KEY (tests/server/conftest.py), not from a flag."""
+    assert "API key required" in servers["main"].log.read_text()
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(main_url + "/v1/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["WWW-Authenticate"] == "Bearer"  # RFC 6750: which scheme the client should use
     assert httpx.get(main_url + "/v1/models", timeout=30).status_code == 401
     models = httpx.get(main_url + "/v1/models", headers=AUTH, timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -147,6 +192,28 @@ def test_openai_client_reports_an_unknown_model_and_bad_values(client):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+@pytest.mark.parametrize("param, value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -1)])
+def test_bad_sampling_values_name_their_param(client, param, value):
+    with pytest.raises(openai.BadRequestError, match=param) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={param: value})
+    assert info.value.param == param and info.value.code is None
+
+
+def test_a_nan_temperature_names_its_param(main_url):  # Python's json writes NaN; the openai client refuses to
+    body = b'{"prompt": "x", "max_tokens": 1, "temperature": NaN}'
+    r = httpx.post(main_url + "/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("message", [{"role": "user", "content": None}, {"role": "system", "content": None},
+                                     {"role": "user"}])
+def test_a_message_without_content_is_a_400_unless_the_assistants(client, message):
+    with pytest.raises(openai.BadRequestError, match="needs 'content'") as info:
+        client.chat.completions.create(model=MODEL, messages=[message], max_tokens=1)
+    assert info.value.param == "messages"
 
 
 LONG = "x" * 600  # over the tiny models' 512-token context window
@@ -200,6 +267,30 @@ def test_metrics_are_prometheus_text_with_latencies_and_speculation(client, main
     assert values["arborspec_tokens_per_step_count"] >= 1 and values["arborspec_accepted_tokens_per_step_sum"] >= 0
     assert "arborspec_queue_depth" in values and "arborspec_batch_size" in values
     assert values['arborspec_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+
+
+def test_metrics_count_drafted_accepted_and_emitted_tokens_per_method(client, main_url):
+    """One request's counts, read as differences of the counters around it (the server is shared), are its own
+    `arborspec` statistics: acceptance rate and tokens per step are one division of two counters."""
+    def counts():
+        values = _samples(httpx.get(main_url + "/metrics", timeout=30).text)
+        return {name: values.get(f'arborspec_{name}_total{{method="chain"}}', 0.0)
+                for name in ("speculative_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens")}
+
+    before = counts()
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, **ext(method="chain", budget=4))
+    after = counts()
+    got = {name: after[name] - before[name] for name in after}
+    spec = reply.model_extra["arborspec"]
+    assert got["speculative_steps"] == spec["steps"] > 0
+    assert got["drafted_tokens"] == spec["drafted_tokens"] and got["accepted_tokens"] == spec["accepted_tokens"]
+    assert got["emitted_tokens"] == reply.usage.completion_tokens == 30
+    assert got["accepted_tokens"] / got["drafted_tokens"] == pytest.approx(spec["acceptance_rate"])
+    assert got["emitted_tokens"] / got["speculative_steps"] == pytest.approx(spec["tokens_per_step"])
+    info = re.search(r"^arborspec_server_info\{(.*)\} 1\.0$", httpx.get(main_url + "/metrics", timeout=30).text, re.M)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
+    assert labels["method"] == METHOD and labels["backend"] == "torch" and labels["draft_backend"] == "torch"
+    assert labels["batching"] == "false" and labels["draft_quant"] == "none"
 
 
 def _samples(text: str) -> dict[str, float]:

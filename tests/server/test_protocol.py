@@ -8,8 +8,8 @@ import pytest
 
 from arborspec.server.app import render_chat
 from arborspec.server.output import visible_text
-from arborspec.server.protocol import (APIError, ChatRequest, CompletionRequest, Limits, completion_prompt,
-                                       max_tokens, parse_request, stop_strings)
+from arborspec.server.protocol import (APIError, ChatRequest, CompletionRequest, Limits, check_sampling,
+                                       completion_prompt, max_tokens, parse_request, stop_strings)
 
 LIMITS = Limits("tiny", max_tokens_limit=100, default_max_tokens=16, max_body_bytes=1000)
 
@@ -70,6 +70,22 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens():
     assert refused({"model": "t", "messages": [{"role": "robot", "content": "x"}]}, ChatRequest).param == "messages"
     assert refused({"model": "t", "max_completion_tokens": 0, "max_tokens": 5,
                     "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_tokens"
+
+
+def test_only_an_assistants_message_may_leave_content_out():
+    req = parse({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, ChatRequest)
+    assert req.model is None and [m.text() for m in req.messages] == ["x", ""]
+    for role in ("system", "developer", "user", "tool"):
+        err = refused({"model": "t", "messages": [{"role": role, "content": None}]}, ChatRequest)
+        assert err.status == 400 and err.param == "messages" and "needs 'content'" in err.message
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+                                          ("top_p", 1.01), ("top_k", -2), ("stream_options", {"include_usage": True})])
+def test_sampling_fields_and_stream_options_are_refused_naming_themselves(field, value):
+    with pytest.raises(APIError) as info:
+        check_sampling(parse({"model": "t", "prompt": "x", field: value}))
+    assert info.value.status == 400 and info.value.param == field
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer):

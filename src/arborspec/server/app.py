@@ -1,11 +1,12 @@
 """The HTTP routes: OpenAI's completions and chat completions (streamed as server-sent events or whole), the model
-list, health and Prometheus metrics.
+list and the one model, health and Prometheus metrics.
 
 A request's life: parse and check the body (protocol.py), make its own decoder and encode its prompt (in a thread:
 tokenizing and building a policy are not free), queue it with the scheduler (429 at once when full), then relay the
 worker's updates. The worker never waits for a client: updates cross to the event loop through an asyncio queue.
 A client that goes away is noticed when a send fails or, while no text flows, by polling, and its job is cancelled
-so its slot frees before the next step.
+so its slot frees before the next step; the request is counted with status 499 (nginx's "client closed request"),
+streamed or not.
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from starlette.exceptions import HTTPException
 from .decoders import Decoders
 from .metrics import CONTENT_TYPE, Metrics
 from .output import DONE, Reply, event, visible_text
-from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, chat_messages, check_model, completion_prompt,
-                       max_tokens, parse_request, stop_strings)
+from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, chat_messages, check_model, check_sampling,
+                       completion_prompt, max_tokens, parse_request, stop_strings)
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown, Update
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request": only ever seen in the metrics
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_S = 1  # a full server's hint: one round of steps frees slots, so a second later is worth a try
 
 
 def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics: Metrics,
@@ -70,28 +72,36 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
     async def models(request: Request):
         check_key(request, limits)
         metrics.requests.labels(endpoint="/v1/models", status="200").inc()
-        return {"object": "list", "data": [{"id": limits.model_name, "object": "model", "created": 0,
-                                            "owned_by": "arborspec"}]}
+        return {"object": "list", "data": [model_card(limits)]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a model named after a hub id or a directory holds slashes
+    async def model(request: Request, model_id: str):
+        check_key(request, limits)
+        check_model(model_id, limits)
+        metrics.requests.labels(endpoint=_endpoint(request), status="200").inc()
+        return model_card(limits)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_key(request, limits)
         req = parse_request(await read_body(request, limits.max_body_bytes), CompletionRequest)
-        check_model(req, limits)
+        check_model(req.model, limits)
         return await generate(request, req, completion_prompt(req), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_key(request, limits)
         req = parse_request(await read_body(request, limits.max_body_bytes), ChatRequest)
-        check_model(req, limits)
+        check_model(req.model, limits)
         return await generate(request, req, chat_messages(req), chat=True)
 
     async def generate(request: Request, req, prompt, chat: bool):
+        check_sampling(req)
         n, stop = max_tokens(req, limits), stop_strings(req)
         steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop)
         opts = req.arborspec
-        reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids))
+        reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids),
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(update: Update) -> None:  # on the worker thread
@@ -105,14 +115,18 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
             scheduler.submit(job)
         except QueueFull as err:
             steps.close()
-            raise APIError(429, str(err), "rate_limit_error", code="queue_full") from None
+            raise APIError(429, str(err), "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as err:
             steps.close()
             raise APIError(503, str(err), "server_error", code="shutting_down") from None
         endpoint = _endpoint(request)
         if req.stream:
-            metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            return JobStream(sse(job, updates, request, reply), job)
+            def counted(completed: bool) -> None:  # the status is known only when the stream ends
+                status = 200 if completed else CLIENT_CLOSED
+                metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+            return JobStream(sse(job, updates, request, reply), job, counted)
         try:
             update = await next_update(updates, job, request)
             while not update.done:
@@ -131,6 +145,10 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
+def model_card(limits: Limits) -> dict:
+    return {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "arborspec"}
+
+
 def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str]):
     """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
     is a 400 here rather than an error in the middle of a stream."""
@@ -182,17 +200,19 @@ def check_key(request: Request, limits: Limits) -> None:
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), limits.api_key.encode()):
         raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                       "authentication_error", code="invalid_api_key")
+                       "authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def error_response(request: Request, metrics: Metrics, err: APIError) -> JSONResponse:
     metrics.requests.labels(endpoint=_endpoint(request), status=str(err.status)).inc()
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _endpoint(request: Request) -> str:
     """The route for a metric label: a known path, or "other" (a label per scanned path would grow unbounded)."""
     path = request.url.path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
     return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
 
 
@@ -213,7 +233,8 @@ async def next_update(updates: asyncio.Queue, job: Job, request: Request) -> Upd
 
 async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply) -> AsyncIterator[str]:
     """The stream's events: text as it is committed (held back where a stop string may be starting), then a last
-    chunk with the finish reason, usage and speculative statistics, then [DONE]."""
+    chunk with the finish reason, usage and speculative statistics (see Reply.last_events), then [DONE]. Ends
+    without [DONE] when the client has gone."""
     if first := reply.first_event():
         yield first
     shown = ""
@@ -233,22 +254,30 @@ async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply) 
             yield reply.text_event(text[len(shown):])
             shown = text
         if update.done:
-            yield reply.last_event(update.result, shown)
+            for last in reply.last_events(update.result, shown):
+                yield last
             break
     yield DONE
 
 
 class JobStream(StreamingResponse):
     """A server-sent-event stream that cancels its job however the response ends: finished, client gone (a failed
-    send), or the server cancelling it at shutdown."""
+    send, or noticed by `sse`), or the server cancelling it at shutdown; and then says `ended(completed)`, completed
+    meaning that [DONE] was handed to the connection."""
 
-    def __init__(self, events: AsyncIterator[str], job: Job):
-        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        self.job = job
+    def __init__(self, events: AsyncIterator[str], job: Job, ended: Callable[[bool], None]):
+        super().__init__(self._watched(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job, self.ended, self.completed = job, ended, False
+
+    async def _watched(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for data in events:
+            yield data
+            self.completed = data == DONE  # resumed: the send of `data` returned
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
+            self.ended(self.completed)
 

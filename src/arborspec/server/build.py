@@ -6,10 +6,12 @@ import argparse
 import socket
 from dataclasses import dataclass
 
+import torch
 from fastapi import FastAPI
 
 from ..models.batching import can_batch
 from ..models.loading import check_tokenizers_compatible, load_model
+from ..models.native import is_native
 from ..spec import RunSpec, llama_options, prepare_draft
 from .app import create_app
 from .decoders import Decoders, Sampling
@@ -35,11 +37,28 @@ def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -
     server's own metrics)."""
     decoders = load_decoders(args, spec)
     limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
-                    args.max_body_bytes, args.api_key or None)
+                    args.max_body_bytes, args.api_key)
     metrics = Metrics()
     # one target forward per round for every request where the target batches (the native backend)
     scheduler = Scheduler(args.max_batch, args.max_queue, metrics, batch=can_batch(decoders.target.model))
+    metrics.info.info(server_info(args, spec, decoders, scheduler))
     return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
+
+
+def server_info(args, spec: RunSpec, decoders: Decoders, scheduler: Scheduler) -> dict[str, str]:
+    """The labels of /metrics' arborspec_server_info: what runs (a dashboard's legend, a query's join)."""
+    draft = decoders.draft
+    return {"method": spec.name, "target": args.target, "draft": args.draft if draft is not None else "",
+            "backend": backend_of(decoders.target.model),
+            "draft_backend": backend_of(draft.model) if draft is not None else "",
+            "draft_quant": decoders.quant, "batching": "true" if scheduler.batch else "false"}
+
+
+def backend_of(model) -> str:
+    """The backend a loaded model runs on (models/loading.py's BACKENDS)."""
+    if is_native(model):
+        return "native"
+    return "torch" if isinstance(model, torch.nn.Module) else "llamacpp"
 
 
 def describe(args, spec: RunSpec) -> str:

@@ -3,10 +3,16 @@
 One registry per server rather than prometheus_client's global one, so two servers in one process (tests) do not
 collide. Latencies are measured from the moment a request is queued, so TTFT includes time spent waiting for a
 slot: that is what a client feels, and what `--max-batch` trades against throughput.
+
+Speculation is counted per method (the policy each request ran, `method` label) in counters, so that the figures
+vLLM's and llama.cpp's servers export are one PromQL division of two rates (docs/serve.md):
+acceptance rate = accepted / drafted tokens, tokens per step (vLLM's "mean acceptance length") = emitted tokens /
+steps. `arborspec_server_info` names what the server runs: its method, backends and models.
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info,
+                               generate_latest)
 
 from ..engine import GenerationResult, StepStats
 
@@ -40,14 +46,29 @@ class Metrics:
                                          registry=r)
         self.accepted_per_step = Histogram("arborspec_accepted_tokens_per_step", "drafted tokens the target "
                                            "accepted per step", buckets=TOKENS_PER_STEP_BUCKETS, registry=r)
+        self.steps = Counter("arborspec_speculative_steps", "speculative steps (one target verification each), by "
+                             "the method the request ran", ["method"], registry=r)
+        self.drafted = Counter("arborspec_drafted_tokens", "drafted tokens the target verified (tree nodes), by method",
+                               ["method"], registry=r)
+        self.accepted = Counter("arborspec_accepted_tokens", "drafted tokens the target accepted, by method",
+                                ["method"], registry=r)
+        self.emitted = Counter("arborspec_emitted_tokens", "tokens committed (accepted + the target's own token each "
+                               "step), by method", ["method"], registry=r)
+        self.info = Info("arborspec_server", "what this server runs: its method, the backends and the models",
+                         registry=r)
         self.queue_depth = Gauge("arborspec_queue_depth", "requests waiting for a slot", registry=r)
         self.batch_size = Gauge("arborspec_batch_size", "requests being generated (advanced one step each round)",
                                 registry=r)
 
-    def step(self, step: StepStats) -> None:
+    def step(self, step: StepStats, method: str = "") -> None:
+        """One speculative step of a request running `method` (its policy)."""
         self.generated_tokens.inc(step.committed)
         self.tokens_per_step.observe(step.committed)
         self.accepted_per_step.observe(step.accepted)
+        self.steps.labels(method=method).inc()
+        self.drafted.labels(method=method).inc(step.tree_size)
+        self.accepted.labels(method=method).inc(step.accepted)
+        self.emitted.labels(method=method).inc(step.committed)
 
     def generation(self, result: GenerationResult, queued: float, first_token: float | None, end: float) -> None:
         """A generation that ran to its end; times are time.perf_counter() readings."""

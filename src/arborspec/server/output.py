@@ -4,6 +4,10 @@
 Stop strings follow OpenAI: the returned text ends before the stop string. The engine notices a stop string only
 once its last token is committed, so while streaming, text that might be the start of a stop string is held back
 until the next step shows whether it is one; so is a trailing U+FFFD (a multi-byte character split across steps).
+
+A stream's `usage` follows OpenAI too: with `stream_options.include_usage` every chunk carries `"usage": null` and
+one more chunk with empty `choices` carries it at the end; without it (OpenAI sends none then), the finish chunk
+carries it, as this server always did, and with it the `arborspec` statistics.
 """
 from __future__ import annotations
 
@@ -56,13 +60,17 @@ class Reply:
     chat: bool
     stop: list[str]
     token_ids: bool = False  # arborspec.return_token_ids
+    include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own, after the finish chunk
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
+        head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": kind, "created": self.created,
                 "model": self.model}
+        if chunk and self.include_usage:
+            head["usage"] = None
+        return head
 
     def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
         if not self.chat:
@@ -90,10 +98,13 @@ class Reply:
     def text_event(self, text: str) -> str:
         return event({**self._head(True), "choices": [self._choice(text, None, True)]})
 
-    def last_event(self, result: GenerationResult, shown: str) -> str:
-        """The final chunk: finish reason, usage and the speculative statistics."""
-        return event({**self._head(True), "choices": [self._choice(None, finish_reason(result, shown), True)],
-                      **self._tail(result)})
+    def last_events(self, result: GenerationResult, shown: str) -> list[str]:
+        """The final chunk (finish reason) and the usage with the speculative statistics: on that chunk, or with
+        `include_usage` in a chunk of their own with empty `choices`."""
+        finish = {**self._head(True), "choices": [self._choice(None, finish_reason(result, shown), True)]}
+        if not self.include_usage:
+            return [event({**finish, **self._tail(result)})]
+        return [event(finish), event({**self._head(True), "choices": [], **self._tail(result)})]
 
 
 def finish_reason(result: GenerationResult, text: str) -> str:

@@ -8,19 +8,21 @@ strictly (a string "16" is not a `max_tokens`), because coercing guesses would m
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class APIError(Exception):
     """A request the server refuses: `status` and the OpenAI error object `body()`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers  # HTTP headers the refusal carries (Retry-After on 429, WWW-Authenticate on 401)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -30,11 +32,14 @@ class APIError(Exception):
 class Limits:
     """The server-wide bounds every request is checked against (`arborspec serve` flags)."""
 
-    model_name: str  # the one name `model` must carry
+    model_name: str  # the one model served: what `model` names, or a request that leaves it out gets
     max_tokens_limit: int  # the most tokens one request may ask for
     default_max_tokens: int  # when a request names none (generate's --max-new-tokens default)
     max_body_bytes: int
     api_key: str | None = None  # None: no authentication
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 # ---- request bodies ------------------------------------------------------------------------------------------------
@@ -53,20 +58,26 @@ class ArborspecOptions(BaseModel):
         return self.method is not None or self.verifier is not None or self.budget is not None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False  # a last chunk with empty `choices` carrying `usage` (and the `arborspec` stats)
+
+
 class _Generation(BaseModel):
     """The fields completions and chat completions share. Unknown fields are ignored, as OpenAI's own clients send
-    some this server has no use for (`user`, `stream_options`, ...); the ones that would change the output are
-    refused unless neutral (see `check_unsupported`)."""
+    some this server has no use for (`user`, ...); the ones that would change the output are refused unless neutral
+    (see `check_unsupported`)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    model: str
+    model: str | None = None  # None: the one model this server serves (as llama-server and vLLM take it)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # an extension (vLLM's name): 0 turns it off
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (vLLM's name): generate past end-of-sequence tokens
     arborspec: ArborspecOptions | None = None
 
@@ -84,7 +95,13 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None only for an assistant's turn (OpenAI: one with tool calls)
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content' (a string or a list of text parts)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -139,6 +156,32 @@ def check_unsupported(data: dict) -> None:
 
 
 # ---- what a request asks for ----------------------------------------------------------------------------------------
+_FINITE_NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+SAMPLING_RULES = {  # the engine's own rules (sampling.SamplingConfig), checked early to name the field or flag
+    "temperature": _FINITE_NON_NEGATIVE,
+    "draft_temperature": _FINITE_NON_NEGATIVE,
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, "an integer >= 0 (0 turns it off)"),
+    "seed": (lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1], f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+}
+
+
+def sampling_problem(name: str, value) -> str | None:
+    """What is wrong with the sampling setting `name` = `value` ("must be ..."), or None: for a request's field and
+    for `arborspec serve`'s flag alike."""
+    ok, rule = SAMPLING_RULES[name]
+    return None if value is None or ok(value) else f"must be {rule}, got {value!r}"
+
+
+def check_sampling(req: _Generation) -> None:
+    """The request's own sampling fields, each refused naming itself (`param`)."""
+    for name in ("temperature", "top_p", "top_k"):
+        if problem := sampling_problem(name, getattr(req, name)):
+            raise APIError(400, f"{name} {problem}", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
 def max_tokens(req: _Generation, limits: Limits) -> int:
     value = getattr(req, "max_completion_tokens", None)
     value = req.max_tokens if value is None else value
@@ -175,7 +218,8 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     return [{"role": m.role, "content": m.text()} for m in req.messages]
 
 
-def check_model(req: _Generation, limits: Limits) -> None:
-    if req.model != limits.model_name:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {limits.model_name!r}",
+def check_model(name: str | None, limits: Limits) -> None:
+    """A request's `model` (None: left out, served by the one model there is), or 404 in OpenAI's shape."""
+    if name is not None and name != limits.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {limits.model_name!r}",
                        param="model", code="model_not_found")

@@ -3,11 +3,13 @@
 The speculative settings use `arborspec generate`'s grammar and defaults (arborspec/spec.py): --method takes the
 whole NAME[(option=value,...)][@BUDGET][+LEVER...] name, so generate's per-option flags are written into it here
 (`--method "static(depth=4,branch=2)"`, `--method chain@6+ngram`). Sampling flags are the defaults for requests
-that leave a field out. See docs/serve.md.
+that leave a field out. Every flag is checked before anything loads, so a typo fails in a second with one line
+naming the flag, not after the models have loaded. See docs/serve.md.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 from dataclasses import replace
@@ -15,33 +17,47 @@ from dataclasses import replace
 import uvicorn
 
 from ..models.loading import ModelLoadError
-from ..spec import DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, check_lossy, check_verifier, parse
+from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, add_sampling_arguments,
+                    add_tree_layout_arguments, check_lossy, check_verifier, parse)
 from .build import build_server, describe, listen, rounds, url_host
+from .protocol import sampling_problem
 from .scheduler import Scheduler
 
+API_KEY_ENV = "ARBORSPEC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+class ServeHelp(argparse.HelpFormatter):
+    """`serve --help` showing every flag's default, where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or "default" in text):
+            return text
+        return f"{text} (default %(default)s)"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Every `arborspec serve` flag."""
+    """Every `arborspec serve` flag (`p`: the `serve` parser, whose --help this also makes show the defaults)."""
+    if isinstance(p, argparse.ArgumentParser):
+        p.formatter_class = ServeHelp
     add_pair_arguments(p)
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"{GRAMMAR}, e.g. 'static(depth=4,branch=2)' or chain@6+ngram (default {DEFAULT_METHOD}); a "
                         "request may pick its own in its `arborspec` field")
     p.add_argument("--verifier", default=None, help="verification rule (default: the method's)")
     p.add_argument("--allow-lossy", action="store_true", help="permit a lossy verifier in the server's own method")
-    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"])
-    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"])
-    s = p.add_argument_group("sampling defaults (for requests that leave the field out)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--draft-temperature", type=float, default=None, help="the draft's own temperature (every request)")
+    add_tree_layout_arguments(p)
+    add_sampling_arguments(p.add_argument_group("sampling defaults (for requests that leave the field out; "
+                                                "--draft-temperature: every request's)"))
     h = p.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     h.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    h.add_argument("--api-key", default=os.environ.get("ARBORSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARBORSPEC_API_KEY; none: open)")
+    h.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*; better: set ${API_KEY_ENV}, which `ps` does "
+                        "not show (default: $" + API_KEY_ENV + "; neither set: no key, and a warning when --host is "
+                        "not this machine)")
     h.add_argument("--model-name", default=None, help="the name clients put in `model` (default: --target)")
     h.add_argument("--max-batch", type=int, default=8, help="requests generated at once (one step each per round)")
     h.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond that: 429")
@@ -50,7 +66,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
-    h.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
+                   help="uvicorn's log level (info: a line per request)")
     r = p.add_argument_group("Ray Serve (pip install 'arborspec[ray]'; see docs/ray.md)")
     r.add_argument("--ray", action="store_true", help="serve through Ray Serve: replicas of this app behind Ray's "
                    "HTTP proxy, which listens on --host/--port")
@@ -67,8 +84,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load, warm up, and serve until SIGTERM / Ctrl-C (ValueError for bad settings or a taken port, before anything
     loads)."""
-    check_limits(args)
+    check_flags(args)
     spec = server_spec(args)
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"[arborspec] warning: listening on {args.host} without an API key: anyone who can reach this port "
+              f"may use the server (set ${API_KEY_ENV} to require one)", file=sys.stderr, flush=True)
     if args.ray:
         from .replicas import run_on_ray  # Ray is an optional extra: imported only when asked for
         return run_on_ray(args, spec)
@@ -98,16 +118,51 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- pieces --------------------------------------------------------------------------------------------------------
-def check_limits(args) -> None:
+def check_flags(args) -> None:
+    """Every flag a value of which is wrong whatever the models (ValueError naming the flag); sets args.api_key to
+    the key from --api-key or $ARBORSPEC_API_KEY, or None."""
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--max-tokens-limit", args.max_tokens_limit, 1),
                                ("--default-max-tokens", args.default_max_tokens, 1),
-                               ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0)):
-        if value < least:
+                               ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0),
+                               ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        if not value >= least:  # `not >=`: a NaN fails too
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    if args.port > 65535 or args.shutdown_timeout < 0:
-        raise ValueError("--port must be at most 65535 and --shutdown-timeout at least 0")
+    if args.port > 65535:
+        raise ValueError(f"--port must be at most 65535, got {args.port}")
+    for flag, value in (("--llama-threads", args.llama_threads), ("--llama-ctx", args.llama_ctx),
+                        ("--llama-batch", args.llama_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.model_name is not None and not args.model_name.strip():
+        raise ValueError("--model-name is empty: give the name clients put in `model`, or leave it out (the "
+                         "target's)")
+    for name in ("temperature", "top_k", "top_p", "draft_temperature", "seed"):
+        if problem := sampling_problem(name, getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {problem}")
+    args.api_key = api_key(args.api_key)
     check_ray_flags(args)
+
+
+def api_key(flag: str | None) -> str | None:
+    """The key clients must send: --api-key, else $ARBORSPEC_API_KEY, else None (no key). An empty one is an error:
+    it would otherwise serve without a key while its operator believes it requires one."""
+    for source, key in (("--api-key", flag), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))):
+        if key is not None:
+            if not key.strip():
+                raise ValueError(f"{source} is empty: give a key, or leave it out to serve without one")
+            return key.strip()  # as clients' keys are read (app.check_key)
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine only (a name other than localhost counts as reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_ray_flags(args) -> None:

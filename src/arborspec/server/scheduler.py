@@ -69,7 +69,7 @@ class Job:
             log.exception("generation failed")
             self.end(metrics, "error", Update(None, True, f"generation failed: {err}", "internal_error"))
             return
-        metrics.step(result.stats.steps[-1])
+        metrics.step(result.stats.steps[-1], result.stats.method)
         if self.first_token is None and result.token_ids:
             self.first_token = time.perf_counter()
         if result.stats.finish_reason:
