@@ -387,9 +387,13 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
     quant = resolve_quant(target, draft, quant, progress)
     if quant == "none" and not vocab:
         return draft, quant
+    if is_native(draft.model):  # a native GGUF draft: its head pruned, every other weight shared (never copied)
+        if progress:
+            print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...", file=sys.stderr)
+        return draft_levers.prune_native_draft(draft, vocab, progress=progress), quant
     if not is_torch_model(draft):
-        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch drafts, not to GGUF "
-                         "drafts on llama.cpp or the native backend")
+        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts, "
+                         "not to GGUF drafts on llama.cpp")
     if progress:
         print(f"[arborspec] preparing the draft (quantization {quant}, vocabulary {vocab or 'full'}) ...",
               file=sys.stderr)

@@ -217,3 +217,58 @@ def test_bad_input_is_refused_before_the_operator_and_by_it(native):
         args.update(change)
         with pytest.raises(RuntimeError, match=message):
             step.cpp.forward(*args.values())
+
+
+# ------------------------------------------------------------------------------------------ a pruned draft head
+
+
+def test_a_draft_with_a_pruned_head_keeps_greedy_and_sampled_output_exact(native):
+    """A native draft whose head leaves out the target's most likely first token (so the draft can never propose
+    it): greedy output is plain greedy decoding's, and at T = 1, top-k 3, the first two tokens of dyspec trees
+    verified by mbr follow the target's exact distribution (chi-square, power to catch a total variation of 0.1 with
+    probability 0.95)."""
+    from dataclasses import replace
+
+    from arborspec.models.native import PrunedQuantHead, with_pruned_head
+    from arborspec.sampling import SamplingConfig
+    from tests.verify.harness import assert_same_distribution, plan_samples, sample_outputs
+
+    from .test_llamacpp import exact_first_two
+
+    target, draft = native("q4_k"), native("draft")
+    prompt = target.tokenizer("x = ")["input_ids"]
+    sampling = SamplingConfig(1.0, 3, 1.0)
+    probs = exact_first_two(target.model, prompt, sampling)  # (vocab * vocab,) over the first two tokens
+    first = probs.reshape(VOCAB, VOCAB).sum(1)
+    left_out = int(first.argmax())
+    assert first[left_out] > 0.2  # the target often starts with the token the draft can never propose
+    pruned = replace(draft, model=with_pruned_head(draft.model, [i for i in range(VOCAB) if i != left_out]))
+    assert isinstance(pruned.model.lm_head, PrunedQuantHead) and not isinstance(draft.model.lm_head, PrunedQuantHead)
+    session = make_session(pruned.model)
+    q = session.forward(prompt, TokenTree.root(prompt[-1]), [0]).softmax(-1)[0]
+    assert q[left_out] == 0 and q.sum().item() == pytest.approx(1.0)
+
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=24, ignore_eos=True)
+    spec = SpeculativeDecoder(target, pruned, method="dyspec", budget=8).generate(prompt, max_new_tokens=24,
+                                                                                 ignore_eos=True)
+    assert spec.token_ids == ar.token_ids
+
+    dec = SpeculativeDecoder(target, pruned, method="dyspec", budget=4, temperature=1.0, top_k=3, verifier="mbr")
+    counts = sample_outputs(dec, prompt, 2, plan_samples(probs, tv=0.1), seed=3, max_new_tokens=2)
+    assert_same_distribution(counts, probs, tv=0.1)
+
+
+def test_the_vocab_lever_prunes_a_native_draft_from_corpus_frequencies(native, monkeypatch):
+    """`+vocabK` on a native draft: the K most frequent tokens of the corpus (faked here: ShareGPT is a download)
+    plus EOS; the draft as loaded stays as it was (the bench runs both)."""
+    from arborspec import spec
+    from arborspec.models import draft_levers
+
+    counts = torch.arange(VOCAB, 0, -1)  # token id i is the i-th most frequent
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tokenizer, size, progress=True: counts[:size])
+    target, draft = native("q4_k"), native("draft")
+    prepared, quant = spec.prepare_draft(target, draft, "auto", vocab=40, progress=False)
+    keep = prepared.model.lm_head.keep.tolist()
+    assert quant == "none" and keep == sorted(set(range(40)) | {draft.tokenizer.eos_token_id})
+    assert prepared.model is not draft.model and draft.model.lm_head.out_features == VOCAB
+    assert prepared.model.fingerprint() != draft.model.fingerprint()  # its own cost profile

@@ -116,6 +116,24 @@ def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, pro
     return counts
 
 
+def pruned_vocabulary(loaded, vocab: int, progress: bool = True) -> torch.Tensor:
+    """The `vocab` most frequent token ids of the ShareGPT corpus under `loaded`'s tokenizer, and its EOS ids."""
+    tok = loaded.tokenizer
+    counts = corpus_counts(tok, loaded.model.config.vocab_size, progress=progress)
+    always = [i for i in (tok.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None))
+              if isinstance(i, int)]
+    return frequent_tokens(counts, vocab, always)
+
+
+def prune_native_draft(loaded, vocab: int, progress: bool = True):
+    """A native GGUF draft with a `vocab`-token head: a new LoadedModel sharing every other weight with `loaded`
+    (which stays as it is)."""
+    from dataclasses import replace
+
+    from .native import with_pruned_head
+    return replace(loaded, model=with_pruned_head(loaded.model, pruned_vocabulary(loaded, vocab, progress)))
+
+
 def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True, cache: bool = True):
     """Apply the draft levers to a LoadedModel in place: a K-token head (vocab > 0), then quantization.
 
@@ -132,11 +150,7 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
         except Exception:  # unreadable (truncated, other library build): prepare it again
             path.unlink(missing_ok=True)
     if vocab:
-        tok = loaded.tokenizer
-        counts = corpus_counts(tok, loaded.model.config.vocab_size, progress=progress)
-        always = [i for i in (tok.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None))
-                  if isinstance(i, int)]
-        prune_head(loaded.model, frequent_tokens(counts, vocab, always))
+        prune_head(loaded.model, pruned_vocabulary(loaded, vocab, progress))
     loaded.model = quantize(loaded.model, quant)
     if path is not None:
         save_atomically(loaded.model, path)

@@ -19,6 +19,7 @@ permutation of whole rows of blocks (each row is independent).
 """
 from __future__ import annotations
 
+import copy
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -85,6 +86,47 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.matrix.qtype.name}"
+
+
+class PrunedQuantHead(QuantLinear):
+    """A native draft's output head over the token ids `keep` only (FR-Spec's idea; models/draft_levers.PrunedHead
+    is the same lever for dense drafts): its matrix holds just those rows of the file's head, so a draft step reads
+    K rows instead of the vocabulary's (the 0.5B draft's Q8_0 head is 145 MB of the ~400 MB it reads a step), and
+    every other token gets the lowest finite logit: probability exactly 0 after the softmax, so the distribution a
+    verifier sees is the one the draft drew from."""
+
+    def __init__(self, head: QuantLinear, keep: torch.Tensor):
+        keep = torch.as_tensor(keep, dtype=torch.long).unique()  # sorted
+        if len(keep) == 0 or keep[0] < 0 or keep[-1] >= head.out_features:
+            raise ValueError(f"a pruned head keeps token ids in [0, {head.out_features})")
+        matrix = QuantMatrix(head.matrix.blocks().index_select(0, keep), head.matrix.qtype, len(keep), head.matrix.k)
+        super().__init__(matrix, None if head.bias is None else head.bias[keep])
+        self.vocab_size = head.out_features
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expand(super().forward(x))
+
+    def expand(self, small: torch.Tensor) -> torch.Tensor:
+        """(..., K) logits of the kept ids -> (..., vocab), the lowest finite logit elsewhere."""
+        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
+        return out.index_copy_(-1, self.keep, small)
+
+
+def with_pruned_head(model, keep: torch.Tensor):
+    """A twin of the native `model` whose head covers the token ids in `keep` only. Every other weight is shared, not
+    copied, and `model` itself is left as it was (the bench runs both side by side)."""
+    if not is_native(model) or not isinstance(model.lm_head, QuantLinear):
+        raise ValueError("a pruned head needs a native model")
+    if isinstance(model.lm_head, PrunedQuantHead):
+        raise ValueError("the model's head is pruned already")
+    twin = copy.copy(model)
+    twin._modules = dict(model._modules)  # a module table of its own: the head below is the twin's only
+    twin.lm_head = PrunedQuantHead(model.lm_head, keep)
+    base = model.fingerprint()
+    twin.fingerprint = lambda: sha256_key({"model": base, "head": twin.lm_head.keep.tolist()})  # its own costs
+    native_step.install_twin(twin, model)
+    return twin
 
 
 class QuantEmbedding(nn.Module):

@@ -22,6 +22,7 @@ bits it gets alone.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,7 @@ class Step:
         self.vocab = fast.embed.matrix.n
         self.context = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.rotary = fast.rotary
+        self.expand = getattr(fast.head, "expand", None)  # a pruned head's logits -> the whole vocabulary
         self.cpp = torch.classes.arborspec_kernels.Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
                                                         float(layer0.eps), float(fast.norm.variance_epsilon))
         for index, layer in enumerate(fast.layers):
@@ -101,6 +103,8 @@ class Step:
         logits = self.cpp.forward(long(ids), cos[0].contiguous(), sin[0].contiguous(),
                                   [c.session.keys for c in calls], [c.session.values for c in calls], long(seq),
                                   long(at), long(prefix), long(offsets), long(extra), long(keep))
+        if self.expand is not None and keep:
+            logits = self.expand(logits)  # (kept rows, K) -> (kept rows, vocab)
         return list(logits.split([len(c.keep) for c in calls])) if keep else [logits[:0]] * len(calls)
 
 
@@ -243,6 +247,17 @@ class NativeSession(TreeRegion):
             new = torch.empty(old.shape[0], old.shape[1], grown, old.shape[3])
             new[:, :, :used] = old[:, :, :used]
             setattr(self, name, new)
+
+
+def install_twin(twin, model) -> None:
+    """`twin` shares `model`'s layers with a head of its own (models/native.with_pruned_head): a forward of its own
+    over the same layer objects (merged once, for both), and sessions of its own."""
+    forward = copy.copy(model.forward)
+    forward.model, forward.head = twin, twin.lm_head
+    twin.forward = forward
+    if isinstance(forward, StepForward):
+        forward.step = Step(forward)
+        twin.new_session = lambda role="target": NativeSession(twin, role)
 
 
 def install(model) -> None:
