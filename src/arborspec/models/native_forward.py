@@ -96,8 +96,8 @@ class FastForward:
                  logits_to_keep=None, **extra):
         call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                     past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **extra)
-        if not fits(call):
-            return self.fallback(**call)
+        if not fits(call):  # only what the caller gave: transformers reads logits_to_keep=None as a new axis
+            return self.fallback(**{k: v for k, v in call.items() if v is not None or k in extra})
         with torch.inference_mode():
             return SimpleNamespace(logits=self.forward_many([call])[0])
 

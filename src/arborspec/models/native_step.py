@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import MethodType
 
 import torch
 
@@ -254,6 +255,7 @@ def install_twin(twin, model) -> None:
     over the same layer objects (merged once, for both), and sessions of its own."""
     forward = copy.copy(model.forward)
     forward.model, forward.head = twin, twin.lm_head
+    forward.fallback = MethodType(type(twin).forward, twin)  # transformers' forward, through the twin's own head
     twin.forward = forward
     if isinstance(forward, StepForward):
         forward.step = Step(forward)
