@@ -304,7 +304,7 @@ class SpeculativeDecoder:
         models = [self.target] + ([self.draft] if self.draft is not None and self.policy.needs_draft else [])
         self.step_threads = None if any(isinstance(m, torch.nn.Module) for m in models) else 1
         # e.g. auto: load or measure the models' cost profiles
-        self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling)
+        self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling, self.tokenizer)
         if self.grafts:  # e.g. ar: measure the target's costs, so the budget keeps only free rows that pay
             self.policy.price_free_branches(self.target)
 

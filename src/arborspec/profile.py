@@ -115,6 +115,47 @@ def profile_key(model) -> dict:
             "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
 
 
+def measure_agreement(target, draft, texts: list[list[int]]) -> float:
+    """Greedy top-1 agreement of `draft` with `target`, teacher-forced: the fraction of positions of `texts` (token
+    id lists) where the draft's argmax is the target's, from one chain forward of each model over each text through
+    its own sessions (any backend)."""
+    hits = total = 0
+    room = min(context_window(target) or 4096, context_window(draft) or 4096, 4096)
+    for ids in texts:
+        ids = list(ids[:room])  # a text past a model's context window is cut
+        if len(ids) < 2:
+            continue
+        chain = TokenTree.from_parents(ids, [-1] + list(range(len(ids) - 1)))
+        tops = []
+        for model in (target, draft):
+            logits = make_session(model, "target").forward(list(ids[:1]), chain, list(range(len(ids))))
+            tops.append(logits[:-1].argmax(-1))  # (positions,): the next token after each prefix
+        hits += int((tops[0] == tops[1]).sum())
+        total += len(ids) - 1
+    if not total:
+        raise ValueError("no text to measure agreement on")
+    return hits / total
+
+
+def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
+    """(agreement, source): `measure_agreement` on the reference texts (models/corpus.py), cached per pair like the
+    cost profiles ('cache' or 'measured')."""
+    from .models.corpus import reference_texts
+
+    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
+    cached = None if refresh else read_record("agreement", key)
+    if cached is not None and isinstance(cached.get("agreement"), float):
+        return cached["agreement"], "cache"
+    texts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
+    with torch.inference_mode():
+        agreement = measure_agreement(target, draft, texts)
+    try:
+        write_record("agreement", key, {"agreement": agreement, "positions": sum(len(t) - 1 for t in texts)})
+    except OSError:
+        pass  # a read-only cache must not stop generation
+    return agreement, "measured"
+
+
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
                   measure=None, progress: bool = False) -> tuple[CostCurve, str]:
     """The model's cost curve t(n) from the cache, or measured now (and cached). Returns (curve, source), source

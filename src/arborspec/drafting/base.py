@@ -88,10 +88,10 @@ class Policy:
     def update(self, step) -> None:
         """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
 
-    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None) -> None:
         """Called once by `SpeculativeDecoder` after construction with its models (bare model objects; `draft` may be
-        None) and the target's and the draft's sampling settings: auto profiles the models and loads the
-        calibration it saved for this pair and these settings."""
+        None), the target's and the draft's sampling settings and the tokenizer: auto profiles the models and loads
+        the calibration it saved for this pair and these settings (or, for a new pair, measures its agreement)."""
 
     def explain(self) -> dict:
         """The policy's account of its choices so far, copied into `GenerationStats.policy` when the generation ends."""

@@ -89,9 +89,9 @@ class DySpecPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.auto.max_tree_depth if self.auto else self.options.budget
 
-    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None) -> None:
         if self.auto:
-            self.auto.bind(target, draft, sampling, draft_sampling)
+            self.auto.bind(target, draft, sampling, draft_sampling, tokenizer)
 
     def update(self, step) -> None:
         if self.auto:

@@ -6,7 +6,7 @@ int4 when torchao is installed) it measures
 
 - the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
-  (REFERENCE_TEXT below plus corpus.DEFAULT_PROMPTS; one forward of each model, no generation),
+  (corpus.reference_texts(): a reference file and the default prompts; one forward of each model, no generation),
 
 and scores it by the best chain it would allow. With per-position agreement a (treated as independent), a chain of
 depth k commits 1 + a + a^2 + ... + a^k tokens per step and costs k draft calls plus one target forward over k + 1
@@ -29,68 +29,14 @@ import torch
 from ..cache import read_record, write_record
 from ..plotting import pyplot, save_figure
 from ..profile import profile_key, profile_model
-from .corpus import DEFAULT_PROMPTS
+from .corpus import reference_texts
 from .draft_levers import QUANT_MODES, TORCHAO_HINT, prepare_draft
 
 MAX_CHAIN = 16
-REFERENCE_TEXT = '''from dataclasses import dataclass, field
-
-
-@dataclass
-class Inventory:
-    """Items in stock, by name, with a running total of their value."""
-
-    items: dict[str, int] = field(default_factory=dict)
-    prices: dict[str, float] = field(default_factory=dict)
-
-    def add(self, name: str, count: int, price: float) -> None:
-        """Add `count` units of `name`; the latest price wins."""
-        if count <= 0:
-            raise ValueError("count must be positive")
-        self.items[name] = self.items.get(name, 0) + count
-        self.prices[name] = price
-
-    def remove(self, name: str, count: int) -> int:
-        """Remove up to `count` units and return how many were removed."""
-        have = self.items.get(name, 0)
-        taken = min(have, count)
-        if taken == have:
-            self.items.pop(name, None)
-        else:
-            self.items[name] = have - taken
-        return taken
-
-    def total_value(self) -> float:
-        return sum(self.prices[name] * count for name, count in self.items.items())
-
-
-def binary_search(values: list[int], target: int) -> int:
-    """Return the index of target in the sorted list values, or -1 if it is absent."""
-    lo, hi = 0, len(values) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if values[mid] == target:
-            return mid
-        if values[mid] < target:
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return -1
-
-
-def word_counts(text: str) -> dict[str, int]:
-    """Count how often each word occurs in text, ignoring case and punctuation."""
-    counts: dict[str, int] = {}
-    for word in text.lower().split():
-        word = word.strip(".,;:!?\\"'()")
-        if word:
-            counts[word] = counts.get(word, 0) + 1
-    return counts
-'''
 
 
 def reference_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in [REFERENCE_TEXT, *DEFAULT_PROMPTS]]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ def merge(linears) -> list:
     groups = [[linears[0]]]
     for lin in linears[1:]:
         last = groups[-1][0].matrix
-        if lin.matrix.qtype == last.qtype and lin.matrix.packed == last.packed:
+        if lin.matrix.qtype == last.qtype and lin.matrix.layout == last.layout:
             groups[-1].append(lin)
         else:
             groups.append([lin])

@@ -98,8 +98,9 @@ class AutoPolicy(Policy):
         self.source = {"costs": source}
         return self
 
-    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> None:
-        """Profile (or load the cached profiles of) the target and the draft; load the saved calibration."""
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None) -> None:
+        """Profile (or load the cached profiles of) the target and the draft; load the saved calibration, or for a
+        pair with none, start the greedy predictor from the pair's measured agreement (`seed_from_agreement`)."""
         self._greedy = sampling.greedy
         if draft is None:
             return
@@ -114,6 +115,25 @@ class AutoPolicy(Policy):
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
+        if self.source.get("calibration") != "cache" and tokenizer is not None:
+            self.seed_from_agreement(target, draft, tokenizer)
+
+    def seed_from_agreement(self, target, draft, tokenizer) -> None:
+        """Start c_1 of the greedy predictor (the draft's top child, tree_builder.py) at the pair's greedy top-1
+        agreement with the target, teacher-forced on reference text (profile.pair_agreement: ~1 s, cached).
+
+        Why: without evidence the predictor starts at DEFAULT_CHILD_PROBS (c_1 = 0.6), and `uses_draft` judges a
+        pair by it before the first step. For the default pair that prior was 0.3 below the truth (agreement 0.90)
+        and ruled speculation out wherever the draft cost 0.4 of a target token, so auto never drafted and never
+        gathered the evidence that would have corrected it. The sampled predictor keeps its prior: agreement with
+        the target's argmax says little about acceptance at T > 0."""
+        try:
+            agreement, source = profile.pair_agreement(target, draft, tokenizer)
+        except Exception as err:  # a backend whose sessions cannot run a long chain: keep the prior
+            self.source["agreement"] = f"unavailable ({type(err).__name__})"
+            return
+        self.child_probs[True][0] = agreement
+        self.source["agreement"] = f"{agreement:.3f} ({source})"
 
     def uses_draft(self, prompt_tokens: int = 0, new_tokens: int = 0) -> bool:
         """False when no tree is expected to beat plain decoding by more than the guard's margin under the measured
@@ -254,6 +274,9 @@ class AutoPolicy(Policy):
             self.run = self._new_run()
         self._prev_context = list(context)
 
+    def _agreement_note(self) -> str:
+        return f"; pair agreement {self.source['agreement']}" if "agreement" in self.source else ""
+
     def explain(self) -> dict:
         c = self.costs
         if self.cannot_pay:  # a plain generation: the engine consults the policy at no step (engine._plain_steps)
@@ -262,7 +285,7 @@ class AutoPolicy(Policy):
                        f"guard's margin ({1 + self._margin:g} x) under the measured costs (best chain at the measured "
                        f"acceptance {self._expected_rate():.2f} tokens/s, with every token accepted "
                        f"{ceiling_rate(c):.2f}; plain {1 / c.plain_step():.2f}); "
-                       f"costs: {self.source.get('costs', '?')}")
+                       f"costs: {self.source.get('costs', '?')}{self._agreement_note()}")
         else:
             steps, guard = self.run["steps"], self.run["guard"]
             spec = [s for s in steps if s["mode"] in ("spec", "probe")]
@@ -272,7 +295,7 @@ class AutoPolicy(Policy):
                           f"{np.mean([s['expected'] for s in spec]):.2f} tokens/step, got "
                           f"{np.mean([s.get('committed', 0) for s in spec]):.2f}" if spec else "")
                        + f"; guard: {sum(d['action'] == 'fallback' for d in guard)} fallback(s)"
-                       + f"; costs: {self.source.get('costs', '?')}")
+                       + f"; costs: {self.source.get('costs', '?')}{self._agreement_note()}")
         out = {"summary": summary, "plain": self.cannot_pay, "steps": steps, "guard": guard,
                "calibration": self.calibrator.describe(), "source": dict(self.source),
                "child_probs": {"greedy": [round(float(v), 4) for v in self.child_probs[True]],

@@ -1,0 +1,61 @@
+"""auto's start for a new pair: the greedy predictor's c_1 is the pair's measured top-1 agreement
+(profile.pair_agreement), not the generic prior, so `uses_draft` judges a pair it has not run yet by the evidence of
+one teacher-forced pass over reference text; a pair with a saved calibration keeps it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder, profile
+from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS
+from arborspec.models import make_session
+from arborspec.tree import TokenTree
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py: profiles and records in a temp dir
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", seed=0)
+    return target, noisy_copy(target, 0.6), char_tokenizer()
+
+
+def by_hand(target, draft, ids: list[int]) -> float:
+    """Agreement counted one prefix at a time, each a fresh session's one-token forward (no chain)."""
+    hits = 0
+    for i in range(1, len(ids)):
+        tops = []
+        for model in (target, draft):
+            session = make_session(model)
+            if i > 1:
+                session.prefill(ids[:i - 1])
+            tops.append(int(session.forward(ids[:i], TokenTree.root(ids[i - 1]), [0])[0].argmax()))
+        hits += tops[0] == tops[1]
+    return hits / (len(ids) - 1)
+
+
+def test_agreement_is_the_share_of_positions_where_the_argmaxes_agree(pair):
+    target, draft, tok = pair
+    ids = tok("def fib(n):\n    return n", add_special_tokens=False)["input_ids"]
+    assert profile.measure_agreement(target, target, [ids]) == 1.0
+    measured = profile.measure_agreement(target, draft, [ids])
+    assert 0.0 < measured < 1.0  # a noisy draft: some positions disagree
+    assert measured == pytest.approx(by_hand(target, draft, ids), abs=1.5 / len(ids))  # one fp32 near-tie at most
+
+
+def test_a_new_pair_starts_from_its_agreement_and_a_known_pair_from_its_calibration(pair):
+    target, draft, tok = pair
+    dec = SpeculativeDecoder(target, draft, tokenizer=tok)
+    agreement, source = profile.pair_agreement(target, draft, tok)
+    assert source == "cache"  # the decoder measured it once; this call read it back
+    assert dec.policy.child_probs[True][0] == pytest.approx(agreement)
+    assert agreement != DEFAULT_CHILD_PROBS[0]
+    assert dec.policy.child_probs[False][0] == DEFAULT_CHILD_PROBS[0]  # the sampled predictor keeps its prior
+    assert "pair agreement" in dec.generate("x = ", max_new_tokens=8).stats.policy["summary"]
+    # a pair with a saved calibration (written after generations that drafted) starts from it, not the agreement
+    dec.policy.child_probs[True][0] = 0.777
+    dec.policy.save()
+    again = SpeculativeDecoder(target, draft, tokenizer=tok)
+    assert again.policy.source["calibration"] == "cache" and "agreement" not in again.policy.source
+    assert again.policy.child_probs[True][0] == pytest.approx(0.777)
