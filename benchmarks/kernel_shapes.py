@@ -1,9 +1,10 @@
 """arborspec's GGUF kernels against this machine's rooflines, per layer shape of a model and M = 1..32 rows.
 
 For every distinct (tensor kind, block type, shape) of the model's matrices (all layers of a kind together, as one
-decoding step runs them) and every M, the kernels' time (each matrix's best of R calls, summed), next to
-  - the memory roofline: the matrices' bytes / the measured read bandwidth (`stream_sum`: a streaming read of 1 GiB on
-    torch's threads, best of 5), what M = 1 cannot beat;
+decoding step runs them) and every M, the kernels' time (each matrix's best call over R rounds, summed), next to
+  - the memory roofline: the time of a streaming read (`stream_sum`, on torch's threads) of the matrices' own bytes,
+    timed as the kernels are (each matrix's best over the rounds), what M = 1 cannot beat (a streaming read of 1 GiB
+    is reported beside it: calls of a few MB in turn read faster than one read of 1 GiB on a Zen 4 host);
   - the compute roofline: M x multiply-adds / the measured u8 x s8 multiply-add rate (`multiply_add_loop`:
     independent chains of the one instruction every kernel is built on), what large M cannot beat.
 The whole-model line sums every matrix (the linear layers and the output head: what the kernels do in a step).
@@ -72,32 +73,50 @@ def load_groups(path: Path, isa: str | None = None) -> dict[str, list[QuantMatri
     return dict(groups)
 
 
-def time_group(mats: list[QuantMatrix], m: int, repeats: int) -> float:
-    """Seconds to apply every matrix of a group to m rows: each matrix's best of `repeats` calls, summed. The
-    matrices are called in turn (a group larger than the caches streams from memory, as in a decoding step), and each
-    call is timed alone, so on a shared machine a call that lost its core to another process for a scheduler tick
-    (4 ms, longer than most calls) is dropped instead of spoiling the whole group's time."""
+def time_calls(mats: list[QuantMatrix], m: int) -> list[float]:
+    """Seconds of one call of each matrix of a group on m rows, the matrices in turn (a group larger than the caches
+    streams from memory, as in a decoding step)."""
     xs = {mat.k: torch.randn(m, mat.k) for mat in mats}
-    for mat in mats:  # warm up (first-touch of the activations, the thread pool)
-        mat(xs[mat.k])
-    best = [float("inf")] * len(mats)
-    for _ in range(repeats):
-        for i, mat in enumerate(mats):
-            best[i] = min(best[i], _timed(lambda: mat(xs[mat.k])))
+    return [_timed(lambda: mat(xs[mat.k])) for mat in mats]
+
+
+def stream_calls(mats: list[QuantMatrix]) -> list[float]:
+    """Seconds of a streaming read (`stream_sum`) of each matrix's bytes, the matrices in turn: the memory floor of
+    exactly those bytes, read in the same order and the same way as the kernels read them."""
+    return [_timed(lambda: library().ops.stream_sum(mat.data)) for mat in mats]
+
+
+def time_group(mats: list[QuantMatrix], m: int, repeats: int) -> float:
+    """Seconds to apply every matrix of a group to m rows: each matrix's best of `repeats` calls, summed."""
+    time_calls(mats, m)  # warm up (first touch of the activations, the thread pool)
+    best = time_calls(mats, m)
+    for _ in range(repeats - 1):
+        best = [min(a, b) for a, b in zip(best, time_calls(mats, m))]
     return sum(best)
 
 
 def measure(path: Path, sizes, repeats: int, isa: str | None = None) -> dict:
+    """Every group and M, `repeats` rounds over all of them; each matrix call is timed alone and its best round kept.
+    Why rounds and per-call bests: on a shared machine another process takes a core (or the memory bus) for spells of
+    milliseconds to seconds, which spoil a whole row when its repeats run back to back; spread over rounds, a spell
+    spoils one round, and the best call of each matrix is what a quiet machine gives. The rooflines are measured in
+    every round too, best kept."""
     groups = load_groups(path, isa)
-    bw, rate = bandwidth(), multiply_add_rate()
+    best: dict[tuple[str, int], list[float]] = {}
+    bw = rate = 0.0
+    for _ in range(repeats):
+        bw, rate = max(bw, bandwidth(repeats=1)), max(rate, multiply_add_rate(repeats=1))
+        for name, mats in groups.items():
+            for m in [0, *sizes]:  # 0: the streaming read of the group's bytes (its memory roofline)
+                times = stream_calls(mats) if m == 0 else time_calls(mats, m)
+                best[name, m] = [min(a, b) for a, b in zip(best.get((name, m), times), times)]
     rows = []
     for name, mats in groups.items():
         nbytes = sum(m.nbytes for m in mats)
         macs = sum(m.n * m.k for m in mats)
         for m in sizes:
-            t = time_group(mats, m, repeats)
-            rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": t,
-                         "memory_roofline": nbytes / bw, "compute_roofline": m * macs / rate})
+            rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": sum(best[name, m]),
+                         "memory_roofline": sum(best[name, 0]), "compute_roofline": m * macs / rate})
     return {"model": str(path), "bandwidth_GBps": bw / 1e9, "multiply_add_G_per_s": rate / 1e9,
             "threads": torch.get_num_threads(), "isa": isa or library().isa, "cpu": cpu_model(),
             "rows": rows}
@@ -117,7 +136,7 @@ def markdown(result: dict, command: str) -> str:
     one = tot[min(tot)]["seconds"]
     lines = [f"# arborspec kernels on {result['cpu']} ({result['isa']}, {result['threads']} threads)", "",
              f"`{command}`", "",
-             f"Measured read bandwidth {result['bandwidth_GBps']:.1f} GB/s; u8 x s8 multiply-add rate "
+             f"Measured read bandwidth (1 GiB) {result['bandwidth_GBps']:.1f} GB/s; u8 x s8 multiply-add rate "
              f"{result['multiply_add_G_per_s']:.0f} G/s. Model: `{result['model']}`.", "",
              "## Whole model (every linear layer and the head)", "",
              "| M | kernels ms | t(M)/t(1) | memory roofline ms | compute roofline ms | x max(rooflines) |",

@@ -910,13 +910,15 @@ void q4k16_vnni(const Job& j, int64_t g, int64_t r0) {
       }
     }
     const __m512 d = halves16(blk), dmin = halves16(blk + 32);
+    __m512i mins[4];  // (16 rows x 2 sub-blocks,) int16: the mins of sub-blocks 2p and 2p + 1
+    for (int p = 0; p < 4; ++p) mins[p] = widen_u8_i16(blk + 192 + 32 * p);
     for (int r = 0; r < R; ++r) {
       const ActK& a = act[r * j.blocks + b];
       __m512i msum = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {  // min(2p) x sum(2p) + min(2p+1) x sum(2p+1), per row of W
         int32_t pair;
         std::memcpy(&pair, a.bsum32 + 2 * p, 4);
-        msum = _mm512_add_epi32(msum, _mm512_madd_epi16(widen_u8_i16(blk + 192 + 32 * p), _mm512_set1_epi32(pair)));
+        msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
       }
       const __m512 ad = _mm512_set1_ps(a.d);
       const __m512 f = _mm512_fmadd_ps(to_float(isum[r]), _mm512_mul_ps(d, ad), acc[r]);
