@@ -55,6 +55,10 @@ def emulated_library() -> "Kernels":
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
+    missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - set(cpu_flags().split())
+    if missing:  # the emulated code still runs AVX2 instructions natively
+        raise KernelBuildError("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
+                               f"lacks {', '.join(sorted(missing))}")
     if not simde_found():
         raise KernelBuildError(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
                                "apt-get install libsimde-dev)")
@@ -107,16 +111,21 @@ def explain(exc: Exception) -> str:
 
 
 @functools.cache
-def cache_key() -> str:
-    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
-    flags = ""
+def cpu_flags() -> str:
+    """This CPU's flags line from /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
+                return line
     except OSError:
         pass
+    return ""
+
+
+@functools.cache
+def cache_key() -> str:
+    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
+    flags = cpu_flags()
     sources = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")) + [Path(__file__)]
     text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]
