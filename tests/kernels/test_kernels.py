@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from hypothesis import given, settings, strategies as st
 
 from arborspec.kernels import QuantMatrix, supported
@@ -178,3 +178,36 @@ def test_bad_input_gets_a_clear_error():
     matrix = QuantMatrix(random_blocks(QT.Q8_0, 4, 64, rng), QT.Q8_0, 4, 64)
     with pytest.raises(ValueError, match=r"expected activations \(m, 64\)"):
         matrix(torch.zeros(2, 32))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("qtype", KINDS)
+def test_every_path_computes_the_exact_integer_products(build, qtype):
+    """With unit block scales and integer activations whose 8-bit scale is exactly 1, every product is an integer
+    small enough for float32: each code path (VNNI, AVX2, scalar; file and packed layouts) must give it exactly, bit
+    for bit, so a path that drops or double-counts one weight, offset or min cannot hide in float rounding."""
+    make, isa = BUILDS[build]
+    kernels = make()
+    rng = np.random.default_rng(int(qtype))
+    n, k = 32, 2 * ACTIVATION_BLOCK[qtype]
+    raw = random_blocks(qtype, n, k, rng).reshape(n, -1, GGML_QUANT_SIZES[qtype][1])
+    one = np.array([1.0], np.float16).view(np.uint8)
+    if qtype == QT.Q6_K:
+        raw[:, :, 208:210] = one
+    else:
+        raw[:, :, 0:2] = one
+        if qtype == QT.Q4_K:
+            raw[:, :, 2:4] = one  # dmin
+    raw = raw.reshape(n, -1)
+    x = torch.from_numpy(rng.integers(-3, 4, size=(5, k)).astype(np.float32))
+    block = ACTIVATION_BLOCK[qtype]
+    x[:, ::block] = 127.0  # each block's largest value: its 8-bit scale is 1 (K-quants: -1, the signs flipped)
+    matrices = [QuantMatrix(raw, qtype, n, k, kernels=kernels, isa=isa),
+                QuantMatrix(raw, qtype, n, k, pack=False, kernels=kernels)]
+    w = matrices[1].dequantize().double()
+    assert torch.equal(w, w.round())  # integer weights
+    exact = x.double() @ w.T
+    assert exact.abs().max() < 2**24
+    for matrix in matrices:
+        for scalar in PATHS:
+            assert torch.equal(matrix(x, scalar=scalar).double(), exact), (matrix.layout, scalar)
