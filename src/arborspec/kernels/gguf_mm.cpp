@@ -75,12 +75,14 @@ struct ActK {
   int8_t qs[256];
   int16_t bsums[16];
   int16_t bsum32[8];  // sums of each 32 (the Q4_K sub-blocks), for the interleaved kernel's mins term
+  int32_t offset16[16];  // -32 x the sums of each 16 (Q6_K's offset), where the x16 kernel's dot products start
 };
 
 // 8-bit activations for the 32-blocks: scale (rounded through float16 as the format stores it) and the sum of q
 struct Act32 {
   float d;
   int32_t sum;
+  int32_t offset16, offset128;  // -16 and -128 x sum: where the x16 kernels' dot products start (Q5_0, Q8_0)
   int8_t qs[32];
 };
 
@@ -147,6 +149,7 @@ void quantize_k(const float* x, ActK* out) {
     out->bsums[g] = (int16_t)s;
   }
   for (int g = 0; g < 8; ++g) out->bsum32[g] = (int16_t)(out->bsums[2 * g] + out->bsums[2 * g + 1]);
+  for (int g = 0; g < 16; ++g) out->offset16[g] = -32 * out->bsums[g];
   out->d = 1.f / iscale;
 }
 
@@ -159,6 +162,8 @@ void quantize_32(const float* x, Act32* out) {
   int sum = 0;
   for (int i = 0; i < 32; ++i) sum += out->qs[i];
   out->sum = sum;
+  out->offset16 = -16 * sum;
+  out->offset128 = -128 * sum;
   out->d = static_cast<float>(c10::Half(d));
 }
 
@@ -956,7 +961,7 @@ void q6k16_vnni(const Job& j, int64_t g, int64_t r0) {
       }
       for (int r = 0; r < R; ++r) {
         const ActK& a = act[r * j.blocks + b];
-        __m512i dot = _mm512_set1_epi32(-32 * a.bsums[gq]);
+        __m512i dot = _mm512_set1_epi32(a.offset16[gq]);  // a broadcast from memory
         for (int t = 0; t < 4; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], bcast4(a.qs, 16 * gq + 4 * t));
         isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
       }
@@ -970,8 +975,8 @@ void q6k16_vnni(const Job& j, int64_t g, int64_t r0) {
 
 // Q5_0 / Q8_0 x16: a 32-block of 16 rows is 8 weight registers; per row the dot starts at -offset x the block's
 // activation sum, 8 dot instructions, and the float scales (16 rows x the row's) multiply once.
-template <int R>
-void q32x16_vnni(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
+template <int64_t qtype, int R>
+void q32x16_vnni(const Job& j, int64_t g, int64_t r0) {
   const Act32* act = static_cast<const Act32*>(j.act) + r0 * j.blocks;
   const X16 f = x16_format(qtype);
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
@@ -981,7 +986,7 @@ void q32x16_vnni(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
     const uint8_t* blk = j.w + g * j.row_bytes + b * f.bytes;
     prefetch_block(blk + 4 * f.bytes, f.bytes);
     __m512i w[8];
-    if (qtype == Q8_0) {
+    if constexpr (qtype == Q8_0) {
       for (int t = 0; t < 8; ++t) w[t] = load64(blk + 32 + 64 * t);
     } else {
       for (int p = 0; p < 4; ++p) {
@@ -994,7 +999,7 @@ void q32x16_vnni(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
     const __m512 d = halves16(blk);
     for (int r = 0; r < R; ++r) {
       const Act32& a = act[r * j.blocks + b];
-      __m512i dot = _mm512_set1_epi32(-f.offset * a.sum);
+      __m512i dot = _mm512_set1_epi32(qtype == Q8_0 ? a.offset128 : a.offset16);  // a broadcast from memory
       for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], bcast4(a.qs, 4 * t));
       acc[r] = _mm512_fmadd_ps(to_float(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[r]);
     }
@@ -1007,7 +1012,8 @@ void x16_vnni_rows(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
   switch (qtype) {
     case Q4_K: return q4k16_vnni<R>(j, g, r0);
     case Q6_K: return q6k16_vnni<R>(j, g, r0);
-    default: return q32x16_vnni<R>(qtype, j, g, r0);
+    case Q5_0: return q32x16_vnni<Q5_0, R>(j, g, r0);
+    default: return q32x16_vnni<Q8_0, R>(j, g, r0);
   }
 }
 
