@@ -1,14 +1,20 @@
 """arborspec's GGUF kernels against this machine's rooflines, per layer shape of a model and M = 1..32 rows.
 
 For every distinct (tensor kind, block type, shape) of the model's matrices (all layers of a kind together, as one
-decoding step runs them) and every M, the best-of-R time of the kernels, next to
-  - the memory roofline: the matrices' bytes / the measured read bandwidth (`stream_sum`: a streaming read of 1 GiB on
-    torch's threads, best of 5), what M = 1 cannot beat;
+decoding step runs them) and every M, the kernels' time (each matrix's best call over R rounds, summed), next to
+  - the memory roofline: the time of a streaming read (`stream_sum`, on torch's threads) of the matrices' own bytes,
+    timed as the kernels are (each matrix's best over the rounds), what M = 1 cannot beat (a streaming read of 1 GiB
+    is reported beside it: calls of a few MB in turn read faster than one read of 1 GiB on a Zen 4 host);
   - the compute roofline: M x multiply-adds / the measured u8 x s8 multiply-add rate (`multiply_add_loop`:
     independent chains of the one instruction every kernel is built on), what large M cannot beat.
 The whole-model line sums every matrix (the linear layers and the output head: what the kernels do in a step).
 
-Usage: python benchmarks/kernel_shapes.py [--model PATH.gguf] [--sizes 1,2,...] [--repeats 5] [--out results/kernels]
+`--isa avx2` times the AVX2 code on a host whose build runs AVX-512 VNNI (the matrices in the layouts the AVX2 code
+reads), for the two side by side; the rooflines are the machine's either way (VNNI's 64 multiply-adds an instruction
+where the build has it).
+
+Usage: python benchmarks/kernel_shapes.py [--model PATH.gguf] [--sizes 1,2,...] [--repeats 5] [--isa avx2]
+       [--out results/kernels]
 Writes kernels.json and kernels.md into --out and a plot (docs/figures/kernels.png by default).
 """
 from __future__ import annotations
@@ -39,9 +45,10 @@ def bandwidth(repeats: int = 5) -> float:
 
 
 def multiply_add_rate(repeats: int = 3, iterations: int = 5_000_000) -> float:
-    """u8 x s8 multiply-adds per second on all of torch's threads (32 per instruction, 8 chains a thread)."""
+    """u8 x s8 multiply-adds per second on all of torch's threads (8 chains a thread of the widest instruction the
+    build has: 64 products each for vpdpbusd, 32 for vpmaddubsw)."""
     best = min(_timed(lambda: library().ops.multiply_add_loop(iterations)) for _ in range(repeats))
-    return iterations * 8 * 32 * torch.get_num_threads() / best
+    return iterations * 8 * library().ops.multiply_add_width() * torch.get_num_threads() / best
 
 
 def _timed(fn) -> float:
@@ -50,9 +57,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def load_groups(path: Path) -> dict[str, list[QuantMatrix]]:
+def load_groups(path: Path, isa: str | None = None) -> dict[str, list[QuantMatrix]]:
     """The model's 2-D weights the kernels cover (the embedding table excepted: it is looked up, not multiplied),
-    grouped by kind, type and shape: 'ffn_down Q6_K 1536x8960' -> its matrices over all layers."""
+    grouped by kind, type and shape: 'ffn_down Q6_K 1536x8960' -> its matrices over all layers; laid out for the
+    build's best code, or for `isa`'s."""
     reader = gguf.GGUFReader(str(path))
     groups: dict[str, list[QuantMatrix]] = defaultdict(list)
     for t in reader.tensors:
@@ -60,31 +68,57 @@ def load_groups(path: Path) -> dict[str, list[QuantMatrix]]:
             continue
         k, n = int(t.shape[0]), int(t.shape[1])
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
-        groups[f"{kind} {t.tensor_type.name} {n}x{k}"].append(QuantMatrix(np.array(t.data), t.tensor_type, n, k))
+        matrix = QuantMatrix(np.array(t.data), t.tensor_type, n, k, isa=isa)
+        groups[f"{kind} {t.tensor_type.name} {n}x{k}"].append(matrix)
     return dict(groups)
 
 
-def time_group(mats: list[QuantMatrix], m: int, repeats: int) -> float:
-    """Best-of-`repeats` seconds to apply every matrix of a group to m rows."""
+def time_calls(mats: list[QuantMatrix], m: int) -> list[float]:
+    """Seconds of one call of each matrix of a group on m rows, the matrices in turn (a group larger than the caches
+    streams from memory, as in a decoding step)."""
     xs = {mat.k: torch.randn(m, mat.k) for mat in mats}
-    for mat in mats:  # warm up (first-touch of the activations, the thread pool)
-        mat(xs[mat.k])
-    return min(_timed(lambda: [mat(xs[mat.k]) for mat in mats]) for _ in range(repeats))
+    return [_timed(lambda: mat(xs[mat.k])) for mat in mats]
 
 
-def measure(path: Path, sizes, repeats: int) -> dict:
-    groups = load_groups(path)
-    bw, rate = bandwidth(), multiply_add_rate()
+def stream_calls(mats: list[QuantMatrix]) -> list[float]:
+    """Seconds of a streaming read (`stream_sum`) of each matrix's bytes, the matrices in turn: the memory floor of
+    exactly those bytes, read in the same order and the same way as the kernels read them."""
+    return [_timed(lambda: library().ops.stream_sum(mat.data)) for mat in mats]
+
+
+def time_group(mats: list[QuantMatrix], m: int, repeats: int) -> float:
+    """Seconds to apply every matrix of a group to m rows: each matrix's best of `repeats` calls, summed."""
+    time_calls(mats, m)  # warm up (first touch of the activations, the thread pool)
+    best = time_calls(mats, m)
+    for _ in range(repeats - 1):
+        best = [min(a, b) for a, b in zip(best, time_calls(mats, m))]
+    return sum(best)
+
+
+def measure(path: Path, sizes, repeats: int, isa: str | None = None) -> dict:
+    """Every group and M, `repeats` rounds over all of them; each matrix call is timed alone and its best round kept.
+    Why rounds and per-call bests: on a shared machine another process takes a core (or the memory bus) for spells of
+    milliseconds to seconds, which spoil a whole row when its repeats run back to back; spread over rounds, a spell
+    spoils one round, and the best call of each matrix is what a quiet machine gives. The rooflines are measured in
+    every round too, best kept."""
+    groups = load_groups(path, isa)
+    best: dict[tuple[str, int], list[float]] = {}
+    bw = rate = 0.0
+    for _ in range(repeats):
+        bw, rate = max(bw, bandwidth(repeats=1)), max(rate, multiply_add_rate(repeats=1))
+        for name, mats in groups.items():
+            for m in [0, *sizes]:  # 0: the streaming read of the group's bytes (its memory roofline)
+                times = stream_calls(mats) if m == 0 else time_calls(mats, m)
+                best[name, m] = [min(a, b) for a, b in zip(best.get((name, m), times), times)]
     rows = []
     for name, mats in groups.items():
         nbytes = sum(m.nbytes for m in mats)
         macs = sum(m.n * m.k for m in mats)
         for m in sizes:
-            t = time_group(mats, m, repeats)
-            rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": t,
-                         "memory_roofline": nbytes / bw, "compute_roofline": m * macs / rate})
+            rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": sum(best[name, m]),
+                         "memory_roofline": sum(best[name, 0]), "compute_roofline": m * macs / rate})
     return {"model": str(path), "bandwidth_GBps": bw / 1e9, "multiply_add_G_per_s": rate / 1e9,
-            "threads": torch.get_num_threads(), "isa": library().isa, "cpu": cpu_model(),
+            "threads": torch.get_num_threads(), "isa": isa or library().isa, "cpu": cpu_model(),
             "rows": rows}
 
 
@@ -102,7 +136,7 @@ def markdown(result: dict, command: str) -> str:
     one = tot[min(tot)]["seconds"]
     lines = [f"# arborspec kernels on {result['cpu']} ({result['isa']}, {result['threads']} threads)", "",
              f"`{command}`", "",
-             f"Measured read bandwidth {result['bandwidth_GBps']:.1f} GB/s; u8 x s8 multiply-add rate "
+             f"Measured read bandwidth (1 GiB) {result['bandwidth_GBps']:.1f} GB/s; u8 x s8 multiply-add rate "
              f"{result['multiply_add_G_per_s']:.0f} G/s. Model: `{result['model']}`.", "",
              "## Whole model (every linear layer and the head)", "",
              "| M | kernels ms | t(M)/t(1) | memory roofline ms | compute roofline ms | x max(rooflines) |",
@@ -147,13 +181,15 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file (default: the default target's)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--isa", default=None, choices=["avx2"],
+                        help="time this path's code instead of the build's best (its layouts; the same build)")
     parser.add_argument("--out", default="results/kernels")
     parser.add_argument("--figure", default="docs/figures/kernels.png")
     args = parser.parse_args()
     if args.model is None:
         from arborspec.models.loading import alias_gguf
         args.model = str(alias_gguf("qwen2.5-coder-1.5b"))
-    result = measure(Path(args.model), [int(s) for s in args.sizes.split(",")], args.repeats)
+    result = measure(Path(args.model), [int(s) for s in args.sizes.split(",")], args.repeats, args.isa)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels.json").write_text(json.dumps(result, indent=1))

@@ -23,6 +23,17 @@ if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ 
 -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         .venv/bin/python -m pip install -q -c constraints.txt "llama-cpp-python==0.3.36"
 fi
+# SIMDe (header-only, Debian libsimde-dev): the tests build the kernels' AVX-512 VNNI code against it a second time, to
+# prove it exact on CPUs without VNNI; without it (no root, no apt) those tests skip and say why.
+if ! echo '#include <simde/x86/avx512.h>' | c++ -x c++ -E - -o /dev/null 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev; } >/dev/null 2>&1 \
+            || echo "[arborspec] could not install libsimde-dev: the emulated AVX-512 kernel tests will skip" >&2
+    else
+        echo "[arborspec] SIMDe (libsimde-dev) is missing and cannot be installed here (needs root and apt-get):" \
+             "the emulated AVX-512 kernel tests will skip" >&2
+    fi
+fi
 # arborspec's own GGUF kernels (the `native` backend): compiled for this CPU with the system's C++ compiler, once
 # (~20-40 s), into the arborspec cache; a machine without a compiler gets a one-line note and the other backends.
 .venv/bin/arborspec kernels build || echo "[arborspec] the native backend's kernels did not build (see above)" >&2

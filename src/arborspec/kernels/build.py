@@ -17,6 +17,9 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gguf_mm.cpp", HERE / "forward.cpp"]  # one library; forward.cpp calls gguf_mm.h
+# the packed layouts' names, in the order gguf_mm.cpp's layouts() gives their numbers
+LAYOUTS = ["q4k_rows8", "q4k_rows16", "q6k_rows16", "q5_0_rows16", "q8_0_rows16"]
+SIMDE_HEADER = "simde/x86/avx512.h"
 
 
 class KernelBuildError(RuntimeError):
@@ -36,21 +39,63 @@ def library() -> "Kernels":
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
         raise KernelBuildError(f"could not compile arborspec's kernels ({explain(exc)}); they need a C++ compiler "
                                "(g++ or clang++) and ninja (pip install ninja)") from exc
-    kernels = Kernels()
+    kernels = Kernels("arborspec_kernels")
     if kernels.isa == "scalar":
         warnings.warn("this CPU has no AVX2: arborspec's kernels run their portable scalar code (several times "
                       "slower); the llama.cpp backend is the faster choice here", stacklevel=2)
     return kernels
 
 
-class Kernels:
-    """The compiled operators (torch.ops.arborspec_kernels)."""
+@functools.cache
+def emulated_library() -> "Kernels":
+    """The same source's AVX-512 VNNI code compiled for any x86-64 CPU with AVX2 (`-march=x86-64-v3`), the AVX-512
+    intrinsics implemented in portable code by SIMDe (Debian: libsimde-dev, header-only): so the tests prove the VNNI
+    kernels exact on hosts without VNNI. Slow (never time it); loaded beside the native build under its own operator
+    namespace (torch.ops.arborspec_kernels_emulated) and C++ namespace, since one process holds both."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise KernelBuildError(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
+    missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - set(cpu_flags().split())
+    if missing:  # the emulated code still runs AVX2 instructions natively
+        raise KernelBuildError("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
+                               f"lacks {', '.join(sorted(missing))}")
+    if not simde_found():
+        raise KernelBuildError(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
+                               "apt-get install libsimde-dev)")
+    directory = build_dir() / "emulated"
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load(name="arborspec_kernels_emulated", sources=[str(HERE / "gguf_mm.cpp")],
+                           build_directory=str(directory),
+                           extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp", "-DARB_SIMDE",
+                                         "-DARB_OPS=arborspec_kernels_emulated", "-Darborspec=arborspec_emulated"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:
+        raise KernelBuildError(f"could not compile the emulated AVX-512 kernels ({explain(exc)})") from exc
+    return Kernels("arborspec_kernels_emulated")
 
-    def __init__(self):
-        self.ops = torch.ops.arborspec_kernels
-        self.isa = self.ops.isa()  # "avx2" or "scalar": what this build runs
+
+def simde_found() -> bool:
+    """Whether the compiler's include path has SIMDe (asked from the compiler itself, not guessed)."""
+    import shutil
+    import subprocess
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        return False
+    probe = subprocess.run([compiler, "-x", "c++", "-E", "-", "-o", "/dev/null"], input=f"#include <{SIMDE_HEADER}>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
+class Kernels:
+    """The compiled operators (torch.ops.<namespace>): the native build's, or the emulated one's (tests)."""
+
+    def __init__(self, namespace: str):
+        self.ops = getattr(torch.ops, namespace)
+        self.isa = self.ops.isa()  # "avx512vnni", "avx2" or "scalar": the best code this build runs
         # the packed layouts' numbers (gguf_mm.h), by name
-        self.layouts = dict(zip(["q4k_rows8"], self.ops.layouts().tolist()))
+        self.layouts = dict(zip(LAYOUTS, self.ops.layouts().tolist()))
 
     def activations(self, x: torch.Tensor, qtype) -> torch.Tensor:
         """x (m, k) as the kernels quantize it (dequantized, float32): for tests against the reference."""
@@ -66,16 +111,21 @@ def explain(exc: Exception) -> str:
 
 
 @functools.cache
-def cache_key() -> str:
-    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
-    flags = ""
+def cpu_flags() -> str:
+    """This CPU's flags line from /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
+                return line
     except OSError:
         pass
+    return ""
+
+
+@functools.cache
+def cache_key() -> str:
+    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
+    flags = cpu_flags()
     sources = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")) + [Path(__file__)]
     text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]

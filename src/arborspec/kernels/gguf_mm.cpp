@@ -30,12 +30,34 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ARB_AVX2 1
 #endif
+
+// The AVX-512 VNNI code (the x16 layouts' kernels) runs where the build targets a CPU with AVX-512 F/BW/VL and VNNI,
+// and in the emulated build (ARB_SIMDE: tests only, on any x86-64 CPU with AVX2), where SIMDe implements those
+// intrinsics in portable code with the same integer results; the few conversions SIMDe 0.7 lacks are written out
+// (see the helpers below). Timing never comes from the emulated build.
+#if defined(ARB_SIMDE)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#undef _mm512_madd_epi16  // SIMDe 0.7.4 names this alias with the masked form's four arguments
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+#define ARB_VNNI 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(ARB_AVX2)
+#define ARB_VNNI 1
+#endif
+
+// The torch operator namespace: the emulated build loads beside the native one, under another name.
+#ifndef ARB_OPS
+#define ARB_OPS arborspec_kernels
+#endif
+#define ARB_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 namespace {
 
@@ -53,12 +75,14 @@ struct ActK {
   int8_t qs[256];
   int16_t bsums[16];
   int16_t bsum32[8];  // sums of each 32 (the Q4_K sub-blocks), for the interleaved kernel's mins term
+  int32_t offset16[16];  // -32 x the sums of each 16 (Q6_K's offset), where the x16 kernel's dot products start
 };
 
 // 8-bit activations for the 32-blocks: scale (rounded through float16 as the format stores it) and the sum of q
 struct Act32 {
   float d;
   int32_t sum;
+  int32_t offset16, offset128;  // -16 and -128 x sum: where the x16 kernels' dot products start (Q5_0, Q8_0)
   int8_t qs[32];
 };
 
@@ -125,6 +149,7 @@ void quantize_k(const float* x, ActK* out) {
     out->bsums[g] = (int16_t)s;
   }
   for (int g = 0; g < 8; ++g) out->bsum32[g] = (int16_t)(out->bsums[2 * g] + out->bsums[2 * g + 1]);
+  for (int g = 0; g < 16; ++g) out->offset16[g] = -32 * out->bsums[g];
   out->d = 1.f / iscale;
 }
 
@@ -137,6 +162,8 @@ void quantize_32(const float* x, Act32* out) {
   int sum = 0;
   for (int i = 0; i < 32; ++i) sum += out->qs[i];
   out->sum = sum;
+  out->offset16 = -16 * sum;
+  out->offset128 = -128 * sum;
   out->d = static_cast<float>(c10::Half(d));
 }
 
@@ -587,6 +614,426 @@ void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 }
 #endif
 
+// ---- 16 rows interleaved ("x16"), every block type: the AVX-512 VNNI layouts ----------------------------------
+// Why: a 512-bit register holds 4 consecutive weights of each of 16 rows of W (one 32-bit lane per row), and one
+// `vpdpbusd` multiplies them by 4 activation bytes broadcast to every lane, widens and accumulates: 64 weights a row
+// of X per instruction (AVX2 needs two multiplies for 32), and each sub-block's scales are applied to its sums once,
+// for all 16 rows, by one integer multiply. The weights enter as unsigned bytes (the instruction is u8 x s8): a
+// type whose integers are signed is stored with an offset (Q6_K +32, Q5_0 +16, Q8_0 +128) removed through the
+// activation blocks' sums, so every path computes the same exact integer dot products. The column-interleaved
+// prototype of this design ran the whole 1.5B's volume at the memory floor for M = 1 and t(4) = 1.11 t(1) on Zen 4.
+//
+// A chunk j of a block is weights 4j..4j+3 of each of the 16 rows: 64 values, value 4c + i <- row c, weight 4j + i.
+// 4-bit values are stored two chunks to 64 bytes (chunk 2p in the low nibbles of bytes 64p.., 2p + 1 in the high);
+// a 5th / 6th bit as a 64-bit mask per chunk (bit 4c + i), which the kernel adds by one masked byte add. The bytes
+// are the file's bits rearranged, per 16 rows the file's bytes (Q4_K: +2.8%, a byte per 6-bit scale and min):
+//   Q4_K (256-block, 2368 B): d[16] f16, dmin[16] f16, scale[8 sub-blocks][16] u8, min[4 pairs][16 rows][2] u8,
+//        64 chunks of nibbles (8 per 32-weight sub-block).
+//   Q6_K (256-block, 3360 B): d[16] f16, scale[16 groups][16] i8, 64 chunks of nibbles (4 per 16-weight group),
+//        then per chunk its bit-4 and bit-5 masks (16 B). Weights 0..63 (+32).
+//   Q5_0 (32-block, 352 B): d[16] f16, 8 chunks of nibbles, per chunk its bit-4 mask (8 B). Weights 0..31 (+16).
+//   Q8_0 (32-block, 544 B): d[16] f16, 8 chunks of bytes q + 128 (q ^ 0x80).
+constexpr int kRows16 = 16;
+constexpr int kLayout16 = 2000;  // layout = kLayout16 + GGUF type (gguf_mm.h)
+
+struct X16 {
+  int64_t bytes;  // per block of 16 rows
+  int weights;  // per block and row (256 or 32)
+  int nibbles;  // offset of the 4-bit chunks (Q8_0: of its byte chunks)
+  int masks;  // offset of the bit masks (0: none)
+  int offset;  // what was added to the type's integers to make them unsigned
+};
+
+X16 x16_format(int64_t qtype) {
+  switch (qtype) {
+    case Q4_K: return {2368, 256, 320, 0, 0};
+    case Q6_K: return {3360, 256, 288, 2336, 32};
+    case Q5_0: return {352, 32, 32, 288, 16};
+    default: return {544, 32, 32, 0, 128};  // Q8_0
+  }
+}
+
+// The unsigned integer of row c, weight w (0 .. weights - 1) of one x16 block, and its inverse.
+int x16_get(int64_t qtype, const uint8_t* blk, int c, int w) {
+  const X16 f = x16_format(qtype);
+  const int j = w / 4, at = 4 * c + w % 4;
+  if (qtype == Q8_0) return blk[f.nibbles + 64 * j + at];
+  const uint8_t byte = blk[f.nibbles + 64 * (j / 2) + at];
+  int u = j % 2 ? byte >> 4 : byte & 0x0F;
+  if (qtype == Q5_0) u |= ((blk[f.masks + 8 * j + at / 8] >> (at % 8)) & 1) << 4;
+  if (qtype == Q6_K) {
+    u |= ((blk[f.masks + 16 * j + at / 8] >> (at % 8)) & 1) << 4;
+    u |= ((blk[f.masks + 16 * j + 8 + at / 8] >> (at % 8)) & 1) << 5;
+  }
+  return u;
+}
+
+void x16_set(int64_t qtype, uint8_t* blk, int c, int w, int u) {  // `blk` zeroed first
+  const X16 f = x16_format(qtype);
+  const int j = w / 4, at = 4 * c + w % 4;
+  if (qtype == Q8_0) {
+    blk[f.nibbles + 64 * j + at] = (uint8_t)u;
+    return;
+  }
+  blk[f.nibbles + 64 * (j / 2) + at] |= (uint8_t)((u & 0x0F) << (j % 2 ? 4 : 0));
+  if (qtype == Q5_0) blk[f.masks + 8 * j + at / 8] |= (uint8_t)(((u >> 4) & 1) << (at % 8));
+  if (qtype == Q6_K) {
+    blk[f.masks + 16 * j + at / 8] |= (uint8_t)(((u >> 4) & 1) << (at % 8));
+    blk[f.masks + 16 * j + 8 + at / 8] |= (uint8_t)(((u >> 5) & 1) << (at % 8));
+  }
+}
+
+// A Q6_K block's 256 values 0..63 in order (the file stores 4 low bits and 2 high bits apart), and the inverse.
+void unpack_q6k(const uint8_t* blk, int* q) {
+  const uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
+      q[128 * h + l] = (lo0 & 0x0F) | ((hi & 3) << 4);
+      q[128 * h + 32 + l] = (lo1 & 0x0F) | (((hi >> 2) & 3) << 4);
+      q[128 * h + 64 + l] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
+      q[128 * h + 96 + l] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
+    }
+}
+
+void pack_q6k(const int* q, uint8_t* blk) {
+  uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int* v = q + 128 * h + l;
+      ql[64 * h + l] = (uint8_t)((v[0] & 0x0F) | ((v[64] & 0x0F) << 4));
+      ql[64 * h + 32 + l] = (uint8_t)((v[32] & 0x0F) | ((v[96] & 0x0F) << 4));
+      qh[32 * h + l] = (uint8_t)((v[0] >> 4) | ((v[32] >> 4) << 2) | ((v[64] >> 4) << 4) | ((v[96] >> 4) << 6));
+    }
+}
+
+// Q4_K's 8 scales and 8 mins (6 bits each) back into its 12 packed bytes.
+void pack_q4k_scales(const int* sc, const int* mn, uint8_t* p) {
+  for (int i = 0; i < 4; ++i) {
+    p[i] = (uint8_t)((sc[i] & 63) | ((sc[i + 4] >> 4) << 6));
+    p[i + 4] = (uint8_t)((mn[i] & 63) | ((mn[i + 4] >> 4) << 6));
+    p[i + 8] = (uint8_t)((sc[i + 4] & 15) | ((mn[i + 4] & 15) << 4));
+  }
+}
+
+// Block `b` of 16 file rows (src, row_bytes apart) -> one x16 block.
+void repack_x16_block(int64_t qtype, const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+  const X16 f = x16_format(qtype);
+  std::memset(out, 0, f.bytes);
+  for (int c = 0; c < kRows16; ++c) {
+    const uint8_t* blk = src + c * row_bytes + b * block_bytes(qtype);
+    int u[256];
+    if (qtype == Q4_K) {
+      int sc[8], mn[8];
+      unpack_q4k(blk, u, sc, mn);
+      std::memcpy(out + 2 * c, blk, 2);
+      std::memcpy(out + 32 + 2 * c, blk + 2, 2);
+      for (int s = 0; s < 8; ++s) {
+        out[64 + 16 * s + c] = (uint8_t)sc[s];
+        out[192 + 32 * (s / 2) + 2 * c + s % 2] = (uint8_t)mn[s];
+      }
+    } else if (qtype == Q6_K) {
+      unpack_q6k(blk, u);
+      std::memcpy(out + 2 * c, blk + 208, 2);
+      for (int g = 0; g < 16; ++g) out[32 + 16 * g + c] = blk[192 + g];
+    } else {
+      unpack_32(qtype, blk, u);
+      for (int w = 0; w < 32; ++w) u[w] += f.offset;
+      std::memcpy(out + 2 * c, blk, 2);
+    }
+    for (int w = 0; w < f.weights; ++w) x16_set(qtype, out, c, w, u[w]);
+  }
+}
+
+// One x16 block -> block `b` of its 16 file rows (dst, row_bytes apart): repack_x16_block's inverse.
+void unpack_x16_block(int64_t qtype, const uint8_t* in, uint8_t* dst, int64_t row_bytes, int64_t b) {
+  const X16 f = x16_format(qtype);
+  for (int c = 0; c < kRows16; ++c) {
+    uint8_t* blk = dst + c * row_bytes + b * block_bytes(qtype);
+    int u[256];
+    for (int w = 0; w < f.weights; ++w) u[w] = x16_get(qtype, in, c, w);
+    if (qtype == Q4_K) {
+      int sc[8], mn[8];
+      for (int s = 0; s < 8; ++s) {
+        sc[s] = in[64 + 16 * s + c];
+        mn[s] = in[192 + 32 * (s / 2) + 2 * c + s % 2];
+      }
+      std::memcpy(blk, in + 2 * c, 2);
+      std::memcpy(blk + 2, in + 32 + 2 * c, 2);
+      pack_q4k_scales(sc, mn, blk + 4);
+      for (int h = 0; h < 4; ++h)
+        for (int l = 0; l < 32; ++l) blk[16 + 32 * h + l] = (uint8_t)(u[64 * h + l] | (u[64 * h + 32 + l] << 4));
+    } else if (qtype == Q6_K) {
+      pack_q6k(u, blk);
+      for (int g = 0; g < 16; ++g) blk[192 + g] = in[32 + 16 * g + c];
+      std::memcpy(blk + 208, in + 2 * c, 2);
+    } else if (qtype == Q8_0) {
+      std::memcpy(blk, in + 2 * c, 2);
+      for (int w = 0; w < 32; ++w) blk[2 + w] = (uint8_t)(u[w] ^ 0x80);
+    } else {  // Q5_0
+      std::memcpy(blk, in + 2 * c, 2);
+      uint32_t qh = 0;
+      for (int l = 0; l < 16; ++l) {
+        blk[6 + l] = (uint8_t)((u[l] & 0x0F) | ((u[l + 16] & 0x0F) << 4));
+        qh |= (uint32_t)(u[l] >> 4) << l | (uint32_t)(u[l + 16] >> 4) << (l + 16);
+      }
+      std::memcpy(blk + 2, &qh, 4);
+    }
+  }
+}
+
+// Scalar form of the x16 kernels, reading the packed bytes: the same integer sums, in plain loops (the reference
+// the VNNI code is held to, and what a build without VNNI runs on these layouts).
+void x16_scalar(int64_t qtype, const Job& j, int64_t g, int64_t r0, int64_t r1) {
+  const X16 f = x16_format(qtype);
+  float acc[kTile][kRows16] = {{0}};
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = j.w + g * j.row_bytes + b * f.bytes;
+    for (int c = 0; c < kRows16; ++c) {
+      const float d = half(blk + 2 * c);
+      int u[256];
+      for (int w = 0; w < f.weights; ++w) u[w] = x16_get(qtype, blk, c, w);
+      for (int64_t r = r0; r < r1; ++r) {
+        float& out = acc[r - r0][c];
+        if (qtype == Q4_K) {
+          const ActK& a = static_cast<const ActK*>(j.act)[r * j.blocks + b];
+          int sumi = 0, summ = 0;
+          for (int s = 0; s < 8; ++s) {
+            int dot = 0;
+            for (int l = 0; l < 32; ++l) dot += u[32 * s + l] * a.qs[32 * s + l];
+            sumi += blk[64 + 16 * s + c] * dot;
+            summ += blk[192 + 32 * (s / 2) + 2 * c + s % 2] * a.bsum32[s];
+          }
+          out += a.d * d * (float)sumi - a.d * half(blk + 32 + 2 * c) * (float)summ;
+        } else if (qtype == Q6_K) {
+          const ActK& a = static_cast<const ActK*>(j.act)[r * j.blocks + b];
+          int sumi = 0;
+          for (int gq = 0; gq < 16; ++gq) {
+            int dot = 0;
+            for (int l = 0; l < 16; ++l) dot += u[16 * gq + l] * a.qs[16 * gq + l];
+            sumi += static_cast<int8_t>(blk[32 + 16 * gq + c]) * (dot - 32 * a.bsums[gq]);
+          }
+          out += a.d * d * (float)sumi;
+        } else {
+          const Act32& a = static_cast<const Act32*>(j.act)[r * j.blocks + b];
+          int dot = 0;
+          for (int l = 0; l < 32; ++l) dot += u[l] * a.qs[l];
+          out += a.d * d * (float)(dot - f.offset * a.sum);
+        }
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r)
+    for (int c = 0; c < kRows16; ++c) j.y[r * j.n + g * kRows16 + c] = acc[r - r0][c];
+}
+
+#ifdef ARB_VNNI
+// Loads and conversions (the emulated build writes out the ones SIMDe 0.7 lacks, in plain C++: exact either way)
+inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i bcast4(const int8_t* p, int64_t at) {
+  int32_t v;
+  std::memcpy(&v, p + at, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __mmask64 mask_at(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return (__mmask64)v;
+}
+#ifdef ARB_SIMDE
+template <typename T>
+inline __m512i widen16(const T* p) {  // 16 bytes -> 16 int32
+  alignas(64) int32_t v[16];
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  return _mm512_load_si512(v);
+}
+inline __m512i widen_u8_i16(const uint8_t* p) {  // 32 bytes -> 32 int16
+  alignas(64) int16_t v[32];
+  for (int i = 0; i < 32; ++i) v[i] = p[i];
+  return _mm512_load_si512(v);
+}
+inline __m512 to_float(__m512i x) {
+  alignas(64) int32_t v[16];
+  alignas(64) float o[16];
+  _mm512_store_si512(v, x);
+  for (int i = 0; i < 16; ++i) o[i] = (float)v[i];
+  return _mm512_load_ps(o);
+}
+inline __m512 halves16(const uint8_t* p) {
+  alignas(64) float o[16];
+  for (int i = 0; i < 16; ++i) o[i] = half(p + 2 * i);
+  return _mm512_load_ps(o);
+}
+#else
+template <typename T>
+inline __m512i widen16(const T* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_signed_v<T>) return _mm512_cvtepi8_epi32(v);
+  return _mm512_cvtepu8_epi32(v);
+}
+inline __m512i widen_u8_i16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 to_float(__m512i x) { return _mm512_cvtepi32_ps(x); }
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
+constexpr int kRowsVnni = 8;  // rows of X a kernel call keeps in registers (accumulators + one chunk's weights)
+
+// Q4_K x16, R rows of X from r0, one group of 16 rows of W: per 32-weight sub-block, 8 weight registers unpacked
+// once, then per row 8 dot instructions and one multiply by the 16 scales; the mins term per block and row.
+template <int R>
+void q4k16_vnni(const Job& j, int64_t g, int64_t r0) {
+  const ActK* act = static_cast<const ActK*>(j.act) + r0 * j.blocks;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = j.w + g * j.row_bytes + b * 2368;
+    prefetch_block(blk + 2 * 2368, 2368);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      const __m512i scale = widen16(blk + 64 + 16 * s);  // (16 rows,) int32
+      __m512i w[8];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = load64(blk + 320 + 64 * (4 * s + p));
+        w[2 * p] = _mm512_and_si512(v, low4);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* aq = act[r * j.blocks + b].qs + 32 * s;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(aq, 0));
+        for (int i = 1; i < 8; ++i) dot = _mm512_dpbusd_epi32(dot, w[i], bcast4(aq, 4 * i));
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+    const __m512 d = halves16(blk), dmin = halves16(blk + 32);
+    __m512i mins[4];  // (16 rows x 2 sub-blocks,) int16: the mins of sub-blocks 2p and 2p + 1
+    for (int p = 0; p < 4; ++p) mins[p] = widen_u8_i16(blk + 192 + 32 * p);
+    for (int r = 0; r < R; ++r) {
+      const ActK& a = act[r * j.blocks + b];
+      __m512i msum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {  // min(2p) x sum(2p) + min(2p+1) x sum(2p+1), per row of W
+        int32_t pair;
+        std::memcpy(&pair, a.bsum32 + 2 * p, 4);
+        msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mins[p], _mm512_set1_epi32(pair)));
+      }
+      const __m512 ad = _mm512_set1_ps(a.d);
+      const __m512 f = _mm512_fmadd_ps(to_float(isum[r]), _mm512_mul_ps(d, ad), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(to_float(msum), _mm512_mul_ps(dmin, ad), f);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.n + g * kRows16, acc[r]);
+}
+
+// Q6_K x16: per 16-weight group, 4 weight registers (nibbles, then bits 4 and 5 by masked adds) unpacked once; per
+// row the dot starts at -32 x the activations' 16-sum (the offset), 4 dot instructions, one multiply by the scales.
+template <int R>
+void q6k16_vnni(const Job& j, int64_t g, int64_t r0) {
+  const ActK* act = static_cast<const ActK*>(j.act) + r0 * j.blocks;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16), bit5 = _mm512_set1_epi8(32);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = j.w + g * j.row_bytes + b * 3360;
+    prefetch_block(blk + 2 * 3360, 3360);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int gq = 0; gq < 16; ++gq) {
+      const __m512i scale = widen16(reinterpret_cast<const int8_t*>(blk + 32 + 16 * gq));
+      __m512i w[4];
+      for (int p = 0; p < 2; ++p) {
+        const __m512i v = load64(blk + 288 + 64 * (2 * gq + p));
+        w[2 * p] = _mm512_and_si512(v, low4);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t* m = blk + 2336 + 16 * (4 * gq + t);
+        w[t] = _mm512_mask_add_epi8(w[t], mask_at(m), w[t], bit4);
+        w[t] = _mm512_mask_add_epi8(w[t], mask_at(m + 8), w[t], bit5);
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActK& a = act[r * j.blocks + b];
+        __m512i dot = _mm512_set1_epi32(a.offset16[gq]);  // a broadcast from memory
+        for (int t = 0; t < 4; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], bcast4(a.qs, 16 * gq + 4 * t));
+        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+    const __m512 d = halves16(blk);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(to_float(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(act[r * j.blocks + b].d)), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.n + g * kRows16, acc[r]);
+}
+
+// Q5_0 / Q8_0 x16: a 32-block of 16 rows is 8 weight registers; per row the dot starts at -offset x the block's
+// activation sum, 8 dot instructions, and the float scales (16 rows x the row's) multiply once.
+template <int64_t qtype, int R>
+void q32x16_vnni(const Job& j, int64_t g, int64_t r0) {
+  const Act32* act = static_cast<const Act32*>(j.act) + r0 * j.blocks;
+  const X16 f = x16_format(qtype);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = j.w + g * j.row_bytes + b * f.bytes;
+    prefetch_block(blk + 4 * f.bytes, f.bytes);
+    __m512i w[8];
+    if constexpr (qtype == Q8_0) {
+      for (int t = 0; t < 8; ++t) w[t] = load64(blk + 32 + 64 * t);
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = load64(blk + 32 + 64 * p);
+        w[2 * p] = _mm512_and_si512(v, low4);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_mask_add_epi8(w[t], mask_at(blk + 288 + 8 * t), w[t], bit4);
+    }
+    const __m512 d = halves16(blk);
+    for (int r = 0; r < R; ++r) {
+      const Act32& a = act[r * j.blocks + b];
+      __m512i dot = _mm512_set1_epi32(qtype == Q8_0 ? a.offset128 : a.offset16);  // a broadcast from memory
+      for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], bcast4(a.qs, 4 * t));
+      acc[r] = _mm512_fmadd_ps(to_float(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.n + g * kRows16, acc[r]);
+}
+
+template <int R>
+void x16_vnni_rows(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
+  switch (qtype) {
+    case Q4_K: return q4k16_vnni<R>(j, g, r0);
+    case Q6_K: return q6k16_vnni<R>(j, g, r0);
+    case Q5_0: return q32x16_vnni<Q5_0, R>(j, g, r0);
+    default: return q32x16_vnni<Q8_0, R>(j, g, r0);
+  }
+}
+
+// rows [r0, r1) in calls of up to kRowsVnni rows
+void x16_vnni(int64_t qtype, const Job& j, int64_t g, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += kRowsVnni) {
+    switch (std::min<int64_t>(kRowsVnni, r1 - r)) {
+      case 1: x16_vnni_rows<1>(qtype, j, g, r); break;
+      case 2: x16_vnni_rows<2>(qtype, j, g, r); break;
+      case 3: x16_vnni_rows<3>(qtype, j, g, r); break;
+      case 4: x16_vnni_rows<4>(qtype, j, g, r); break;
+      case 5: x16_vnni_rows<5>(qtype, j, g, r); break;
+      case 6: x16_vnni_rows<6>(qtype, j, g, r); break;
+      case 7: x16_vnni_rows<7>(qtype, j, g, r); break;
+      default: x16_vnni_rows<8>(qtype, j, g, r); break;
+    }
+  }
+}
+#endif  // ARB_VNNI
+
 
 // ---------------------------------------------------------------------------------------------- dispatch
 
@@ -738,6 +1185,98 @@ at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x,
   });
   return y;
 }
+// ---- x16 layouts: repack, unpack, product ------------------------------------------------------------------------
+
+int64_t x16_qtype(int64_t layout) {
+  const int64_t qtype = layout - kLayout16;
+  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K || qtype == Q5_0 || qtype == Q8_0, "no x16 layout numbered ", layout);
+  return qtype;
+}
+
+int64_t file_block(int64_t qtype) { return k_quant(qtype) ? 256 : 32; }
+
+void check_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  const int64_t block = file_block(qtype);
+  TORCH_CHECK(k > 0 && k % block == 0, "row length ", k, " is not a multiple of the block of ", block);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == k / block * x16_format(qtype).bytes,
+              "x16 groups: contiguous uint8 (groups, ", k / block * x16_format(qtype).bytes, ")");
+}
+
+// W (n, row_bytes) in the file's layout, n a multiple of 16 -> (n / 16, blocks x group bytes).
+at::Tensor repack_x16(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
+  const int64_t n = w.size(0), blocks = k / file_block(qtype), bytes = x16_format(qtype).bytes;
+  TORCH_CHECK(n % kRows16 == 0, "x16 layout: ", n, " rows is not a multiple of ", kRows16);
+  at::Tensor out = at::empty({n / kRows16, blocks * bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kRows16, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        repack_x16_block(qtype, src + g * kRows16 * w.size(1), w.size(1), b, dst + (g * blocks + b) * bytes);
+  });
+  return out;
+}
+
+at::Tensor unpack_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  check_x16(packed, qtype, k);
+  const int64_t groups = packed.size(0), blocks = k / file_block(qtype), bytes = x16_format(qtype).bytes;
+  const int64_t row_bytes = blocks * block_bytes(qtype);
+  at::Tensor out = at::empty({groups * kRows16, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        unpack_x16_block(qtype, src + (g * blocks + b) * bytes, dst + g * kRows16 * row_bytes, row_bytes, b);
+  });
+  return out;
+}
+
+// Y (m, 16 x groups) from x16 groups and X (m, k): the VNNI kernels where the build has them, else the scalar ones.
+at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
+  check_x16(packed, qtype, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "activations: contiguous float32 (m, ", k, ")");
+  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kRows16;
+  const at::Tensor act = quantize_rows(x, qtype);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / file_block(qtype),
+                y.data_ptr<float>(), n};
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#ifdef ARB_VNNI
+      if (!scalar) {
+        x16_vnni(qtype, job, g, 0, m);
+        continue;
+      }
+#endif
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) x16_scalar(qtype, job, g, r0, std::min(m, r0 + kTile));
+    }
+  });
+  return y;
+}
+
+// ---- any layout, by number (what matrix.py calls) -----------------------------------------------------------------
+
+at::Tensor repack(const at::Tensor& w, int64_t layout, int64_t k) {
+  if (layout == arborspec::kQ4KByRows8) return repack_q4k8(w, k);
+  return repack_x16(w, x16_qtype(layout), k);
+}
+
+at::Tensor unpack(const at::Tensor& packed, int64_t layout, int64_t k) {
+  if (layout == arborspec::kQ4KByRows8) return unpack_q4k8(packed, k);
+  return unpack_x16(packed, x16_qtype(layout), k);
+}
+
+// y = x · Wᵀ for W in `layout` (a GGUF type: the file's rows; or a packed layout); `scalar` runs the portable code.
+at::Tensor linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x, bool scalar) {
+  if (layout == arborspec::kQ4KByRows8) return matmul_q4k8(w, k, x, scalar);
+  if (layout >= kLayout16) return matmul_x16(w, x16_qtype(layout), k, x, scalar);
+  return matmul(w, layout, k, x, scalar);
+}
+
 
 // The activations as the kernels see them (q x d, float32 (m, k)): for tests against the reference quantizer.
 at::Tensor dequantized_activations(const at::Tensor& x, int64_t qtype) {
@@ -790,9 +1329,22 @@ int64_t stream_sum(const at::Tensor& buffer) {
   }, std::plus<int64_t>());
 }
 
-// Runs `iterations` x 8 independent u8 x s8 multiply-adds per thread; returns a checksum so nothing is elided.
+// Runs `iterations` x 8 independent u8 x s8 multiply-add instructions per thread (each multiply_add_width() products:
+// vpdpbusd's 64 where the build has VNNI, vpmaddubsw's 32 otherwise); returns a checksum so nothing is elided.
 int64_t multiply_add_loop(int64_t iterations) {
-#ifdef ARB_AVX2
+#if defined(ARB_VNNI) && !defined(ARB_SIMDE)
+  return at::parallel_reduce(0, at::get_num_threads(), 1, (int64_t)0, [&](int64_t a, int64_t b, int64_t acc) {
+    for (int64_t t = a; t < b; ++t) {
+      const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8((char)(t + 1));
+      __m512i c[8];
+      for (int i = 0; i < 8; ++i) c[i] = _mm512_set1_epi32(i);
+      for (int64_t it = 0; it < iterations; ++it)
+        for (int i = 0; i < 8; ++i) c[i] = _mm512_dpbusd_epi32(c[i], w, x);
+      for (int i = 0; i < 8; ++i) acc += _mm_cvtsi128_si32(_mm512_castsi512_si128(c[i]));
+    }
+    return acc;
+  }, std::plus<int64_t>());
+#elif defined(ARB_AVX2)
   return at::parallel_reduce(0, at::get_num_threads(), 1, (int64_t)0, [&](int64_t a, int64_t b, int64_t acc) {
     for (int64_t t = a; t < b; ++t) {
       __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8((char)(t + 1));
@@ -809,16 +1361,28 @@ int64_t multiply_add_loop(int64_t iterations) {
 #endif
 }
 
+int64_t multiply_add_width() {
+#if defined(ARB_VNNI) && !defined(ARB_SIMDE)
+  return 64;
+#else
+  return 32;
+#endif
+}
+
 std::string isa() {
-#ifdef ARB_AVX2
+#if defined(ARB_VNNI)
+  return "avx512vnni";
+#elif defined(ARB_AVX2)
   return "avx2";
 #else
   return "scalar";
 #endif
 }
 
-at::Tensor layouts() {  // the layout numbers matrix.py uses: (Q4_K packed by 8 rows,)
-  return at::tensor(std::vector<int64_t>{arborspec::kQ4KByRows8}, at::kLong);
+at::Tensor layouts() {  // the layout numbers matrix.py uses, in the order of its names (build.py's LAYOUTS)
+  using namespace arborspec;
+  return at::tensor(std::vector<int64_t>{kQ4KByRows8, kQ4KByRows16, kQ6KByRows16, kQ5_0ByRows16, kQ8_0ByRows16},
+                    at::kLong);
 }
 
 }  // namespace
@@ -826,8 +1390,7 @@ at::Tensor layouts() {  // the layout numbers matrix.py uses: (Q4_K packed by 8 
 namespace arborspec {
 
 at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x) {
-  if (layout == kQ4KByRows8) return matmul_q4k8(w, k, x, false);
-  return matmul(w, layout, k, x, false);
+  return linear(w, layout, k, x, false);
 }
 
 void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_t* ids, int64_t count, float* out) {
@@ -891,7 +1454,7 @@ at::Tensor embedding_rows(const at::Tensor& w, int64_t qtype, int64_t k, const a
 
 }  // namespace
 
-TORCH_LIBRARY(arborspec_kernels, m) {
+ARB_TORCH_LIBRARY(ARB_OPS, m) {
   m.def("layouts() -> Tensor", &layouts);
   m.def("embedding_rows(Tensor w, int qtype, int k, Tensor ids) -> Tensor", &embedding_rows);
   m.def("matmul(Tensor w, int qtype, int k, Tensor x, bool scalar) -> Tensor", &matmul);
@@ -899,7 +1462,8 @@ TORCH_LIBRARY(arborspec_kernels, m) {
   m.def("isa() -> str", &isa);
   m.def("stream_sum(Tensor buffer) -> int", &stream_sum);
   m.def("multiply_add_loop(int iterations) -> int", &multiply_add_loop);
-  m.def("repack_q4k8(Tensor w, int k) -> Tensor", &repack_q4k8);
-  m.def("unpack_q4k8(Tensor packed, int k) -> Tensor", &unpack_q4k8);
-  m.def("matmul_q4k8(Tensor packed, int k, Tensor x, bool scalar) -> Tensor", &matmul_q4k8);
+  m.def("multiply_add_width() -> int", &multiply_add_width);
+  m.def("repack(Tensor w, int layout, int k) -> Tensor", &repack);
+  m.def("unpack(Tensor packed, int layout, int k) -> Tensor", &unpack);
+  m.def("linear(Tensor w, int layout, int k, Tensor x, bool scalar) -> Tensor", &linear);
 }

@@ -18,6 +18,11 @@ enum QType : int64_t { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 // Packed layouts: the same bits as the file's blocks, rearranged for the products (see gguf_mm.cpp)
 enum Layout : int64_t {
   kQ4KByRows8 = 1000 + Q4_K,  // Q4_K, 8 rows interleaved ("q4_K x8"; AVX2)
+  // 16 rows interleaved, one 32-bit lane of a 512-bit register per row ("x16"; AVX-512 VNNI), every type
+  kQ5_0ByRows16 = 2000 + Q5_0,
+  kQ8_0ByRows16 = 2000 + Q8_0,
+  kQ4KByRows16 = 2000 + Q4_K,
+  kQ6KByRows16 = 2000 + Q6_K,
 };
 
 // y (m, n) float32 = x (m, k) float32 · Wᵀ, W (n, k) held as `w` in `layout`: the best path this build runs.
