@@ -53,8 +53,11 @@ def test_a_new_pair_starts_from_its_agreement_and_a_known_pair_from_its_calibrat
     assert agreement != DEFAULT_CHILD_PROBS[0]
     assert dec.policy.child_probs[False][0] == DEFAULT_CHILD_PROBS[0]  # the sampled predictor keeps its prior
     assert "pair agreement" in dec.generate("x = ", max_new_tokens=8).stats.policy["summary"]
-    # a pair with a saved calibration (written after generations that drafted) starts from it, not the agreement
+    # a pair with a saved calibration that holds evidence (drafted nodes seen accepted or not) starts from it
+    dec.policy.save()  # no evidence yet: the next decoder still starts from the agreement
+    assert "agreement" in SpeculativeDecoder(target, draft, tokenizer=tok).policy.source
     dec.policy.child_probs[True][0] = 0.777
+    dec.policy.calibrator.observe([0.5, 0.7], [1.0, 0.0])
     dec.policy.save()
     again = SpeculativeDecoder(target, draft, tokenizer=tok)
     assert again.policy.source["calibration"] == "cache" and "agreement" not in again.policy.source

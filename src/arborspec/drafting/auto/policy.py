@@ -115,8 +115,8 @@ class AutoPolicy(Policy):
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
-        if self.source.get("calibration") != "cache" and tokenizer is not None:
-            self.seed_from_agreement(target, draft, tokenizer)
+        if tokenizer is not None and (self.source.get("calibration") != "cache" or not self.calibrator.trials.any()):
+            self.seed_from_agreement(target, draft, tokenizer)  # no evidence yet (a saved record may hold none)
 
     def seed_from_agreement(self, target, draft, tokenizer) -> None:
         """Start c_1 of the greedy predictor (the draft's top child, tree_builder.py) at the pair's greedy top-1
