@@ -51,7 +51,9 @@ def gguf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(gguf_dir):
-    return load_llamacpp(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    yield model
+    model.close()
 
 
 def random_tree(rng: random.Random, root: int, n: int, max_children: int = 3) -> TokenTree:
@@ -451,6 +453,41 @@ def test_missing_llama_cpp_module_is_a_clear_error(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="needs llama-cpp-python==0.3.36 .*scripts/setup.sh. builds it"):
         load_llamacpp(path)
+
+
+@needs_llama
+def test_close_frees_the_model_and_closes_its_sessions(gguf_dir):
+    from arborspec.models import llamacpp
+
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64)
+    live, done = model.new_session(), model.new_session()
+    live.prefill([5, 6, 7])
+    done.close()  # its context goes back to the model, to be freed with it
+    assert model in llamacpp._OPEN and len(model._idle) == 1 and not model.closed
+    model.close()
+    assert model.closed and model not in llamacpp._OPEN and not model._idle and live.ctx is None
+    tree = TokenTree.from_parents([7], [-1])
+    with pytest.raises(RuntimeError, match="target session is closed"):
+        live.forward([5, 6, 7], tree, [0])  # a clear error, not a call into freed memory
+    with pytest.raises(RuntimeError, match="session is closed"):
+        live.commit([0])
+    with pytest.raises(ValueError, match="target.gguf is closed"):
+        model.new_session()
+    model.close()  # idempotent
+
+
+@needs_llama
+def test_a_model_left_open_at_exit_is_closed_without_a_traceback(gguf_dir):
+    """A model and a session still referenced when the interpreter exits are freed by the atexit hook, before
+    llama-cpp-python's module is torn down (freeing them later printed "'NoneType' object is not callable")."""
+    import subprocess
+
+    code = ("import sys; from arborspec.models.llamacpp import load_llamacpp; "
+            f"m = load_llamacpp({str(gguf_dir / 'target.gguf')!r}, n_threads=1, n_ctx=64); s = m.new_session(); "
+            "s.prefill([5, 6]); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_finished_sessions_context_is_reused_cleared(target):
