@@ -8,7 +8,8 @@ trees reach up to 3 tokens deep (horizon 4), and compare with the exact distribu
 Each comparison is a chi-square test at level 1e-3 with enough samples that *any* distribution 0.02 away in total
 variation would fail it with probability >= 0.95 (`harness.assert_same_distribution` checks both). The same test fails
 deliberately wrong verifiers (including a block, a traversal and a greedy multi-draft verifier that skip their
-residual correction), and measures how far the lossy WETAP rule drifts. The sampled tests are marked `slow`
+residual correction; 0.075-0.48 TV off, so they are tried with the samples of a 0.05-TV test), and measures how far
+the lossy WETAP rule drifts. The sampled tests are marked `slow`
 (each ~30-90 CPU-seconds; `-m "not slow"` skips them).
 """
 import pytest
