@@ -95,14 +95,22 @@ def llamacpp_top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@pytest.fixture(scope="module")
+def llamacpp_greedy(llamacpp_pair):
+    """Plain greedy decoding of each prompt on llama.cpp: the reference both speculative methods below compare with,
+    decoded once (it is the same for both)."""
+    target = llamacpp_pair[0]
+    return [SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+            for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("method,options", [("chain", {"k": 3}), ("static", {"depth": 3, "branch": 2})])
-def test_llamacpp_speculation_matches_its_plain_greedy_decoding(llamacpp_pair, method, options):
+def test_llamacpp_speculation_matches_its_plain_greedy_decoding(llamacpp_pair, llamacpp_greedy, method, options):
     """The same on llama.cpp's Q4_K_M kernels: a tree forward and a one-token forward may round differently, so a
     divergence is allowed only where the target's top-2 logit gap (one-token forward) is below NEAR_TIE."""
     target, draft = llamacpp_pair
     near_ties = 0
-    for prompt in PROMPTS:
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+    for prompt, ref in zip(PROMPTS, llamacpp_greedy):
         res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=N_TOKENS,
                                                                                    ignore_eos=True)
         assert len(res.token_ids) == N_TOKENS and res.stats.tokens_per_step > 1.5
