@@ -41,10 +41,10 @@ A smoke check of the whole pipeline (one prompt of each dataset, 16 tokens, 40 r
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 from pathlib import Path
 
+from arborspec.bench import records
 from arborspec.bench.reproduction import VERIFIER_METHODS as METHODS, paired_differences, pooled_verifier_tables
 from arborspec.cli import main as arborspec_main
 from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     code = arborspec_main(bench)
     if code:
         return code
-    results = json.loads((Path(args.out) / "results.json").read_text())
+    results = records.read(Path(args.out))  # results.json, or .json.gz once it is large
     text = pooled_tables(results)
     (Path(args.out) / "verifiers.md").write_text(text + "\n")
     print(text)

@@ -79,6 +79,16 @@ def loaded_pair():
     return (LoadedModel(target, tok, "target", "memory"), LoadedModel(noisy_copy(target, 0.2), tok, "draft", "memory"))
 
 
+@pytest.fixture(scope="session")
+def real_pair():
+    """The default real pair as `load_model` returns it (Qwen2.5-Coder-1.5B target, 0.5B draft; bf16 on transformers),
+    loaded once per session for every test marked `real` that only reads it (a test of loading itself loads its own).
+    Tests must not change it."""
+    from arborspec.models.loading import load_model
+
+    return load_model("qwen2.5-coder-1.5b", progress=False), load_model("qwen2.5-coder-0.5b", progress=False)
+
+
 @pytest.fixture(scope="module")
 def private_cache(tmp_path_factory):
     """The module's cache directory in a temp dir (profiles, calibrations, choices the code measures and caches:

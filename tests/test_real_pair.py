@@ -35,24 +35,14 @@ def all_threads():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    from arborspec.models.loading import check_tokenizers_compatible, load_model
-
-    target = load_model("qwen2.5-coder-1.5b", progress=False)
-    draft = load_model("qwen2.5-coder-0.5b", progress=False)
-    check_tokenizers_compatible(target, draft)
-    return target, draft
-
-
 def top2_gap(model, ids: list[int]) -> float:
     with torch.inference_mode():
         top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
 
-def test_default_method_matches_greedy_decoding(pair):
-    target, draft = pair
+def test_default_method_matches_greedy_decoding(real_pair):
+    target, draft = real_pair  # tests/conftest.py: loaded once per session
     near_ties = 0
     for prompt in PROMPTS:
         ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
@@ -89,8 +79,11 @@ def llamacpp_pair():
 
     if not llamacpp.available():
         pytest.skip("llama-cpp-python is not installed")
-    return (load_model("qwen2.5-coder-1.5b", backend="llamacpp", progress=False),
+    pair = (load_model("qwen2.5-coder-1.5b", backend="llamacpp", progress=False),
             load_model("qwen2.5-coder-0.5b", backend="llamacpp", progress=False))
+    yield pair
+    for loaded in pair:
+        loaded.model.close()
 
 
 def llamacpp_top2_gap(model, ids: list[int]) -> float:
@@ -102,14 +95,22 @@ def llamacpp_top2_gap(model, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@pytest.fixture(scope="module")
+def llamacpp_greedy(llamacpp_pair):
+    """Plain greedy decoding of each prompt on llama.cpp: the reference both speculative methods below compare with,
+    decoded once (it is the same for both)."""
+    target = llamacpp_pair[0]
+    return [SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+            for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("method,options", [("chain", {"k": 3}), ("static", {"depth": 3, "branch": 2})])
-def test_llamacpp_speculation_matches_its_plain_greedy_decoding(llamacpp_pair, method, options):
+def test_llamacpp_speculation_matches_its_plain_greedy_decoding(llamacpp_pair, llamacpp_greedy, method, options):
     """The same on llama.cpp's Q4_K_M kernels: a tree forward and a one-token forward may round differently, so a
     divergence is allowed only where the target's top-2 logit gap (one-token forward) is below NEAR_TIE."""
     target, draft = llamacpp_pair
     near_ties = 0
-    for prompt in PROMPTS:
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+    for prompt, ref in zip(PROMPTS, llamacpp_greedy):
         res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=N_TOKENS,
                                                                                    ignore_eos=True)
         assert len(res.token_ids) == N_TOKENS and res.stats.tokens_per_step > 1.5

@@ -4,6 +4,8 @@ import re
 
 import pytest
 
+from arborspec.bench import records
+
 from arborspec.cli import main
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
@@ -30,7 +32,7 @@ def bench_run(tmp_path_factory):
 
 
 def test_results_json_records_every_run(bench_run):
-    results = json.loads((bench_run / "results.json").read_text())
+    results = records.read(bench_run)  # plain or gzipped
     assert results["env"]["cpu"] and results["env"]["threads"] == 1 and results["env"]["dtype"] == "fp32"
     assert results["command"].startswith("arborspec bench")
     assert any("nonexistent" in w for w in results["warnings"])
@@ -85,7 +87,7 @@ def test_check_equal(bench_run, tmp_path, capsys):
     assert main(["report", "--check-equal", str(bench_run)]) == 0
     out = capsys.readouterr().out
     assert "0 failing" in out
-    results = json.loads((bench_run / "results.json").read_text())
+    results = records.read(bench_run)  # plain or gzipped
     doctored = next(r for r in results["runs"] if r["label"] == "static@4" and r["temperature"] == 0)
     doctored["token_ids"][5] = (doctored["token_ids"][5] + 1) % 50
     (tmp_path / "results.json").write_text(json.dumps(results))
@@ -95,7 +97,7 @@ def test_check_equal(bench_run, tmp_path, capsys):
 
 
 def test_acceptance_profile_columns(bench_run):
-    results = json.loads((bench_run / "results.json").read_text())
+    results = records.read(bench_run)  # plain or gzipped
     for r in results["runs"]:
         if r["label"] in ("ar", "hf-assisted"):
             continue

@@ -2,6 +2,7 @@
 the backend choice, and the report's speed-up column over plain llama.cpp; on a tiny GGUF the test writes itself."""
 import pytest
 
+from arborspec.bench import llamacpp_peers
 from arborspec.bench.llamacpp_peers import llamacpp_generate
 from arborspec.bench.report import render
 from arborspec.engine import SpeculativeDecoder
@@ -14,9 +15,15 @@ pytestmark = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-pyth
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """A tiny GGUF; the llama-cpp-python `Llama`s the peers load on it (kept in llamacpp_peers._LOADED) are closed
+    at teardown: left to `Llama.__del__` at interpreter exit they print "TypeError: 'NoneType' object is not
+    callable", as llama-cpp-python's module is torn down first."""
     path = tmp_path_factory.mktemp("peers") / "tiny.gguf"
     write_tiny_gguf(path)
-    return path
+    yield path
+    for llm in llamacpp_peers._LOADED.values():
+        llm.close()
+    llamacpp_peers._LOADED.clear()
 
 
 def test_backend_auto_picks_llamacpp_for_gguf_files_only(tiny, tmp_path, monkeypatch):

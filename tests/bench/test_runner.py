@@ -1,13 +1,11 @@
 """The interleaved loop: a failing method is recorded and skipped, not fatal; names and budgets become configurations;
 each method runs on its own draft variant. (The method-name grammar itself: tests/test_spec.py.)"""
-import json
-
 import torch
 
 import pytest
 
 from arborspec import spec
-from arborspec.bench import runner
+from arborspec.bench import records, runner
 from arborspec.bench.runner import BenchSettings, run_bench
 
 
@@ -27,7 +25,7 @@ def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkey
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                              methods=["ar", "static", "dyspec", "chain"], max_new_tokens=10, out=str(tmp_path / "out"),
                              progress=False, ignore_eos=True, threads=1, draft_quant="none")
-    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
+    results = records.read(run_bench(settings, models=loaded_pair))
     assert [s["label"] for s in results["skipped"]] == ["dyspec"]
     assert "cannot even warm up" in results["skipped"][0]["reason"]
     by = {}
@@ -77,7 +75,7 @@ def test_levers_run_on_their_own_draft_copy_and_stay_exact(loaded_pair, tmp_path
                              methods=["ar", "chain@3+int8", "dyspec@8+vocab40+ngram2", "hf-assisted+int8"],
                              max_new_tokens=12, out=str(tmp_path / "out"), progress=False, ignore_eos=True,
                              threads=1, warmup=False, draft_quant="none")
-    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
+    results = records.read(run_bench(settings, models=loaded_pair))
     runs = {r["label"]: r for r in results["runs"]}
     assert all(r["error"] is None for r in runs.values()), [r["error"] for r in runs.values()]
     assert runs["chain@3+int8"]["draft_quant"] == "int8" and runs["dyspec@8+vocab40+ngram2"]["ngram"] == 2
@@ -93,8 +91,8 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(loaded
     settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
                     methods=["ar", "chain"], max_new_tokens=6, progress=False, ignore_eos=True, threads=1,
                     draft_quant="none")
-    whole = json.loads(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings),
-                                 models=loaded_pair).read_text())
+    whole = records.read(run_bench(BenchSettings(out=str(tmp_path / "whole"), **settings),
+                                   models=loaded_pair))
 
     real = runner.Bench.run
 
@@ -108,12 +106,12 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(loaded
     with pytest.raises(KeyboardInterrupt):
         run_bench(BenchSettings(out=out, **settings), models=loaded_pair)
     monkeypatch.setattr(runner.Bench, "run", real)
-    cut = json.loads((tmp_path / "cut" / "results.json").read_text())
+    cut = records.read(tmp_path / "cut")
     assert cut["finished"] is None and {r["prompt_key"] for r in cut["runs"]} == {"p/0", "p/1"}
 
     with pytest.raises(ValueError, match="other settings .*max_new_tokens"):
         run_bench(BenchSettings(out=out, resume=True, **{**settings, "max_new_tokens": 7}), models=loaded_pair)
-    done = json.loads(run_bench(BenchSettings(out=out, resume=True, **settings), models=loaded_pair).read_text())
+    done = records.read(run_bench(BenchSettings(out=out, resume=True, **settings), models=loaded_pair))
     assert done["finished"] and done["resumed"][0]["prompts_done"] == 2
     from arborspec.bench.report import render
 
@@ -127,8 +125,8 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(loaded
     # a finished run grows with a larger --prompts: the old prompts come first and keep their seeds
     small = str(tmp_path / "small")
     run_bench(BenchSettings(out=small, **{**settings, "prompts": 2}), models=loaded_pair)
-    grown = json.loads(run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 3}),
-                                 models=loaded_pair).read_text())
+    grown = records.read(run_bench(BenchSettings(out=small, resume=True, **{**settings, "prompts": 3}),
+                                   models=loaded_pair))
     assert grown["settings"]["prompts"] == 3 and len(grown["prompts"]) == 3 and grown["finished"]
     assert {key(r): r["token_ids"] for r in grown["runs"]} == {key(r): r["token_ids"] for r in whole["runs"]}
     with pytest.raises(ValueError, match="other prompts"):
@@ -153,7 +151,7 @@ def test_methods_take_the_runs_draft_quant_measured_once(loaded_pair, tmp_path, 
                              out=str(tmp_path / "out"), progress=False, ignore_eos=True, threads=1,
                              draft_temperature=0.5)
     assert settings.draft_quant == "auto"
-    results = json.loads(run_bench(settings, models=loaded_pair).read_text())
+    results = records.read(run_bench(settings, models=loaded_pair))
     runs = {r["label"]: r for r in results["runs"]}
     assert len(calls) == 1 and calls[0] is loaded_pair[1]
     assert {label: r["draft_quant"] for label, r in runs.items()} == \

@@ -51,7 +51,9 @@ def gguf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(gguf_dir):
-    return load_llamacpp(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    yield model
+    model.close()
 
 
 def random_tree(rng: random.Random, root: int, n: int, max_children: int = 3) -> TokenTree:
@@ -451,6 +453,42 @@ def test_missing_llama_cpp_module_is_a_clear_error(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="needs llama-cpp-python==0.3.36 .*scripts/setup.sh. builds it"):
         load_llamacpp(path)
+
+
+@needs_llama
+def test_close_frees_the_model_and_closes_its_sessions(gguf_dir):
+    from arborspec.models import llamacpp
+
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64)
+    live, done = model.new_session(), model.new_session()
+    live.prefill([5, 6, 7])
+    done.close()  # its context goes back to the model, to be freed with it
+    assert model in llamacpp._OPEN and len(model._idle) == 1 and not model.closed
+    model.close()
+    assert model.closed and model not in llamacpp._OPEN and not model._idle and live.ctx is None
+    tree = TokenTree.from_parents([7], [-1])
+    with pytest.raises(RuntimeError, match="target session is closed"):
+        live.forward([5, 6, 7], tree, [0])  # a clear error, not a call into freed memory
+    with pytest.raises(RuntimeError, match="session is closed"):
+        live.commit([0])
+    with pytest.raises(ValueError, match="target.gguf is closed"):
+        model.new_session()
+    model.close()  # idempotent
+
+
+@needs_llama
+def test_models_left_open_are_closed_at_exit(gguf_dir, monkeypatch):
+    """close_all (registered with atexit) closes what is still open: at interpreter exit it runs before
+    llama-cpp-python's module is torn down, after which freeing would fail."""
+    import weakref
+
+    from arborspec.models import llamacpp
+
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64)
+    session = model.new_session()
+    monkeypatch.setattr(llamacpp, "_OPEN", weakref.WeakSet([model]))  # not the other tests' open models
+    llamacpp.close_all()
+    assert model.closed and session.ctx is None and not llamacpp._OPEN
 
 
 def test_a_finished_sessions_context_is_reused_cleared(target):

@@ -482,10 +482,11 @@ def test_tokenizers_with_other_eos_raise():
 
 
 @pytest.mark.real
-def test_real_draft_alias(monkeypatch):
-    """Fetches (once, ~1 min) and loads the real Qwen2.5-Coder-0.5B into the user's cache."""
+def test_real_draft_alias(monkeypatch, real_pair):
+    """Fetches (once, ~1 min) and loads the real Qwen2.5-Coder-0.5B into the user's cache: the session's real pair
+    (tests/conftest.py) made the first load; a second one must come from the cache."""
     name = "qwen2.5-coder-0.5b"
-    first = load_model(name)
+    first = real_pair[1]
     assert is_fetched(name)
     assert first.tokenizer.encode("def hello():")
     assert first.tokenizer.eos_token_id == 151645
@@ -502,7 +503,5 @@ def test_real_draft_alias(monkeypatch):
 
 
 @pytest.mark.real
-def test_real_pair_shares_a_tokenizer():
-    target = load_model("qwen2.5-coder-1.5b")
-    draft = load_model("qwen2.5-coder-0.5b")
-    check_tokenizers_compatible(target, draft)
+def test_real_pair_shares_a_tokenizer(real_pair):
+    check_tokenizers_compatible(*real_pair)

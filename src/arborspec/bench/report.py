@@ -17,25 +17,20 @@ dataset and method). `--reproduction` writes the paper-by-paper report instead (
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from . import metrics
+from . import metrics, records
 from .figures import write_plots
 from .reproduction import write_reproduction
 from .tables import category_tables, depth_cell, fmt, ordered_sources, resumed_lines, root_cell, tables
 
 
 def load_results(path: str | Path) -> tuple[dict, Path]:
-    """(results, directory) from a results directory or a results.json path."""
-    path = Path(path)
-    file = path / "results.json" if path.is_dir() else path
-    if not file.exists():
+    """(results, directory) from a results directory or a results.json path (plain or gzipped: records.py)."""
+    file = records.find(path)
+    if file is None:
         raise FileNotFoundError(f"no results.json at {str(path)!r}")
-    try:
-        return json.loads(file.read_text()), file.parent
-    except ValueError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    return records.read(file), file.parent
 
 
 # ----------------------------------------------------------------------------------------------------- report

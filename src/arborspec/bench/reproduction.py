@@ -13,7 +13,6 @@ and verdicts.
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import records
 from .tables import BASELINES, depth_cell, fmt, resumed_lines, root_cell, summarize, tables
 
 # experiment name -> (file under the results root, the command that produces it). Bench experiments recorded before
@@ -57,16 +57,13 @@ SOURCES: dict[str, tuple[str, str]] = {
 
 
 def load_sources(root: str | Path) -> dict[str, dict]:
-    """{experiment: its JSON} for every experiment in SOURCES whose file exists under `root`."""
+    """{experiment: its JSON} for every experiment in SOURCES whose file exists under `root` (plain, or gzipped as
+    records.py stores large bench records)."""
     root = Path(root)
     out = {}
     for name, (rel, _) in SOURCES.items():
-        path = root / rel
-        if path.exists():
-            try:
-                out[name] = json.loads(path.read_text())
-            except ValueError as err:
-                raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if records.find(root / rel):
+            out[name] = records.read(root / rel)
     return out
 
 

@@ -4,9 +4,10 @@ Interleaving: for each prompt, every configuration (method x budget x temperatur
 one per prompt, so slow drift of the machine (other load, thermal state) hits all methods alike. Before timing, each
 configuration runs one short warm-up generation (excluded); a configuration whose warm-up fails is skipped with its
 error recorded. A failing timed run is recorded with its error and the benchmark goes on. results.json is rewritten
-after every prompt, so an interrupted run keeps what it measured, and `--resume` carries it on: the same command with
-`--resume` keeps every prompt that all configurations finished and runs the rest; with a larger --prompts it extends a
-finished run (datasets take turns, so the old prompts come first). Any other difference in settings is refused.
+after every prompt (as results.json.gz once it is large: records.py), so an interrupted run keeps what it measured,
+and `--resume` carries it on: the same command with `--resume` keeps every prompt that all configurations finished
+and runs the rest; with a larger --prompts it extends a finished run (datasets take turns, so the old prompts come
+first). Any other difference in settings is refused.
 `arborspec report DIR` turns results.json into report.md and plots (see report.py), and is run automatically at the end.
 
 What one run records (results.json "runs"): the method, its policy/verifier/options/budget, the prompt, the generated
@@ -26,7 +27,6 @@ What a method name means is arborspec/spec.py, the same for `generate`, the benc
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -42,13 +42,12 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from ..cache import write_json
 from ..drafting.base import parse_int_list
 from ..models.loading import ALIASES, alias_gguf
 from ..models.model_info import eos_ids
 from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
                     parse, prepare_draft, resolve_quant, split_methods)
-from . import metrics
+from . import metrics, records
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
 from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
@@ -332,7 +331,8 @@ def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
 
 
 def run_bench(settings: BenchSettings, models=None) -> Path:
-    """Run the benchmark; returns the path of results.json. `models`: an already loaded (target, draft) pair."""
+    """Run the benchmark; returns the path of results.json (or results.json.gz, see records.py). `models`: an
+    already loaded (target, draft) pair."""
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -368,7 +368,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     path = out_dir / "results.json"
     ids_of = [prompt_ids(bench.tokenizer, p) for p in prompts]
     first = 0  # index of the first prompt still to run
-    if settings.resume and path.exists():
+    if settings.resume and records.find(path):
         results, first = _resumed(path, results, configs)
         print(f"[arborspec] resuming {path}: {first} of {len(prompts)} prompts already done", file=sys.stderr)
 
@@ -382,7 +382,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
                                                temperature=cfg.temperature, reason=f"{type(err).__name__}: {err}"))
                 print(f"[arborspec] skipping {cfg.label} at T={cfg.temperature}: {err}", file=sys.stderr)
     if not configs:
-        write_json(path, results)
+        path = records.write(path, results)
         raise ValueError("every method failed its warm-up; see skipped in " + str(path))
 
     bar = tqdm(total=len(prompts) * len(configs), initial=first * len(configs), desc="bench", unit="run",
@@ -395,10 +395,10 @@ def _run_bench(settings: BenchSettings, models) -> Path:
             bar.set_postfix_str(f"{prompt.dataset}/{prompt.id} {cfg.label} T={cfg.temperature}")
             results["runs"].append(bench.run(cfg, prompt, ids, i, position, env))
             bar.update()
-        write_json(path, results)
+        path = records.write(path, results)
     bar.close()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    write_json(path, results)
+    path = records.write(path, results)
     return path
 
 
@@ -410,8 +410,8 @@ def _resumed(path: Path, fresh: dict, configs: list[Config]) -> tuple[dict, int]
     take turns, so a larger --prompts only appends). Anything else is refused (ValueError): mixing two different
     benchmarks in one table would be a silent wrong answer."""
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        old = records.read(path)
+    except (OSError, ValueError) as err:
         raise ValueError(f"--resume: cannot read {path}: {err}") from None
     before = old.get("settings", {})
     differ = sorted(k for k in set(fresh["settings"]) | set(before)

@@ -30,9 +30,11 @@ are kept and quoted when a load or a decode fails.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import sys
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,6 +55,7 @@ MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h)
 LOG_ENV = "ARBORSPEC_LLAMA_LOG"
 _LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR in ggml.h (llama-cpp-python's _logger.py comment still says 3)
 _log = SimpleNamespace(callback=None, errors=[])  # the callback must outlive every llama.cpp call that may log
+_OPEN: "weakref.WeakSet[LlamaCppModel]" = weakref.WeakSet()  # models not closed yet: closed at exit (close_all)
 
 
 def available() -> bool:
@@ -94,6 +97,13 @@ def _llama_error(default: str) -> str:
         if "error loading model:" in line:
             return line.split("error loading model:", 1)[1].strip()
     return errors[0] if errors else default
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every llama.cpp model still open (see LlamaCppModel.close); runs at interpreter exit."""
+    for model in list(_OPEN):
+        model.close()
 
 
 # ----------------------------------------------------------------------------------------------- the GGUF file
@@ -183,6 +193,8 @@ class LlamaCppModel:
         self.generation_config = SimpleNamespace(eos_token_id=eos if eos >= 0 else None)
         self.dtype = f"gguf-{info.weight_type.lower()}"  # weights as stored; llama.cpp computes in f32
         self._idle: list[tuple] = []  # (context, batch) pairs of finished sessions, cleared, ready for reuse
+        self._sessions: weakref.WeakSet[LlamaCppSession] = weakref.WeakSet()  # live sessions: each holds a context
+        _OPEN.add(self)
 
     def new_session(self, role: str = "target") -> "LlamaCppSession":
         return LlamaCppSession(self, role)
@@ -195,6 +207,8 @@ class LlamaCppModel:
 
     def take_context(self) -> tuple:
         """(context, batch) for a new session: an idle one, its KV cache cleared, or a new one."""
+        if self.closed:
+            raise ValueError(f"the llama.cpp model {self.path.name} is closed")
         if self._idle:
             ctx, batch = self._idle.pop()
             self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
@@ -202,7 +216,11 @@ class LlamaCppModel:
         return self.new_context(), self.lib.llama_batch_init(self.n_batch, 0, self.n_seq_max)
 
     def give_back(self, ctx, batch) -> None:
-        self._idle.append((ctx, batch))
+        if self.closed:  # a session outliving its model's close (it was closed with the model already)
+            self.lib.llama_batch_free(batch)
+            self.lib.llama_free(ctx)
+        else:
+            self._idle.append((ctx, batch))
 
     def new_context(self):
         """A fresh llama.cpp context (KV cache) on these weights; the caller frees it with llama_free."""
@@ -225,7 +243,16 @@ class LlamaCppModel:
             raise ValueError(f"{self.path}: llama.cpp gives this model no KV cache; not a causal LM")
         return ctx
 
-    def __del__(self):
+    def close(self) -> None:
+        """Free the weights and every context now (idempotent); its sessions are closed first, and a closed model
+        makes no new ones.
+
+        Why not leave it to `__del__`: a model still referenced at interpreter exit is collected after the modules are
+        torn down, when llama-cpp-python's ctypes functions are already None, and freeing it then prints "TypeError:
+        'NoneType' object is not callable" (twice at the end of every full test run). `close_all` runs at exit,
+        before that teardown; tests close their models in their fixtures' teardown."""
+        for session in list(getattr(self, "_sessions", ())):
+            session.close()
         for ctx, batch in getattr(self, "_idle", []):
             self.lib.llama_batch_free(batch)
             self.lib.llama_free(ctx)
@@ -233,6 +260,14 @@ class LlamaCppModel:
         if getattr(self, "handle", None):
             self.lib.llama_model_free(self.handle)
             self.handle = None
+        _OPEN.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return not getattr(self, "handle", None)
+
+    def __del__(self):
+        self.close()
 
 
 def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batch: int | None = None,
@@ -332,6 +367,7 @@ class LlamaCppSession(TreeRegion):
     def __init__(self, model: LlamaCppModel, role: str = "target"):
         self.model, self.role, self.lib = model, role, model.lib
         self.ctx, self.batch = model.take_context()
+        model._sessions.add(self)
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.cached: list[int] = []  # committed token ids whose KV is in the cache (sequence 0)
         self.tree: TokenTree | None = None
@@ -341,6 +377,7 @@ class LlamaCppSession(TreeRegion):
 
     def prefill(self, ids: list[int]) -> None:
         """Put committed tokens into the cache (sequence 0), no logits."""
+        self._check_open()
         if self.slot:
             raise RuntimeError("prefill with a non-empty region")
         past = len(self.cached)
@@ -352,6 +389,7 @@ class LlamaCppSession(TreeRegion):
 
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab), float32, for `nodes` of `tree` (parents first), whose root is context[-1]."""
+        self._check_open()
         pending = begin_forward(self, context, tree, nodes)
         root_pos = len(context) - 1
         wanted = set(nodes)
@@ -373,6 +411,7 @@ class LlamaCppSession(TreeRegion):
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus `path` (root first, a chain of forwarded nodes); drop the rest."""
+        self._check_open()
         for a, b in zip(path, path[1:]):
             if self.tree.parents[b] != a:
                 raise ValueError(f"commit path {path} is not a chain of the tree")
@@ -492,10 +531,19 @@ class LlamaCppSession(TreeRegion):
             out[:n_out].copy_(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, self.model.n_vocab))))
         return n_out
 
-    def __del__(self):
+    def close(self) -> None:
+        """Give the context back to the model (the next session reuses it); the session cannot forward after."""
         if getattr(self, "ctx", None):
-            self.model.give_back(self.ctx, self.batch)  # the next session reuses the context
-            self.ctx = None
+            ctx, self.ctx = self.ctx, None
+            self.model._sessions.discard(self)
+            self.model.give_back(ctx, self.batch)
+
+    def _check_open(self) -> None:
+        if self.ctx is None:
+            raise RuntimeError(f"{self.role} session is closed (its llama.cpp model was closed)")
+
+    def __del__(self):
+        self.close()
 
 
 def _sequence_sets(tree: TokenTree, chunk, own: dict[int, int]) -> dict[int, list[int]]:

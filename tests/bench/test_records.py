@@ -1,0 +1,85 @@
+"""results.json stored plain or gzipped (bench/records.py): the writer picks the form by size, every reader takes
+both, and the reports come out the same from either."""
+import gzip
+import json
+
+import pytest
+
+from arborspec.bench import records, reproduction
+from arborspec.bench.report import load_results, render
+
+from .test_reproduction import grid
+
+
+def big(n_runs: int) -> dict:
+    """A grid record padded with copies of its runs until its JSON is over COMPRESS_ABOVE bytes."""
+    data = grid(dyspec_mat=8, dyspec_tps=12.0)
+    data["runs"] = (data["runs"] * n_runs)[:n_runs]
+    return data
+
+
+def test_small_records_stay_plain_and_large_ones_are_gzipped(tmp_path):
+    small, large = big(4), big(400)
+    assert len(json.dumps(small, indent=1)) < records.COMPRESS_ABOVE < len(json.dumps(large, indent=1))
+    assert records.write(tmp_path / "results.json", small) == tmp_path / "results.json"
+    assert records.read(tmp_path) == small
+
+    packed = records.write(tmp_path / "results.json", large)
+    assert packed == tmp_path / "results.json.gz" and not (tmp_path / "results.json").exists()  # one form only
+    assert json.loads(gzip.decompress(packed.read_bytes())) == large
+    for name in (tmp_path, tmp_path / "results.json", packed):  # a directory, the plain name, the .gz name
+        assert records.find(name) == packed and records.read(name) == large
+    first = packed.read_bytes()
+    records.write(packed, large)
+    assert packed.read_bytes() == first  # no timestamp inside: the same record gives the same bytes
+
+    records.write(tmp_path / "results.json", small)  # shrinking back: the plain form replaces the gzipped one
+    assert records.find(tmp_path) == tmp_path / "results.json" and not packed.exists()
+
+
+def test_readers_take_the_gzipped_form_and_report_the_same(tmp_path):
+    data = big(400)
+    plain, packed = tmp_path / "plain" / "policies-grid", tmp_path / "packed" / "policies-grid"
+    plain.mkdir(parents=True)
+    (plain / "results.json").write_text(json.dumps(data, indent=1))
+    records.write(packed / "results.json", data)
+    assert (packed / "results.json.gz").exists()
+    assert load_results(packed) == (data, packed) and load_results(packed / "results.json")[0] == data
+    assert render(load_results(packed)[0], []) == render(load_results(plain)[0], [])
+    assert reproduction.render(tmp_path / "packed") == reproduction.render(tmp_path / "plain")
+    assert "| T=0 | 64 | 8.00 |" in reproduction.render(tmp_path / "packed")  # the gzipped grid was read
+
+
+def test_recompress_rewrites_every_record_in_the_form_write_picks(tmp_path):
+    for name, data in (("a", big(4)), ("b", big(400))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    assert records.recompress(tmp_path) == [tmp_path / "a" / "results.json", tmp_path / "b" / "results.json.gz"]
+    assert records.read(tmp_path / "b") == big(400) and not (tmp_path / "b" / "results.json").exists()
+
+
+def test_missing_or_broken_records_give_one_line_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results.json"):
+        records.read(tmp_path)
+    (tmp_path / "results.json.gz").write_bytes(gzip.compress(b'{"runs": [1, 2')[:-6])  # cut short
+    with pytest.raises(ValueError, match=r"results.json.gz is not valid JSON"):
+        records.read(tmp_path)
+    (tmp_path / "results.json.gz").write_bytes(gzip.compress(b'{"runs": [1, 2'))  # whole gzip, broken JSON
+    with pytest.raises(ValueError, match=r"results.json.gz is not valid JSON"):
+        load_results(tmp_path)
+
+
+def test_the_bench_writes_and_resumes_a_gzipped_record(loaded_pair, tmp_path, monkeypatch):
+    from arborspec.bench.runner import BenchSettings, run_bench
+
+    monkeypatch.setattr(records, "COMPRESS_ABOVE", 0)  # every record counts as large
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "y = x + "}\n')
+    settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts), methods=["ar"],
+                    max_new_tokens=4, progress=False, ignore_eos=True, threads=1, out=str(tmp_path / "out"))
+    first = run_bench(BenchSettings(prompts=1, **settings), models=loaded_pair)
+    assert first == tmp_path / "out" / "results.json.gz" and len(records.read(first)["runs"]) == 1
+    grown = run_bench(BenchSettings(prompts=2, resume=True, **settings), models=loaded_pair)
+    data = records.read(grown)
+    assert grown == first and data["finished"] and data["resumed"][0]["prompts_done"] == 1
+    assert [r["prompt_key"] for r in data["runs"]] == ["p/0", "p/1"]
