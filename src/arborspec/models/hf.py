@@ -66,9 +66,7 @@ class TreeSession(TreeRegion):
         positions += [root_pos + tree.depths[n] for n in nodes]
         ids = pending + [tree.tokens[n] for n in nodes]
         logits = self._run(ids, positions, allowed, keep=len(nodes))  # (len(nodes), vocab)
-        self.cached.extend(pending)
-        self.slot.update(new_slot)
-        self.region_len += len(nodes)
+        end_forward(self, pending, new_slot)
         return logits
 
     def prefill(self, ids: list[int]) -> None:
@@ -140,6 +138,14 @@ def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]
     if n >= len(context) or context[:n] != session.cached:
         raise RuntimeError(f"{session.role} cache is out of sync with the committed tokens")
     return context[n:-1]
+
+
+def end_forward(session, pending: list[int], new_slot: dict[int, int]) -> None:
+    """After a forward ran on `session` (any backend's, as for begin_forward): the pending tokens are committed and
+    the forwarded nodes hold the region slots `new_slot` gave them."""
+    session.cached.extend(pending)
+    session.slot.update(new_slot)
+    session.region_len += len(new_slot)
 
 
 def check_cache_support(model) -> None:

@@ -31,7 +31,7 @@ import torch
 from ..sampling import check_finite
 from ..tree import TokenTree
 from . import batching
-from .hf import begin_forward
+from .hf import begin_forward, end_forward
 from .native_forward import FastForward
 from .session import TreeRegion
 
@@ -172,9 +172,7 @@ class NativeSession(TreeRegion):
                            positions=list(range(committed, base)) + [root_pos + tree.depths[n] for n in nodes],
                            prefix=[committed + i + 1 for i in range(p)] + [base] * len(nodes),
                            extra=[[] for _ in range(p)] + extra, keep=list(range(p, p + len(nodes))))
-        self.cached.extend(pending)
-        self.slot.update(new_slot)
-        self.region_len += len(nodes)
+        end_forward(self, pending, new_slot)
         return logits
 
     def prefill(self, ids: list[int]) -> None:

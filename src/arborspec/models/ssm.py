@@ -42,7 +42,7 @@ import torch
 
 from ..sampling import check_finite
 from ..tree import TokenTree
-from .hf import begin_forward
+from .hf import begin_forward, end_forward
 from .session import TreeRegion
 from .ssm_scan import chain_states, conv_taps, discretize, new_conv_tail, replay_state, tree_conv, tree_ssd
 
@@ -284,9 +284,7 @@ class SSMTreeSession(TreeRegion):
             self._n_pending = len(pending)
         hidden = self._run(ids, parents, positions)[:, len(pending):]
         logits = self._logits(hidden)
-        self.cached.extend(pending)
-        self.slot.update(new_slot)
-        self.region_len += len(nodes)
+        end_forward(self, pending, new_slot)
         return logits
 
     def prefill(self, ids: list[int]) -> None:
