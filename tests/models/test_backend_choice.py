@@ -8,7 +8,9 @@ import pytest
 from arborspec.cache import read_record
 from arborspec.kernels.build import library
 from arborspec.models import backend_choice, llamacpp
+from arborspec.drafting.auto.policy import predicted_rates
 from arborspec.models.backend_choice import choice_key, choose, pick
+from arborspec.profile import CostCurve
 from arborspec.models.loading import load_model
 from arborspec.models.native import is_native
 from arborspec.spec import load_pair
@@ -24,55 +26,104 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
 
 
-def costs(t1: float, t4: float) -> dict[int, float]:
-    return {1: t1, 4: t4}
+def figures(t1: float, t4: float, rate: float | None = None) -> dict:
+    """A candidate's figures as backend_choice.measure makes them: a target curve and a predicted rate."""
+    return {"rate": 1 / t1 if rate is None else rate, "plain": 1 / t1, "speculative": None,
+            "target": {"sizes": [1, 4], "times": [t1, t4]}, "draft": None}
 
 
-def test_the_fastest_plain_step_wins_and_near_ties_go_to_the_cheaper_tree():
-    assert pick({"native": costs(0.050, 0.083), "llamacpp": costs(0.040, 0.100)}) == "llamacpp"  # 25% faster t(1)
-    assert pick({"native": costs(0.041, 0.068), "llamacpp": costs(0.040, 0.100)}) == "native"  # within 5%: t(4)
-    assert pick({"native": costs(0.043, 0.068), "llamacpp": costs(0.040, 0.100)}) == "llamacpp"  # 7.5%: not a tie
-    assert pick({"native": costs(0.040, 0.068)}) == "native"
+def curve(t1: float, t4: float, t16: float | None = None) -> CostCurve:
+    sizes, times = [1, 4], [t1, t4]
+    if t16 is not None:
+        sizes, times = [1, 4, 16], [t1, t4, t16]
+    return CostCurve.from_measurements(sizes, times)
+
+
+def test_the_fastest_predicted_rate_wins_and_near_ties_go_to_the_cheaper_tree():
+    assert pick({"native": figures(0.050, 0.083), "llamacpp": figures(0.040, 0.100)}) == "llamacpp"  # 25% faster
+    assert pick({"native": figures(0.041, 0.068), "llamacpp": figures(0.040, 0.100)}) == "native"  # within 5%: t(4)
+    assert pick({"native": figures(0.043, 0.068), "llamacpp": figures(0.040, 0.100)}) == "llamacpp"  # 7.5%: not a tie
+    assert pick({"native": figures(0.040, 0.068)}) == "native"
+    # slower plain decoding, but speculation predicted faster: the rate decides, not t(1)
+    assert pick({"native": figures(0.050, 0.060, rate=30.0), "llamacpp": figures(0.040, 0.100)}) == "native"
+
+
+def test_the_rate_is_auto_policys_own_prediction_from_both_curves():
+    """t(1) alone would pick the first backend; its trees cost 3x a token to verify against 1.2x on the other, and
+    with a cheap draft the second predicts the faster speculation (objective.expected_ceiling)."""
+    draft = curve(0.004, 0.005, 0.008)
+    fast_plain = predicted_rates(curve(0.040, 0.120, 0.400), draft)
+    cheap_trees = predicted_rates(curve(0.044, 0.050, 0.070), draft)
+    assert fast_plain["plain"] > cheap_trees["plain"]
+    assert cheap_trees["speculative"] > fast_plain["speculative"] and cheap_trees["rate"] > fast_plain["rate"]
+    assert cheap_trees["rate"] == cheap_trees["speculative"] > 1.1 * cheap_trees["plain"]
+    assert predicted_rates(curve(0.040, 0.120), None)["rate"] == 1 / 0.040  # no draft: plain decoding
+    dear_draft = predicted_rates(curve(0.040, 0.050), curve(0.040, 0.050))  # a draft as dear as the target
+    assert dear_draft["rate"] == dear_draft["plain"]  # speculation cannot pay: auto would decode plainly
 
 
 class Loader:
-    """A stand-in backend: returns `model` (None: cannot run the file) and counts its calls."""
+    """A stand-in backend: returns (model, None) (None: cannot run the file) and counts its calls."""
 
     def __init__(self, model):
         self.model, self.calls = model, 0
 
     def __call__(self):
         self.calls += 1
-        return self.model
+        return None if self.model is None else (self.model, None)
 
 
-def test_choose_times_every_candidate_once_keeps_the_winner_and_caches_the_choice(tmp_path, monkeypatch):
+def test_choose_measures_every_candidate_once_keeps_the_winner_and_caches_the_choice(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x" * 10)
-    measured = {"fast": costs(0.030, 0.050), "slow": costs(0.060, 0.090)}
-    monkeypatch.setattr(backend_choice, "time_forwards", lambda model: measured[model])
+    measured = {"fast": figures(0.030, 0.050), "slow": figures(0.060, 0.090)}
+    monkeypatch.setattr(backend_choice, "measure", lambda model, draft=None: measured[model])
     loaders = {"slow": Loader("slow"), "fast": Loader("fast")}
-    assert choose(path, loaders, threads=2, progress=False) == ("fast", "fast")
+    got = choose(path, loaders, threads=2, progress=False)
+    assert (got.backend, got.loaded) == ("fast", ("fast", None)) and "fast 33.3 tok/s" in got.why
     assert [ld.calls for ld in loaders.values()] == [1, 1]
     record = read_record("backend-choice", choice_key(path, ["slow", "fast"], 2))
-    assert record["backend"] == "fast" and record["costs_ms"]["slow"]["1"] == 60.0
-    assert choose(path, loaders, threads=2, progress=False) == ("fast", None)  # cached: nothing loaded
+    assert record["backend"] == "fast" and record["figures"]["slow"]["target"]["times"] == [0.06, 0.09]
+    again = choose(path, loaders, threads=2, progress=False)
+    assert (again.backend, again.loaded) == ("fast", None)  # cached: nothing loaded
     assert [ld.calls for ld in loaders.values()] == [1, 1]
-    assert choose(path, loaders, threads=1, progress=False) == ("fast", "fast")  # another thread count: measured
+    assert choose(path, loaders, threads=1, progress=False).loaded == ("fast", None)  # another thread count
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(b"d")
+    assert choose(path, loaders, draft, threads=2, progress=False).loaded == ("fast", None)  # with a draft: again
     path.write_bytes(b"y" * 11)  # another file at the same path: measured again
-    assert choose(path, loaders, threads=2, progress=False) == ("fast", "fast")
-    assert loaders["fast"].calls == 3
+    assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)
+    assert loaders["fast"].calls == 4
 
 
-def test_a_backend_that_cannot_run_the_file_drops_out_untimed(tmp_path, monkeypatch):
+def test_a_backend_that_cannot_run_the_file_drops_out_unmeasured(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x")
-    timed = []
-    monkeypatch.setattr(backend_choice, "time_forwards", lambda model: timed.append(model) or costs(1.0, 1.0))
-    assert choose(path, {"native": Loader(None), "llamacpp": Loader("l")}, progress=False) == ("llamacpp", "l")
-    assert timed == []  # one candidate left: nothing to compare
+    measured = []
+    monkeypatch.setattr(backend_choice, "measure", lambda m, d=None: measured.append(m) or figures(1.0, 1.0))
+    got = choose(path, {"native": Loader(None), "llamacpp": Loader("l")}, progress=False)
+    assert (got.backend, got.loaded) == ("llamacpp", ("l", None))
+    assert measured == []  # one candidate left: nothing to compare
     with pytest.raises(ValueError, match="no backend can run"):
         choose(tmp_path / "m.gguf", {"native": Loader(None)}, threads=3, progress=False)
+
+
+def test_a_cached_choice_whose_figures_live_forwards_contradict_is_decided_again(tmp_path, monkeypatch):
+    """The winner's cost curve measured again (profile_model saw live forwards off by > 2x): the choice is made
+    again from the new figures against the other candidate's recorded ones, and the record rewritten."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    monkeypatch.setattr(backend_choice, "measure",
+                        lambda m, d=None: {"a": figures(0.030, 0.050), "b": figures(0.040, 0.060)}[m])
+    choose(path, {"a": Loader("a"), "b": Loader("b")}, threads=2, progress=False)
+    cached = choose(path, {"a": Loader("a"), "b": Loader("b")}, threads=2, progress=False)
+    assert cached.backend == "a" and cached.loaded is None
+    remeasured = {"a": (curve(0.090, 0.150), "measured")}  # a, loaded now, runs 3x slower than recorded
+    monkeypatch.setattr(backend_choice, "profile_model", lambda model, progress=False: remeasured[model])
+    assert backend_choice.recheck(cached, "a", progress=False) == "b"
+    assert read_record("backend-choice", cached.key)["backend"] == "b"
+    remeasured["a"] = (curve(0.030, 0.050), "cache")  # figures that hold: nothing decided again
+    assert backend_choice.recheck(cached, "a", progress=False) is None
 
 
 def test_auto_runs_a_gguf_on_a_measured_backend_and_the_draft_follows_it(tmp_path, capsys):
@@ -83,6 +134,7 @@ def test_auto_runs_a_gguf_on_a_measured_backend_and_the_draft_follows_it(tmp_pat
     err = capsys.readouterr().err
     chosen = "native" if is_native(t.model) else "llamacpp"
     assert f"{chosen} runs t.gguf fastest here" in err or not llamacpp.available()
+    assert "with its draft" in err or not llamacpp.available()  # the pair was measured, not the target alone
     assert is_native(d.model) == is_native(t.model)  # one thread pool for both
     again = load_model(str(target), backend="auto", progress=False)  # the cached choice
     assert is_native(again.model) == is_native(t.model)
