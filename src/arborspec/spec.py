@@ -44,8 +44,7 @@ import torch
 
 from .drafting import POLICIES
 from .drafting.base import option_parser
-from .drafting.suffix import default_suffix_nodes
-from .engine import SpeculativeDecoder
+from .engine import SpeculativeDecoder, suffix_nodes
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
 from .models.loading import (BACKENDS, DEFAULT_DTYPE_NAME, check_tokenizers_compatible, load_planned,
@@ -100,9 +99,8 @@ class RunSpec:
 
     @property
     def suffix_nodes(self) -> int:
-        """The suffix-tree nodes a step may graft: `suffix` as given, else the method's default (the engine resolves
-        None the same way; drafting/suffix.py: default_suffix_nodes)."""
-        return default_suffix_nodes(self.policy) if self.suffix is None else self.suffix
+        """The suffix-tree nodes a step may graft, as the engine resolves them (engine.suffix_nodes)."""
+        return suffix_nodes(self.policy, self.suffix)
 
     @property
     def lossy(self) -> bool:
@@ -418,12 +416,12 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     """THE loader of a target/draft pair, for `arborspec generate`, `bench`, `serve` and the Python API: (target,
     draft) loaded (alias, local directory, .gguf file or hub id) and checked to share a tokenizer, the draft prepared.
 
-    The backends are decided before anything loads (models/loading.py, plan_backends: `--backend auto` picks the GGUF backend
-    whose measured costs predict the fastest decoding, speculation included, cached; the draft follows it), so each
-    model loads once, on the backend it runs on. For a PyTorch draft `draft_quant="auto"` measures which draft
-    variant is fastest for this pair on this machine the first time (seconds to a minute; cached, see `arborspec
-    profile --pair`). `draft=None` loads the target alone (for `ar`). `llama`: llama.cpp options (n_threads, n_ctx,
-    n_batch) for models on that backend."""
+    The backends are decided before anything loads (models/loading.py, plan_backends: `--backend auto` picks the
+    GGUF backend whose measured costs predict the fastest decoding, speculation included, cached; the draft follows
+    it), so each model loads once, on the backend it runs on. For a PyTorch draft `draft_quant="auto"` measures
+    which draft variant is fastest for this pair on this machine the first time (seconds to a minute; cached, see
+    `arborspec profile --pair`). `draft=None` loads the target alone (for `ar`). `llama`: llama.cpp options
+    (n_threads, n_ctx, n_batch) for models on that backend."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
     llama = llama or {}

@@ -17,11 +17,12 @@ plain decoding's, t(1) alone.
 
 The result is cached (a record per file pair, machine, thread count and library builds), so the measurement, which
 loads the losing backend once, happens the first time only; a later start loads nothing here. The cached figures are
-checked against live forwards when the models load (`profile.profile_model`: a cached curve that a few live forwards
-contradict by more than 2x is measured again, once, with a note), and a choice whose winner's figures were measured
-again is decided again (`recheck`): a first start on a busy machine once timed the draft on native at 1064 ms
-against llama.cpp's 65 ms and kept that choice for good. A candidate that cannot run the file (the native kernels
-cannot build, a block type they do not cover, llama-cpp-python not installed) drops out before anything is timed.
+checked against live forwards when the models load (`profile.profile_model`: a cached curve more than 2x slower
+than a few live forwards is measured again, once, with a note), and a choice whose winner's figures were measured
+again is decided again, every candidate measured anew (`recheck`): a first start on a busy machine once timed the
+draft on native at 1064 ms against llama.cpp's 65 ms and kept that choice for good. A candidate that cannot run the
+file (the native kernels cannot build, a block type they do not cover, llama-cpp-python not installed) drops out
+before anything is timed.
 """
 from __future__ import annotations
 
@@ -136,28 +137,19 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     return Choice(name, loaded[name], why, record, key)
 
 
-def recheck(choice: Choice, target, draft=None, progress: bool = True) -> str | None:
+def recheck(choice: Choice, target, draft=None, progress: bool = True) -> bool:
     """After a cached choice's models loaded: their cost curves as the auto policy will read them (cached, checked
-    against live forwards, measured again if contradicted by more than 2x: profile.profile_model). If they were
-    measured again, the choice is decided again with the new figures against the other candidates' recorded ones;
-    returns the backend that now wins when it is another one (the caller loads the pair there), else None."""
-    record = choice.record or {}
-    figures = record.get("figures") or {}
-    t_curve, t_src = profile_model(_model(target), progress=progress)
-    d_curve, d_src = profile_model(_model(draft), progress=progress) if draft is not None else (None, "cache")
-    if "measured" not in (t_src, d_src) or len(figures) < 2:
-        return None
-    figures = dict(figures, **{choice.backend: figures_of(t_curve, d_curve, _model(target),
-                                                          _model(draft) if draft is not None else None)})
-    best = pick(figures)
-    new = {"backend": best, "figures": figures}
-    if choice.key is not None:
-        write_record("backend-choice", choice.key, new)
-    if best == choice.backend:
-        return None
-    _say(f"note: {choice.backend}'s cached figures were off; {best} now runs this pair fastest: {describe(new)}",
-         progress)
-    return best
+    against a few live forwards: profile.profile_model). True when one was measured again, its cached figure having
+    been more than 2x slower than the live forwards: the choice was then made on a busy machine, and every
+    candidate's figures are suspect, the others' included (the caller decides again with `refresh`)."""
+    if len((choice.record or {}).get("figures") or {}) < 2:
+        return False
+    _, t_src = profile_model(_model(target), progress=progress)
+    d_src = profile_model(_model(draft), progress=progress)[1] if draft is not None else "cache"
+    if "measured" not in (t_src, d_src):
+        return False
+    _say(f"note: the backend choice for this pair was measured on a busy machine: measuring it again", progress)
+    return True
 
 
 def describe(record: dict) -> str:

@@ -437,19 +437,25 @@ def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, 
         plan.loaded[1] or load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama))
     if plan.choice is None or plan.loaded[0] is not None:  # given backends, or measured just now
         return target_model, draft_model
-    better = backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress)
-    if better is None:
+    if not backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress):
         return target_model, draft_model
-    del target_model, draft_model
-    plan.target, plan.draft = better, (better if plan.follows else plan.draft)
-    plan.choice = None
+    here = (target_model, draft_model if plan.follows else None)  # the candidate loaded already is not loaded again
+    choice = choose_gguf_backend(target, draft if plan.follows else None, progress, llama, refresh=True,
+                                 loaded={plan.target: here})
+    loaded = choice.loaded or (None, None)
+    plan.target, plan.why, plan.choice = choice.backend, choice.why, None
+    if plan.follows:
+        plan.draft = choice.backend
+    plan.loaded = (loaded[0], loaded[1] if plan.follows else draft_model)
+    del here, target_model
     return load_planned(target, draft, plan, dtype, llama, progress)
 
 
-def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: dict):
+def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: dict, refresh: bool = False,
+                        loaded: dict | None = None):
     """`--backend auto` for a GGUF target (and the GGUF draft that follows it): backend_choice.Choice. Candidates:
     native (when its kernels build here and cover the file) and llama.cpp (when installed); "torch" only when
-    neither can run the target."""
+    neither can run the target. `loaded`: backend -> (target, draft) loaded on it already (not loaded again)."""
     path = _spec_gguf(target, progress)
     draft_path = _spec_gguf(draft, progress) if draft is not None else None
 
@@ -465,8 +471,12 @@ def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: d
     loaders = {"native": on(lambda spec: load_native_model(spec, progress, quiet=True))}
     if llamacpp.available():
         loaders["llamacpp"] = on(lambda spec: load_llamacpp_model(spec, progress, **llama))
+    for name, models in (loaded or {}).items():
+        if name in loaders:
+            loaders[name] = lambda models=models: models
     try:
-        return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress)
+        return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress,
+                                     refresh=refresh)
     except ValueError:  # no GGUF backend can run it
         return backend_choice.Choice("torch")
 
