@@ -428,8 +428,9 @@ def plan_backends(target: str, draft: str | None, backend: str = "auto", draft_b
 def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, llama: dict | None = None,
                  progress: bool = True) -> tuple:
     """(target, draft or None) loaded on the backends `plan` names, each once. A cached `auto` choice is checked
-    here: the loaded models' cost curves against a few live forwards (backend_choice.recheck); where they were off
-    and another backend now wins, the pair is loaded there instead (once, with a note)."""
+    here: the loaded models' cost curves against a few live forwards (backend_choice.recheck, ~0.5 s for the
+    default pair); where a cached figure proved to be a busy machine's, the choice is made again (the models loaded
+    already are measured where they are, the other candidate loaded once) and the pair runs on the winner."""
     llama = llama or {}
     target_model = plan.loaded[0] or load_model(target, dtype=dtype, progress=progress, backend=plan.target,
                                                 llama=llama)
