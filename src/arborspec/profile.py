@@ -151,16 +151,17 @@ LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny
 _checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
 
 
-def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None) -> bool:
+def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False) -> bool:
     """Whether a few live forwards (`LIVE_SIZES`, 2 each after a warm-up, on a 32-token prefix: ~0.2 s for the 1.5B
     target) leave the cached curve standing; checked once per profile and process. False (after a one-line note)
     means the cached figure is more than `LIVE_RATIO` times slower than the live one: it was measured while something
     else ran (a first start on a busy machine once timed the draft on native at 1064 ms against the 65 ms it runs at,
     and kept that figure for good), and is measured again. Live forwards more than `LIVE_RATIO` times slower than the
     cached figure leave it standing, with a note: load on the machine only ever slows a forward, so the faster of two
-    figures is the truer one, and one taken now would be the stale figure of the next start."""
+    figures is the truer one, and one taken now would be the stale figure of the next start. `force`: check even if
+    this process checked (or measured) it already."""
     name = sha256_key(key)
-    if name in _checked:
+    if name in _checked and not force:
         return True
     _checked.add(name)
     window = context_window(model, default=0)
@@ -180,6 +181,16 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
                   "ms cached): the machine is busy; keeping the cached figure", progress)
             return True
     return True
+
+
+def confirm_profile(model, progress: bool = False) -> tuple[CostCurve, str]:
+    """`profile_model`'s curve, checked against live forwards now even if it was measured a moment ago (a profile
+    taken while something else ran for a while is measured again): for comparisons between models measured one
+    after another, as `--backend auto` makes (models/backend_choice.py)."""
+    curve, source = profile_model(model, progress=progress)
+    if live_agrees(model, curve, profile_key(model), progress, force=True):
+        return curve, source
+    return profile_model(model, refresh=True, progress=progress)
 
 
 def _note(text: str, progress: bool) -> None:

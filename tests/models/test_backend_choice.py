@@ -74,6 +74,7 @@ class Loader:
 
 
 def test_choose_measures_every_candidate_once_keeps_the_winner_and_caches_the_choice(tmp_path, monkeypatch):
+    monkeypatch.setattr(backend_choice, "remeasured", lambda models, progress=True: False)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x" * 10)
     measured = {"fast": figures(0.030, 0.050), "slow": figures(0.060, 0.090)}
@@ -101,6 +102,7 @@ def test_a_backend_that_cannot_run_the_file_drops_out_unmeasured(tmp_path, monke
     path.write_bytes(b"x")
     measured = []
     monkeypatch.setattr(backend_choice, "measure", lambda m, d=None: measured.append(m) or figures(1.0, 1.0))
+    monkeypatch.setattr(backend_choice, "remeasured", lambda models, progress=True: False)
     got = choose(path, {"native": Loader(None), "llamacpp": Loader("l")}, progress=False)
     assert (got.backend, got.loaded) == ("llamacpp", ("l", None))
     assert measured == []  # one candidate left: nothing to compare
@@ -108,21 +110,40 @@ def test_a_backend_that_cannot_run_the_file_drops_out_unmeasured(tmp_path, monke
         choose(tmp_path / "m.gguf", {"native": Loader(None)}, threads=3, progress=False)
 
 
-def test_a_cached_choice_whose_winner_was_measured_again_is_made_again(tmp_path, monkeypatch):
-    """The winner's cost curve measured again (its cached figure was > 2x slower than live forwards: the choice was
-    made on a busy machine): recheck says to decide again; figures that hold leave it alone."""
+def test_a_candidate_profiled_while_the_machine_was_busy_is_measured_again_before_the_comparison(tmp_path,
+                                                                                                 monkeypatch):
+    """The 1064 ms case: the first profile of "a" ran during a stall and loses on its figures; checked against live
+    forwards once every candidate is profiled, it is measured again, and the true figures decide."""
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x")
+    measured = {"a": [figures(0.300, 0.500), figures(0.030, 0.050)], "b": [figures(0.040, 0.060)]}
+    monkeypatch.setattr(backend_choice, "measure", lambda m, d=None: measured[m].pop(0))
+    monkeypatch.setattr(backend_choice, "remeasured", lambda models, progress=True: models[0] == "a")
+    got = choose(path, {"a": Loader("a"), "b": Loader("b")}, threads=2, progress=False)
+    assert got.backend == "a" and got.record["figures"]["a"]["plain"] == pytest.approx(1 / 0.030)
+    assert measured == {"a": [], "b": []}
+
+
+def test_a_cached_choice_takes_the_winners_figures_measured_again(tmp_path, monkeypatch):
+    """At a later start the winner's curves are checked (profile_model); one measured again replaces its figures in
+    the record and the start-up line; figures that hold leave the record alone."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    monkeypatch.setattr(backend_choice, "remeasured", lambda models, progress=True: False)
     monkeypatch.setattr(backend_choice, "measure",
-                        lambda m, d=None: {"a": figures(0.030, 0.050), "b": figures(0.040, 0.060)}[m])
+                        lambda m, d=None: {"a": figures(0.060, 0.100), "b": figures(0.080, 0.120)}[m])
     choose(path, {"a": Loader("a"), "b": Loader("b")}, threads=2, progress=False)
     cached = choose(path, {"a": Loader("a"), "b": Loader("b")}, threads=2, progress=False)
-    assert cached.backend == "a" and cached.loaded is None
-    source = {"a": "measured"}
-    monkeypatch.setattr(backend_choice, "profile_model", lambda model, progress=False: (None, source[model]))
-    assert backend_choice.recheck(cached, "a", progress=False)
-    source["a"] = "cache"
-    assert not backend_choice.recheck(cached, "a", progress=False)
+    assert cached.backend == "a" and cached.loaded is None and "a 16.7 tok/s" in cached.why
+    profiles = {"a": (curve(0.060, 0.100), "cache")}
+    monkeypatch.setattr(backend_choice, "profile_model", lambda model, progress=False: profiles[model])
+    backend_choice.recheck(cached, "a", progress=False)
+    assert read_record("backend-choice", cached.key)["figures"]["a"]["plain"] == pytest.approx(1 / 0.060)
+    profiles["a"] = (curve(0.025, 0.040), "measured")  # its cached figure was a busy machine's
+    backend_choice.recheck(cached, "a", progress=False)
+    record = read_record("backend-choice", cached.key)
+    assert record["backend"] == "a" and record["figures"]["a"]["plain"] == 40.0 and "a 40.0 tok/s" in cached.why
+    assert record["figures"]["b"]["plain"] == pytest.approx(1 / 0.080)  # the other's, as recorded
 
 
 def test_live_forwards_replace_a_cached_curve_only_when_it_is_too_slow(monkeypatch):

@@ -429,8 +429,7 @@ def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, 
                  progress: bool = True) -> tuple:
     """(target, draft or None) loaded on the backends `plan` names, each once. A cached `auto` choice is checked
     here: the loaded models' cost curves against a few live forwards (backend_choice.recheck, ~0.5 s for the
-    default pair); where a cached figure proved to be a busy machine's, the choice is made again (the models loaded
-    already are measured where they are, the other candidate loaded once) and the pair runs on the winner."""
+    default pair); a cached figure that proved to be a busy machine's is measured again."""
     llama = llama or {}
     target_model = plan.loaded[0] or load_model(target, dtype=dtype, progress=progress, backend=plan.target,
                                                 llama=llama)
@@ -438,25 +437,15 @@ def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, 
         plan.loaded[1] or load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama))
     if plan.choice is None or plan.loaded[0] is not None:  # given backends, or measured just now
         return target_model, draft_model
-    if not backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress):
-        return target_model, draft_model
-    here = (target_model, draft_model if plan.follows else None)  # the candidate loaded already is not loaded again
-    choice = choose_gguf_backend(target, draft if plan.follows else None, progress, llama, refresh=True,
-                                 loaded={plan.target: here})
-    loaded = choice.loaded or (None, None)
-    plan.target, plan.why, plan.choice = choice.backend, choice.why, None
-    if plan.follows:
-        plan.draft = choice.backend
-    plan.loaded = (loaded[0], loaded[1] if plan.follows else draft_model)
-    del here, target_model
-    return load_planned(target, draft, plan, dtype, llama, progress)
+    backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress)
+    plan.why = plan.choice.why
+    return target_model, draft_model
 
 
-def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: dict, refresh: bool = False,
-                        loaded: dict | None = None):
+def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: dict):
     """`--backend auto` for a GGUF target (and the GGUF draft that follows it): backend_choice.Choice. Candidates:
     native (when its kernels build here and cover the file) and llama.cpp (when installed); "torch" only when
-    neither can run the target. `loaded`: backend -> (target, draft) loaded on it already (not loaded again)."""
+    neither can run the target."""
     path = _spec_gguf(target, progress)
     draft_path = _spec_gguf(draft, progress) if draft is not None else None
 
@@ -472,12 +461,8 @@ def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: d
     loaders = {"native": on(lambda spec: load_native_model(spec, progress, quiet=True))}
     if llamacpp.available():
         loaders["llamacpp"] = on(lambda spec: load_llamacpp_model(spec, progress, **llama))
-    for name, models in (loaded or {}).items():
-        if name in loaders:
-            loaders[name] = lambda models=models: models
     try:
-        return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress,
-                                     refresh=refresh)
+        return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress)
     except ValueError:  # no GGUF backend can run it
         return backend_choice.Choice("torch")
 
