@@ -184,9 +184,14 @@ def test_load_pair_checks_the_pair(tmp_path):
     tok.save_pretrained(tmp_path / "target")
     noisy_copy(target, 0.2).save_pretrained(tmp_path / "draft")
     tok.save_pretrained(tmp_path / "draft")
-    t, d = spec.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="none", dtype="fp32",
+    pair = spec.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="none", dtype="fp32",
                           progress=False)
+    t, d = pair  # unpacks as (target, draft); the server also reads what was decided
     assert t.model.dtype == d.model.dtype == torch.float32 and t.tokenizer.get_vocab() == d.tokenizer.get_vocab()
+    assert (pair.quant, pair.backends, pair.choice) == ("none", ("torch", "torch"), "")
+    int8 = spec.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="int8", dtype="fp32",
+                          progress=False)
+    assert int8.quant == "int8"  # the quantization the draft was prepared with, which requests are checked against
     t, d = spec.load_pair(str(tmp_path / "target"), None, dtype="fp32", progress=False)
     assert d is None
     with pytest.raises(ValueError, match="unknown draft quantization"):

@@ -182,6 +182,12 @@ def _unwrap(model_or_loaded, tokenizer=None):
 
 
 
+def suffix_nodes(method: str | None, suffix: int | None) -> int:
+    """The suffix-tree nodes a step of `method` may graft: `suffix` as asked, or for None the method's default
+    (drafting/suffix.py: default_suffix_nodes); the one place that default is resolved (the decoder, and the
+    bench's records through RunSpec.suffix_nodes)."""
+    return default_suffix_nodes(method) if suffix is None else suffix
+
 
 @contextmanager
 def torch_threads(n: int | None):
@@ -256,8 +262,7 @@ class SpeculativeDecoder:
         # free branches the caller did not ask for (auto's default suffix branches) are grafted at T > 0 only onto
         # the trees the policy left bare (`bare_grafts`, set with the verifier)
         by_default = suffix is None and not ngram and not lookahead
-        if suffix is None:  # the method's default: auto grafts suffix branches (drafting/suffix.py)
-            suffix = default_suffix_nodes(method)
+        suffix = suffix_nodes(method, suffix)  # the method's default for None: auto grafts suffix branches
         for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
                             ("suffix_store", suffix_store)):
             check_int(value, name, 0)

@@ -44,17 +44,17 @@ import torch
 
 from .drafting import POLICIES
 from .drafting.base import option_parser
-from .drafting.suffix import default_suffix_nodes
-from .engine import SpeculativeDecoder
+from .engine import SpeculativeDecoder, suffix_nodes
 from .models import draft_levers
 from .models.draft_choice import choose_draft_quant
-from .models.loading import ALIASES, BACKENDS, check_tokenizers_compatible, load_model
+from .models.loading import (BACKENDS, DEFAULT_DTYPE_NAME, check_tokenizers_compatible, load_planned,
+                             plan_backends)
 from .models.native import is_native
 from .verify import VERIFIERS
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-DEFAULT_DTYPE = "bf16"  # 2-3x faster than fp32 on this project's CPU (README, "The default model pair and dtype")
+DEFAULT_DTYPE = DEFAULT_DTYPE_NAME  # "bf16", defined once in models/loading.py (2-3x faster than fp32 on this CPU)
 DEFAULT_METHOD = "auto"
 DEFAULT_DRAFT_QUANT = "auto"
 DEFAULT_BACKEND = "auto"  # GGUF: native or llama.cpp, measured (models/backend_choice.py); else torch
@@ -99,9 +99,8 @@ class RunSpec:
 
     @property
     def suffix_nodes(self) -> int:
-        """The suffix-tree nodes a step may graft: `suffix` as given, else the method's default (the engine resolves
-        None the same way; drafting/suffix.py: default_suffix_nodes)."""
-        return default_suffix_nodes(self.policy) if self.suffix is None else self.suffix
+        """The suffix-tree nodes a step may graft, as the engine resolves them (engine.suffix_nodes)."""
+        return suffix_nodes(self.policy, self.suffix)
 
     @property
     def lossy(self) -> bool:
@@ -401,37 +400,50 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
     return draft_levers.prepare_draft(prepared, quant, vocab, progress=progress), quant
 
 
+@dataclass
+class LoadedPair:
+    """What `load_pair` returns: the models and what was decided for them. It unpacks as `target, draft = ...`."""
+
+    target: object  # LoadedModel (or llama.cpp's LlamaCppLoaded)
+    draft: object | None  # prepared (quantization, head) as asked; None when the run drafts nothing
+    quant: str = "none"  # the draft's quantization, "auto" resolved ("none" without a draft)
+    backends: tuple = ()  # (target's backend, draft's backend or None): what each model runs on
+    choice: str = ""  # why `--backend auto` chose the target's backend (empty when the backend was given)
+
+    def __iter__(self):
+        return iter((self.target, self.draft))
+
+
 def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, draft_quant: str = DEFAULT_DRAFT_QUANT,
               dtype: str = DEFAULT_DTYPE, draft_vocab: int = 0, progress: bool = True, backend: str = DEFAULT_BACKEND,
-              draft_backend: str | None = None, llama: dict | None = None):
-    """(target, draft) as `arborspec generate` runs them: loaded (alias, local directory, .gguf file or hub id) on
-    `backend` (auto: for GGUF models the backend measured fastest), checked to share a tokenizer, and the draft prepared;
-    for a PyTorch draft `draft_quant="auto"` measures which draft variant is fastest for this pair on this machine
-    the first time (seconds to a minute; cached, see `arborspec profile --pair`). `draft=None` loads the target
-    alone (for `ar`). `llama`: llama.cpp options (n_threads, n_ctx, n_batch) for models on that backend."""
+              draft_backend: str | None = None, llama: dict | None = None) -> LoadedPair:
+    """THE loader of a target/draft pair, for `arborspec generate`, `bench`, `serve` and the Python API: (target,
+    draft) loaded (alias, local directory, .gguf file or hub id) and checked to share a tokenizer, the draft prepared.
+
+    The backends are decided before anything loads (models/loading.py, plan_backends: `--backend auto` picks the
+    GGUF backend whose measured costs predict the fastest decoding, speculation included, cached; the draft follows
+    it), so each model loads once, on the backend it runs on. For a PyTorch draft `draft_quant="auto"` measures
+    which draft variant is fastest for this pair on this machine the first time (seconds to a minute; cached, see
+    `arborspec profile --pair`). `draft=None` loads the target alone (for `ar`). `llama`: llama.cpp options
+    (n_threads, n_ctx, n_batch) for models on that backend."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
-    target_model = load_model(target, dtype=dtype, progress=progress, backend=backend, llama=llama)
+    llama = llama or {}
+    plan = plan_backends(target, draft, backend, draft_backend, llama, progress)
+    target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress)
     if draft is None:
-        return target_model, None
-    draft_model = load_model(draft, dtype=dtype, progress=progress,
-                             backend=draft_backend or _draft_backend(backend, target_model, draft), llama=llama)
+        return LoadedPair(target_model, None, "none", (plan.target, None), plan.why)
     check_tokenizers_compatible(target_model, draft_model)
-    draft_model, _ = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
-    return target_model, draft_model
+    draft_model, quant = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
+    return LoadedPair(target_model, draft_model, quant, (plan.target, plan.draft), plan.why)
 
 
-def _draft_backend(backend: str, target, draft: str) -> str:
-    """The draft's backend when --draft-backend is not given: --backend's, except that with `auto` a GGUF draft
-    follows the backend measured fastest for the target, so that both models compute in one thread pool. Two
-    pools (llama.cpp's and torch's) take turns on the same cores: a native target with a llama.cpp draft ran `auto`
-    at 0.84-0.96x plain llama.cpp while committing ~4 tokens per step on HumanEval at T = 0
-    (results/native-llamacpp-draft, docs/kernels.md)."""
-    if backend != "auto" or not (draft in ALIASES or draft.endswith(".gguf")):
-        return backend
-    if is_native(target.model):
-        return "native"
-    return "auto" if is_torch_model(target) else "llamacpp"
+def load_pair_for(args, spec: RunSpec, progress: bool = True) -> LoadedPair:
+    """`load_pair` with a command's flags (--target, --draft, --dtype, --backend, --draft-backend, --llama-*) for
+    `spec` (its quantization and head; the draft only when it drafts): what `generate` and `serve` both load."""
+    return load_pair(args.target, args.draft if spec.needs_draft else None, spec.quant, args.dtype, spec.vocab,
+                     progress=progress, backend=args.backend, draft_backend=args.draft_backend,
+                     llama=llama_options(args))
 
 
 def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -10,9 +10,8 @@ import torch
 from fastapi import FastAPI
 
 from ..models.batching import can_batch
-from ..models.loading import check_tokenizers_compatible, load_model
 from ..models.native import is_native
-from ..spec import RunSpec, llama_options, prepare_draft
+from ..spec import LoadedPair, RunSpec, load_pair_for
 from .app import create_app
 from .decoders import Decoders, Sampling
 from .metrics import Metrics
@@ -30,19 +29,21 @@ class Built:
     scheduler: Scheduler
     metrics: Metrics
     limits: Limits
+    backend: str = ""  # what runs the target and why (the start-up line)
 
 
 def build_server(args: argparse.Namespace, spec: RunSpec, render_metrics=None) -> Built:
     """Load the pair, warm it up, and make the app (`render_metrics`: what GET /metrics answers, default this
     server's own metrics)."""
-    decoders = load_decoders(args, spec)
+    decoders, pair = load_decoders(args, spec)
     limits = Limits(args.model_name or args.target, args.max_tokens_limit, args.default_max_tokens,
                     args.max_body_bytes, args.api_key)
     metrics = Metrics()
     # one target forward per round for every request where the target batches (the native backend)
     scheduler = Scheduler(args.max_batch, args.max_queue, metrics, batch=can_batch(decoders.target.model))
     metrics.info.info(server_info(args, spec, decoders, scheduler))
-    return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits)
+    return Built(create_app(decoders, limits, scheduler, metrics, render_metrics), scheduler, metrics, limits,
+                 backend_line(pair, scheduler))
 
 
 def server_info(args, spec: RunSpec, decoders: Decoders, scheduler: Scheduler) -> dict[str, str]:
@@ -71,19 +72,29 @@ def rounds(scheduler: Scheduler) -> str:
     return ", one target forward per round" if scheduler.batch else ", requests' steps one after another"
 
 
-def load_decoders(args, spec: RunSpec) -> Decoders:
-    """The pair loaded as spec.load_pair loads it (keeping the draft's resolved quantization, which requests'
-    method levers are checked against), and one warm-up generation, which also checks the sampling flags."""
-    llama = llama_options(args)
-    target, draft, quant = load_model(args.target, dtype=args.dtype, backend=args.backend, llama=llama), None, "none"
-    if spec.needs_draft:
-        draft = load_model(args.draft, dtype=args.dtype, backend=args.draft_backend or args.backend, llama=llama)
-        check_tokenizers_compatible(target, draft)
-        draft, quant = prepare_draft(target, draft, spec.quant, spec.vocab)
-    decoders = Decoders(spec, target, draft, quant, Sampling(args.temperature, args.top_k, args.top_p, args.seed),
-                        args.draft_temperature, dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
+def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
+    """The pair loaded by the loader `arborspec generate` uses (spec.load_pair_for: the same flags give the same
+    backends and draft), keeping the draft's resolved quantization, which requests' method levers are checked
+    against, and one warm-up generation, which also checks the sampling flags."""
+    pair = load_pair_for(args, spec)
+    decoders = Decoders(spec, pair.target, pair.draft, pair.quant,
+                        Sampling(args.temperature, args.top_k, args.top_p, args.seed), args.draft_temperature,
+                        dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
     decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
-    return decoders
+    return decoders, pair
+
+
+def backend_line(pair: LoadedPair, scheduler: Scheduler) -> str:
+    """What runs the models and why, for the start-up line: `--backend auto`'s measured figures, and whether the
+    target batches requests (native does, one target forward per round; llama.cpp runs requests' steps one after
+    another, so under concurrent load a native target serves more than its single-stream rate says)."""
+    target, draft = pair.backends if pair.backends else ("?", None)
+    text = f"target on {target}" + (f", draft on {draft}" if draft else "")
+    if pair.choice:
+        text += f" (--backend auto, predicted: {pair.choice})"
+    if not scheduler.batch and target == "llamacpp" and pair.choice and "native" in pair.choice:
+        text += "; native would batch concurrent requests (--backend native)"
+    return text
 
 
 def listen(host: str, port: int) -> socket.socket:

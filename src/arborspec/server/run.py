@@ -96,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server = build_server(args, spec)
         host, port = sock.getsockname()[:2]
         print(f"[arborspec] serving {server.limits.model_name!r} on http://{url_host(host)}:{port} "
-              f"({describe(args, spec)}{rounds(server.scheduler)})", file=sys.stderr, flush=True)
+              f"({describe(args, spec)}{rounds(server.scheduler)}; {server.backend})", file=sys.stderr, flush=True)
         config = uvicorn.Config(server.app, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
         Server(config, server.scheduler, args.shutdown_timeout).run(sockets=[sock])

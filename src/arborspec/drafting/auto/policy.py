@@ -316,3 +316,26 @@ def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: Sa
             "dtype": [str(target.dtype), str(draft.dtype)], "threads": profile.model_threads(target),
             "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
             "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
+
+
+def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: float | None = None) -> dict:
+    """What auto predicts for this pair from its cost curves before its first step, in tokens per second: `plain`
+    (1 / t(1)), `speculative` (the best chain at the acceptance saved by earlier greedy runs of this pair, else the
+    priors: a(x) = x and a draft top-1 probability of 0.6; `expected_ceiling`), `ceiling` (every token accepted) and
+    `rate`, what auto would run at: the speculative rate where it beats plain decoding by the guard's margin (as
+    `uses_draft` decides), else the plain one. `draft_curve` None: plain decoding only. For `--backend auto`
+    (models/backend_choice.py), which compares backends by these."""
+    plain = 1.0 / float(target_curve(1))
+    margin = AutoOptions().guard_margin if margin is None else margin
+    if draft_curve is None:
+        return {"plain": plain, "speculative": None, "ceiling": None, "rate": plain, "acceptance": "none"}
+    policy = AutoPolicy()
+    greedy = SamplingConfig()
+    policy.use_costs(CostModel(target_curve, draft_curve))
+    if target is not None and draft is not None:  # the models: to look up their saved calibration
+        policy._calib_key = _calibration_key(target, draft, greedy, greedy)
+        policy._load_calibration()
+    speculative = policy._expected_rate()
+    rate = speculative if speculative > (1.0 + margin) * plain else plain
+    return {"plain": plain, "speculative": speculative, "ceiling": ceiling_rate(policy.costs), "rate": rate,
+            "acceptance": "saved" if policy.source.get("calibration") == "cache" else "prior"}

@@ -1,0 +1,68 @@
+"""`arborspec serve` loads its pair through the loader `arborspec generate` uses (spec.load_pair): the same flags give
+the same backends, and the start-up line says what runs and why."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from arborspec import cli
+from arborspec.models import llamacpp
+from arborspec.models.native import is_native
+from arborspec.server import build, run
+from arborspec.server.scheduler import Scheduler
+from arborspec.spec import LoadedPair
+from tests.models.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory, private_cache):
+    """A tiny GGUF target and a noisy copy as its draft, in native's and llama.cpp's block types."""
+    folder = tmp_path_factory.mktemp("gguf")
+    target, draft = folder / "t.gguf", folder / "d.gguf"
+    write_tiny_gguf(target, dtype="q4_k")
+    write_tiny_gguf(draft, dtype="q4_k", noise=0.2)
+    return str(target), str(draft)
+
+
+def both_front_ends(flags: list[str]) -> tuple[LoadedPair, LoadedPair]:
+    """The pair `generate` loads and the pair `serve` loads for the same flags."""
+    gen = cli.build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    parser = argparse.ArgumentParser()
+    run.add_serve_arguments(parser)
+    serve = parser.parse_args(flags)
+    run.check_flags(serve)
+    generated = cli._load_for(gen, cli.run_spec(gen))
+    decoders, served = build.load_decoders(serve, run.server_spec(serve))
+    assert decoders.target is served.target and decoders.quant == served.quant
+    return generated, served
+
+
+CASES = [["--backend", "auto"], ["--backend", "native"]]
+if llamacpp.available():
+    CASES += [["--backend", "llamacpp"], ["--backend", "native", "--draft-backend", "llamacpp"]]
+
+
+@pytest.mark.parametrize("backends", CASES, ids=lambda c: "-".join(c[1::2]))
+def test_serve_and_generate_resolve_the_same_backends_for_the_same_flags(ggufs, backends):
+    target, draft = ggufs
+    generated, served = both_front_ends(["--target", target, "--draft", draft, "--method", "chain",
+                                         "--dtype", "fp32", *backends])
+    assert generated.backends == served.backends
+    assert is_native(generated.draft.model) == is_native(served.draft.model)
+    if "--draft-backend" not in backends:  # the draft follows the target: one thread pool for both
+        assert served.backends[0] == served.backends[1]
+        assert is_native(served.target.model) == is_native(served.draft.model)
+    else:
+        assert served.backends == ("native", "llamacpp")
+    assert (served.choice != "") == (backends[1] == "auto")  # the figures behind an auto choice, for the start line
+
+
+def test_the_start_up_line_says_what_runs_and_why():
+    pair = LoadedPair(None, None, "none", ("llamacpp", "llamacpp"),
+                      "native 30.0 tok/s (t(1) 30.0 ms, t(4) 40.0 ms), llamacpp 31.0 tok/s (t(1) 25.0 ms, ...)")
+    line = build.backend_line(pair, Scheduler(8, 8, None, batch=False))
+    assert line.startswith("target on llamacpp, draft on llamacpp (--backend auto, predicted: native 30.0 tok/s")
+    assert line.endswith("native would batch concurrent requests (--backend native)")
+    given = build.backend_line(LoadedPair(None, None, "none", ("native", None), ""), Scheduler(8, 8, None, batch=True))
+    assert given == "target on native"
