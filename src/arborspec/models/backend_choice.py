@@ -79,11 +79,12 @@ def measure(target, draft=None) -> dict:
     policy predicts from them (tokens per second), for `pick` and the cached record."""
     t_curve, _ = profile_model(_model(target), progress=True)
     d_curve = profile_model(_model(draft), progress=True)[0] if draft is not None else None
-    return figures_of(t_curve, d_curve, _model(target), _model(draft) if draft is not None else None)
+    return figures_of(t_curve, d_curve, _model(target), _model(draft) if draft is not None else None,
+                      getattr(target, "tokenizer", None))
 
 
-def figures_of(t_curve: CostCurve, d_curve: CostCurve | None, target=None, draft=None) -> dict:
-    rates = predicted_rates(t_curve, d_curve, target, draft)
+def figures_of(t_curve: CostCurve, d_curve: CostCurve | None, target=None, draft=None, tokenizer=None) -> dict:
+    rates = predicted_rates(t_curve, d_curve, target, draft, tokenizer=tokenizer)
     out = {k: (None if v is None else round(v, 3)) for k, v in rates.items() if k != "acceptance"}
     out["acceptance"] = rates["acceptance"]
     out["target"] = t_curve.to_dict()
@@ -162,7 +163,8 @@ def recheck(choice: Choice, target, draft=None, progress: bool = True) -> None:
     if "measured" not in (t_src, d_src) or choice.key is None:
         return
     figures = dict(record["figures"], **{choice.backend: figures_of(
-        t_curve, d_curve, _model(target), _model(draft) if draft is not None else None)})
+        t_curve, d_curve, _model(target), _model(draft) if draft is not None else None,
+        getattr(target, "tokenizer", None))})
     write_record("backend-choice", choice.key, {"backend": choice.backend, "figures": figures})
     choice.why = describe({"figures": figures})
 

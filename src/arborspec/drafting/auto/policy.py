@@ -115,8 +115,12 @@ class AutoPolicy(Policy):
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
-        if tokenizer is not None and (self.source.get("calibration") != "cache" or not self.calibrator.trials.any()):
-            self.seed_from_agreement(target, draft, tokenizer)  # no evidence yet (a saved record may hold none)
+        if tokenizer is not None and not self.has_evidence():
+            self.seed_from_agreement(target, draft, tokenizer)
+
+    def has_evidence(self) -> bool:
+        """Whether a saved calibration with observations was loaded (a plain generation saves one without any)."""
+        return self.source.get("calibration") == "cache" and bool(self.calibrator.trials.any())
 
     def seed_from_agreement(self, target, draft, tokenizer) -> None:
         """Start c_1 of the greedy predictor (the draft's top child, tree_builder.py) at the pair's greedy top-1
@@ -318,10 +322,12 @@ def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: Sa
             "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
 
 
-def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: float | None = None) -> dict:
+def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: float | None = None,
+                    tokenizer=None) -> dict:
     """What auto predicts for this pair from its cost curves before its first step, in tokens per second: `plain`
-    (1 / t(1)), `speculative` (the best chain at the acceptance saved by earlier greedy runs of this pair, else the
-    priors: a(x) = x and a draft top-1 probability of 0.6; `expected_ceiling`), `ceiling` (every token accepted) and
+    (1 / t(1)), `speculative` (the best chain at the acceptance saved by earlier greedy runs of this pair, else -- as
+    `bind` starts -- its measured agreement when a tokenizer is given, else the priors: a(x) = x and a draft top-1
+    probability of 0.6; `expected_ceiling`), `ceiling` (every token accepted) and
     `rate`, what auto would run at: the speculative rate where it beats plain decoding by the guard's margin (as
     `uses_draft` decides), else the plain one. `draft_curve` None: plain decoding only. For `--backend auto`
     (models/backend_choice.py), which compares backends by these."""
@@ -335,7 +341,11 @@ def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: 
     if target is not None and draft is not None:  # the models: to look up their saved calibration
         policy._calib_key = _calibration_key(target, draft, greedy, greedy)
         policy._load_calibration()
+        if tokenizer is not None and not policy.has_evidence():
+            policy.seed_from_agreement(target, draft, tokenizer)
     speculative = policy._expected_rate()
     rate = speculative if speculative > (1.0 + margin) * plain else plain
+    acceptance = "saved" if policy.has_evidence() else ("agreement " + policy.source["agreement"]
+                                                         if "agreement" in policy.source else "prior")
     return {"plain": plain, "speculative": speculative, "ceiling": ceiling_rate(policy.costs), "rate": rate,
-            "acceptance": "saved" if policy.source.get("calibration") == "cache" else "prior"}
+            "acceptance": acceptance}
