@@ -27,6 +27,7 @@ from .cache import machine_id, model_fingerprint, read_record, record_path, sha2
 from .isotonic import pool_adjacent_violators
 from .models import make_session
 from .models.model_info import context_window
+from .models.reference_texts import reference_texts
 from .plotting import pyplot, save_figure
 from .runtime_model import RuntimeModel, required_tau_ratio
 from .tree import TokenTree
@@ -140,8 +141,6 @@ def measure_agreement(target, draft, texts: list[list[int]]) -> float:
 def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
     """(agreement, source): `measure_agreement` on the reference texts (models/corpus.py), cached per pair like the
     cost profiles ('cache' or 'measured')."""
-    from .models.corpus import reference_texts
-
     key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
     cached = None if refresh else read_record("agreement", key)
     if cached is not None and isinstance(cached.get("agreement"), float):

@@ -29,7 +29,7 @@ import torch
 from ..cache import read_record, write_record
 from ..plotting import pyplot, save_figure
 from ..profile import profile_key, profile_model
-from .corpus import reference_texts
+from .reference_texts import reference_texts
 from .draft_levers import QUANT_MODES, TORCHAO_HINT, prepare_draft
 
 MAX_CHAIN = 16
