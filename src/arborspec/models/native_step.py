@@ -32,6 +32,7 @@ from ..sampling import check_finite
 from ..tree import TokenTree
 from . import batching
 from .hf import begin_forward, end_forward
+from .model_info import context_window
 from .native_forward import FastForward
 from .session import TreeRegion
 
@@ -59,11 +60,10 @@ class Step:
     """A native model's weights handed to the C++ operator once (the blocks are shared, not copied)."""
 
     def __init__(self, fast: FastForward):
-        config = fast.model.config
         layer0 = fast.layers[0]
         self.layers, self.kv_heads, self.head_dim = len(fast.layers), layer0.kv_heads, layer0.head_dim
         self.vocab = fast.embed.matrix.n
-        self.context = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.context = context_window(fast.model)
         self.rotary = fast.rotary
         self.expand = getattr(fast.head, "expand", None)  # a pruned head's logits -> the whole vocabulary
         self.cpp = torch.classes.arborspec_kernels.Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
@@ -125,7 +125,7 @@ class StepForward(FastForward):
     def many(self, calls: list[dict]) -> list:
         """Each call's output in order: the session calls as ONE C++ forward, the others as FastForward.many."""
         steps = [j for j, call in enumerate(calls) if "step" in call]
-        others = [j for j in range(len(calls)) if j not in set(steps)]
+        others = [j for j, call in enumerate(calls) if "step" not in call]
         outputs: list = [None] * len(calls)
         if steps:
             for j, out in zip(steps, self.step.run([calls[j]["step"] for j in steps])):
@@ -215,7 +215,7 @@ class NativeSession(TreeRegion):
     # ---- internals --------------------------------------------------------------------------------------------
     def _run(self, ids, positions, prefix, extra, keep) -> torch.Tensor:
         limit = self.step.context
-        if limit is not None and max(positions) >= limit:
+        if max(positions) >= limit:
             raise ContextOverflow(f"{self.role}: position {max(positions)} is past the model's context window of "
                                   f"{limit} tokens")
         start = self.length
