@@ -3,7 +3,7 @@
 t(n) is one forward over an n-node tree (a complete binary tree after a 200-token prefix, as `arborspec profile`
 measures it), the median over rounds that alternate the backends so both see the same machine state. The native
 backend is timed three ways in the same rounds: its sessions (the C++ step, kernels/forward.cpp), the Python forward
-it replaced (models/native_forward.py through hf.TreeSession, kept as the reference), and its kernels alone (every
+it replaced (backends/native_forward.py through hf.TreeSession, kept as the reference), and its kernels alone (every
 matrix product of one forward, called as the step calls them, on random activations), so the table says where a
 forward's time goes: the kernels, and everything else (attention, norms, rotary, the cache, Python).
 
@@ -16,18 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 
+from arborspec.backends.hf import TreeSession
 from arborspec.bench.runner import cpu_model
 from arborspec.kernels.build import library
-from arborspec.models.hf import TreeSession
-from arborspec.models.loading import load_model
-from arborspec.plotting import pyplot, save_figure
-from arborspec.profile import measure_forward_cost
+from arborspec.loading import load_model
+from arborspec.tuning.costs import measure_forward_cost
+from arborspec.viz.canvas import pyplot, save_figure
 
 BACKENDS = ("native", "llamacpp")
 

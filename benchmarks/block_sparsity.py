@@ -25,9 +25,9 @@ import time
 
 import torch
 
+from arborspec.core.sampling import SamplingConfig
+from arborspec.core.tree import ORDERS, TokenTree, block_count
 from arborspec.drafting import POLICIES, DraftContext
-from arborspec.sampling import SamplingConfig
-from arborspec.tree import ORDERS, TokenTree, block_count
 
 
 def random_tree(n: int, seed: int) -> TokenTree:

@@ -32,7 +32,7 @@ import torch
 from arborspec.bench.runner import cpu_model
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import library
-from arborspec.plotting import pyplot, save_figure
+from arborspec.viz.canvas import pyplot, save_figure
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 
@@ -187,7 +187,7 @@ def main() -> None:
     parser.add_argument("--figure", default="docs/figures/kernels.png")
     args = parser.parse_args()
     if args.model is None:
-        from arborspec.models.loading import alias_gguf
+        from arborspec.loading.aliases import alias_gguf
         args.model = str(alias_gguf("qwen2.5-coder-1.5b"))
     result = measure(Path(args.model), [int(s) for s in args.sizes.split(",")], args.repeats, args.isa)
     out = Path(args.out)

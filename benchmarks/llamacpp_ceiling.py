@@ -20,9 +20,9 @@ import argparse
 import statistics
 import time
 
-from arborspec.models.loading import load_model
-from arborspec.plotting import pyplot, save_figure
-from arborspec.profile import full_tree
+from arborspec.loading import load_model
+from arborspec.tuning.costs import full_tree
+from arborspec.viz.canvas import pyplot, save_figure
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 ACCEPTANCE = (0.6, 0.7, 0.8, 0.9)

@@ -3,7 +3,7 @@
 Every method decodes the same prompts greedily (T=0) and must reproduce `ar`'s tokens exactly (checked). The
 defaults are sized for a 2-core CPU (WETAP's paper widths, 16-128 per layer over 8 layers, draft ~900 tokens per
 step; here 4-16 over 6 layers); pass --methods to change the line-up and --max-new-tokens / --prompts to run larger.
-Methods are named as for `arborspec bench` (arborspec/spec.py); the draft runs unquantized unless a name says
+Methods are named as for `arborspec bench` (arborspec/runspec.py); the draft runs unquantized unless a name says
 otherwise (`+int8`).
 
     python benchmarks/policies.py [--max-new-tokens 64] [--methods 'dyspec@16,beam(steps=4,beams=3)']
@@ -18,7 +18,8 @@ import time
 import torch
 
 from arborspec import SpeculativeDecoder
-from arborspec.spec import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, build_decoder, load_pair, parse, split_methods
+from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, load_pair
+from arborspec.runspec import build_decoder, parse, split_methods
 
 PROMPTS = [
     'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from arborspec.bench.datasets import DATASETS, fetch
-from arborspec.cache import machine_id, write_json
+from arborspec.core.disk_cache import machine_id, write_json
 
 START_TIMEOUT_S = 900  # loading the real pair (and, with --ray, starting Ray) on a busy 2-core machine
 
@@ -173,7 +173,7 @@ class Launched:
 
 
 def plot(runs: list[dict], figure: str) -> None:
-    from arborspec.plotting import pyplot, save_figure
+    from arborspec.viz.canvas import pyplot, save_figure
 
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

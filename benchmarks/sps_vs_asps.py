@@ -26,12 +26,13 @@ import time
 
 import torch
 
-from arborspec.bench.datasets import load_prompts as bench_prompts, prompt_ids
+from arborspec.backends.hf import TreeSession
+from arborspec.bench.datasets import load_prompts as bench_prompts
+from arborspec.bench.datasets import prompt_ids
+from arborspec.core.sampling import SamplingConfig, make_generator
 from arborspec.drafting import DraftContext
 from arborspec.drafting.chain import ChainPolicy
-from arborspec.models.hf import TreeSession
-from arborspec.models.loading import load_model
-from arborspec.sampling import SamplingConfig, make_generator
+from arborspec.loading import load_model
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import chain_nodes
 from arborspec.verify.rules import asps_expected_tokens_by_prefix, sps_expected_tokens_by_prefix

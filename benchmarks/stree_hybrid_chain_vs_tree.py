@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, BambaConfig, PreTrainedTokenizerF
 
 from arborspec.bench.report import write_report
 from arborspec.bench.runner import BenchSettings, run_bench
-from arborspec.models.loading import load_model
+from arborspec.loading import load_model
 
 CHARS = string.ascii_lowercase + string.digits + " .,:;()[]=+-*/_\n"
 

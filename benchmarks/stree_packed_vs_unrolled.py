@@ -10,7 +10,7 @@ embeddings) and Mamba2-370M (d_model 1024, 48 layers), random weights, on a comm
   once packed (`ssm_tree="packed"`: one sequence, one state, the tree-masked scan) and once unrolled
   (`"unrolled"`: each root-to-leaf path is its own sequence in a batch, one state per path);
 * the fitted runtime models: t(N) = k*N + C for Mamba2-130M and a*N^2 + b*N + c for a Bamba hybrid of the same
-  width (24 layers, 4 of them attention, MLP 2048), N = 1..128 (`arborspec.profile`, `arborspec.runtime_model`).
+  width (24 layers, 4 of them attention, MLP 2048), N = 1..128 (`arborspec.tuning.costs`, `arborspec.runtime_model`).
 
 Both modes use the same SSD math per sequence, so the difference is the packing alone, not a different kernel: the
 unrolled batch recomputes shared prefixes once per path and, like any state-carrying scan (the paper's fused
@@ -39,15 +39,15 @@ import sys
 import time
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
 
-from arborspec.profile import full_tree, measure_forward_cost
-from arborspec.runtime_model import fit_runtime, required_tau_ratio
-from arborspec.models.ssm import SSMTreeSession
-from arborspec.tree import TokenTree
+from arborspec.backends.ssm import SSMTreeSession
+from arborspec.core.tree import TokenTree
+from arborspec.tuning.costs import full_tree, measure_forward_cost
+from arborspec.tuning.runtime_model import fit_runtime, required_tau_ratio
 
 CONFIGS = {
     "130m": dict(hidden_size=768, num_hidden_layers=24),

@@ -45,9 +45,10 @@ import shlex
 from pathlib import Path
 
 from arborspec.bench import records
-from arborspec.bench.reproduction import VERIFIER_METHODS as METHODS, paired_differences, pooled_verifier_tables
+from arborspec.bench.reproduction import VERIFIER_METHODS as METHODS
+from arborspec.bench.reproduction import paired_differences, pooled_verifier_tables
 from arborspec.cli import main as arborspec_main
-from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET
+from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 def bench_argv(args) -> list[str]:

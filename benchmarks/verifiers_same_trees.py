@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from arborspec import SpeculativeDecoder
 from arborspec.bench.datasets import load_prompts, prompt_ids
-from arborspec.spec import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
+from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import Verifier, target_probs
 

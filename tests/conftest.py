@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
 
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (the scripts are not a package), for tests of their pieces."""
@@ -72,7 +80,7 @@ def noisy_copy(model, noise: float, seed: int = 1):
 def loaded_pair():
     """A tiny (target, draft) as `load_pair` returns them (LoadedModels sharing the character tokenizer), for the
     benchmark's tests: the draft is the target with noise, so it is accepted often but not always."""
-    from arborspec.models.loading import LoadedModel
+    from arborspec.loading.model import LoadedModel
 
     target = tiny_model("llama", seed=0)
     tok = char_tokenizer()
@@ -84,7 +92,7 @@ def real_pair():
     """The default real pair as `load_model` returns it (Qwen2.5-Coder-1.5B target, 0.5B draft; bf16 on transformers),
     loaded once per session for every test marked `real` that only reads it (a test of loading itself loads its own).
     Tests must not change it."""
-    from arborspec.models.loading import load_model
+    from arborspec.loading import load_model
 
     return load_model("qwen2.5-coder-1.5b", progress=False), load_model("qwen2.5-coder-0.5b", progress=False)
 

@@ -1,17 +1,18 @@
 """Cost profiles and STree's runtime model (eqs. 7-8): measuring t(N), least-squares fits, the tree-size rule, the
-profile cache, and `arborspec profile` (arborspec.profile, arborspec.runtime_model)."""
+profile cache, and `arborspec profile` (arborspec.tuning.costs, arborspec.runtime_model)."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from arborspec import cache, profile
 from arborspec.cli import main
-from arborspec.profile import full_tree, measure_forward_cost
-from arborspec.runtime_model import RuntimeModel, default_kind, fit_runtime, larger_tree_pays, required_tau_ratio
+from arborspec.core import disk_cache as cache
+from arborspec.tuning import costs
+from arborspec.tuning.costs import full_tree, measure_forward_cost
+from arborspec.tuning.runtime_model import RuntimeModel, default_kind, fit_runtime, larger_tree_pays, required_tau_ratio
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
-from tests.models.tiny_ssm import ssm_model
+from tests.backends.tiny_ssm import ssm_model
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -120,22 +121,22 @@ def counted_measure(monkeypatch, tmp_path):
         calls.append((model, tuple(sizes), prefix))
         return [0.001 + 1e-4 * n for n in sizes]
 
-    monkeypatch.setattr(profile, "measure_forward_cost", fake)
+    monkeypatch.setattr(costs, "measure_forward_cost", fake)
     return calls
 
 
 def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_path):
     model = tiny_model("llama", seed=0)
-    curve, source = profile.profile_model(model)
+    curve, source = costs.profile_model(model)
     assert source == "measured" and len(counted_measure) == 1 and curve(8) == pytest.approx(0.0018)
-    path = profile.profile_path(model)
+    path = costs.profile_path(model)
     assert path.parent == tmp_path / "cache" / "profiles" and path.exists()
     assert json.loads(path.read_text())["versions"] == cache.library_versions()
-    assert profile.profile_model(model)[1] == "cache" and len(counted_measure) == 1
-    assert profile.profile_model(tiny_model("llama", seed=0))[1] == "cache"  # the same model, loaded again
+    assert costs.profile_model(model)[1] == "cache" and len(counted_measure) == 1
+    assert costs.profile_model(tiny_model("llama", seed=0))[1] == "cache"  # the same model, loaded again
 
     def source_of(m):
-        return profile.profile_model(m)[1]
+        return costs.profile_model(m)[1]
 
     assert source_of(tiny_model("llama", seed=1)) == "measured"  # other weights
     assert source_of(tiny_model("llama", seed=0, layers=3)) == "measured"  # other architecture
@@ -154,8 +155,8 @@ def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_p
     assert source_of(model) == "measured"  # the file now holds the other version's record
     path.write_text("{not json")
     assert source_of(model) == "measured"  # unreadable
-    assert profile.profile_model(model, refresh=True)[1] == "measured"
-    monkeypatch.setattr(profile, "machine_id", lambda: "another cpu")
+    assert costs.profile_model(model, refresh=True)[1] == "measured"
+    monkeypatch.setattr(costs, "machine_id", lambda: "another cpu")
     assert source_of(model) == "measured"  # another machine
     assert counted_measure[-1][2] == 200  # the prefix fits the tiny model's 512-token window
 
@@ -163,9 +164,9 @@ def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_p
 def test_profile_measures_a_tiny_model_for_real(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
     model = tiny_model("llama", seed=0, context=64)  # a short window: the prefix shrinks to fit
-    curve, source = profile.profile_model(model, sizes=(1, 2, 4), repeats=1)
+    curve, source = costs.profile_model(model, sizes=(1, 2, 4), repeats=1)
     assert source == "measured" and all(t > 0 for t in curve.times)
-    record = json.loads(profile.profile_path(model).read_text())
+    record = json.loads(costs.profile_path(model).read_text())
     assert record["prefix"] < 64 and record["sizes"] == [1, 2, 4]
 
 

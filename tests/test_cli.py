@@ -10,7 +10,6 @@ from arborspec import cli
 from arborspec.cli import main
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
-
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 
@@ -27,8 +26,8 @@ def model_dirs(tmp_path_factory):
         paths[name] = str(root / name)
     other = tiny_model("gpt2", seed=1)
     other.save_pretrained(root / "other")
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     t = Tokenizer(models.WordLevel({"<unk>": 0, "x": 1, "y": 2}, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -110,7 +109,7 @@ def test_methods_lists_every_policy(capsys):
 
 
 def test_draft_levers_on_the_command_line(model_dirs, capsys, monkeypatch):
-    from arborspec.models import draft_levers
+    from arborspec.tuning import draft_levers
 
     monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, n, **kw: __import__("torch").arange(n).flip(0))
     code, out, _ = run_cli(capsys, "generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],

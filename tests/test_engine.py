@@ -47,7 +47,7 @@ def test_ar_matches_plain_greedy(pair):
 def test_sample_one_draws_the_distribution():
     """sampling.sample_one (every verifier's bonus draw, the plain loop's pick): inverse CDF, so frequencies follow the
     (unnormalised) weights and a zero-weight token is never drawn, not even at the ends of the vocabulary."""
-    from arborspec.sampling import make_generator, sample_one
+    from arborspec.core.sampling import make_generator, sample_one
 
     weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, 0.0, 0.5, 0.0], dtype=torch.float64)
     gen = make_generator(0)

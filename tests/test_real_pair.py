@@ -74,8 +74,8 @@ def test_default_cli_job_runs_end_to_end():
 
 @pytest.fixture(scope="module")
 def llamacpp_pair():
-    from arborspec.models import llamacpp
-    from arborspec.models.loading import load_model
+    from arborspec.backends import llamacpp
+    from arborspec.loading import load_model
 
     if not llamacpp.available():
         pytest.skip("llama-cpp-python is not installed")
@@ -87,7 +87,7 @@ def llamacpp_pair():
 
 
 def llamacpp_top2_gap(model, ids: list[int]) -> float:
-    from arborspec.tree import TokenTree
+    from arborspec.core.tree import TokenTree
 
     session = model.new_session()
     session.prefill(ids[:-1])

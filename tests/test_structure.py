@@ -148,9 +148,55 @@ def test_arborspec_has_no_import_cycles():
         " -> ".join(cycle) for cycle in cycles)
 
 
-def test_model_backends_never_import_the_bench_the_cli_or_calibration():
+# The floors, lowest first: a module imports only from its own floor and the floors below it (design: docs/layout.md).
+FLOORS = [
+    ("core", "viz"),  # the token tree, sampling, the disk cache, option parsing; matplotlib set-up and drawings
+    ("kernels",),  # the C++ GGUF kernels and their build
+    ("backends",),  # sessions over transformers, Mamba2, llama.cpp and the native kernels
+    ("tuning",),  # what is measured on this machine: forward costs, runtime model, draft variants
+    ("verify",),  # acceptance rules
+    ("drafting",),  # tree policies and free branches
+    ("engine",),  # the draft -> verify -> commit loop
+    ("loading",),  # aliases, one model, the backend plan, the pair loader
+    ("runspec", "flags"),  # the method grammar; the shared flags
+    ("cli", "server", "bench"),  # the front ends
+]
+MAX_LINES = 400
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of `arborspec.X...` (None for the package root, whose __init__ re-exports the public API)."""
+    top = module.split(".")[1] if module.count(".") else None
+    for level, names in enumerate(FLOORS):
+        if top in names:
+            return level
+    return None
+
+
+def test_every_module_sits_on_a_floor():
+    lost = sorted(m for m in find_modules() if m != PACKAGE and floor_of(m) is None)
+    assert not lost, "modules on no floor (add them to FLOORS): " + ", ".join(lost)
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
     graph = import_graph(find_modules())
-    upward = (f"{PACKAGE}.bench", f"{PACKAGE}.cli", f"{PACKAGE}.calibrate")
-    backends = [m for m in graph if m == f"{PACKAGE}.models" or m.startswith(f"{PACKAGE}.models.")]
-    bad = sorted(f"{m} -> {t}" for m in backends for t in graph[m] if t.startswith(upward))
-    assert not bad, "models/ reaches up: " + ", ".join(bad)
+    bad = sorted(f"{m} ({FLOORS[floor_of(m)][0]}) -> {t} ({FLOORS[floor_of(t)][0]})" for m in graph for t in graph[m]
+                 if floor_of(m) is not None and floor_of(t) is not None and floor_of(t) > floor_of(m))
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_the_floor_check_catches_an_upward_import():
+    assert floor_of(f"{PACKAGE}.core.tree") < floor_of(f"{PACKAGE}.backends.hf") < floor_of(f"{PACKAGE}.engine")
+    assert floor_of(f"{PACKAGE}.engine.decoder") < floor_of(f"{PACKAGE}.cli") and floor_of(PACKAGE) is None
+
+
+def test_long_modules_say_why_in_their_docstring():
+    """A module over MAX_LINES lines says why it is one file: its docstring holds "over 400 lines" and the reason."""
+    long = []
+    for name, (path, _) in find_modules().items():
+        text = path.read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_LINES and f"over {MAX_LINES} lines" not in doc:
+            long.append(f"{name} ({lines} lines)")
+    assert not long, "long modules with no reason in their docstring: " + ", ".join(sorted(long))

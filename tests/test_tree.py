@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec.tree import DrawRule, TokenTree, bfs_order, block_count, dfs_order, heavy_path_order, packed
+from arborspec.core.tree import DrawRule, TokenTree, bfs_order, block_count, dfs_order, heavy_path_order, packed
 
 
 @st.composite
@@ -84,7 +84,7 @@ def test_block_count_counts_nonzero_tiles():
 
 # ---- sources: who proposed each node -----------------------------------------------------------------------------
 def test_sources_are_credited_to_the_first_proposer_and_counted_per_step():
-    from arborspec.drafting.ngram import graft
+    from arborspec.drafting.grafts.ngram import graft
 
     tree = TokenTree.root(1)
     a = tree.add(0, 2)  # the draft model's (the default source)

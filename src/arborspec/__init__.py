@@ -5,12 +5,11 @@
     target, draft = load_pair()  # the default Qwen pair, bf16, the draft variant measured fastest on this machine
     print(SpeculativeDecoder(target, draft).generate("def fib(n):").text)  # method "auto"
 
-A method by name, as `arborspec generate --method` and `arborspec bench --methods` take it: arborspec.spec.
+A method by name, as `arborspec generate --method` and `arborspec bench --methods` take it: arborspec.runspec.
 """
+from .core.tree import DrawRule, TokenTree
 from .engine import GenerationResult, SpeculativeDecoder
-from .models.loading import load_model
-from .spec import load_pair
-from .tree import DrawRule, TokenTree
+from .loading import load_model, load_pair
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code;
-what a method name and the flags mean (and every default) is arborspec/spec.py, shared with `arborspec bench` and the
+what a method name and the flags mean (and every default) is arborspec/runspec.py, shared with `arborspec bench` and the
 Python API.
 """
 from __future__ import annotations
@@ -21,23 +21,33 @@ from pathlib import Path
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from .bench.args import add_bench_arguments, add_report_arguments  # noqa: E402
-from .bench.report import report_from_args  # noqa: E402
-from .bench.concurrency import bench_from_args  # noqa: E402
-from .server import add_serve_arguments, run_serve  # noqa: E402
-from .profile import measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path  # noqa: E402
-from .runtime_model import default_kind, fit_runtime, required_tau_ratio  # noqa: E402
-from .calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file  # noqa: E402
-from .drafting import POLICIES  # noqa: E402
-from .drafting.base import option_parser, parse_int_list  # noqa: E402
-from .models import loading  # noqa: E402
-from .models.draft_choice import choose_draft_quant, describe, plot_variants  # noqa: E402
-from .plots import draw_trees  # noqa: E402
-from .spec import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_TARGET, GRAMMAR, NGRAM_LEN,  # noqa: E402
-                   RunSpec, add_backend_arguments, add_pair_arguments, add_sampling_arguments,
-                   add_tree_layout_arguments, build_decoder, check_lossy, check_verifier, is_torch_model, llama_options,
-                   load_pair, option_names, parse)
-from .verify import VERIFIERS  # noqa: E402
+from . import loading
+from .bench.args import add_bench_arguments, add_report_arguments
+from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
+from .bench.concurrency import bench_from_args
+from .bench.report import report_from_args
+from .core.options import option_parser, parse_int_list
+from .drafting import POLICIES
+from .flags import add_backend_arguments, add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
+from .loading import aliases
+from .loading.pair import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, is_torch_model, llama_options, load_pair
+from .runspec import (
+    DEFAULT_METHOD,
+    GRAMMAR,
+    NGRAM_LEN,
+    RunSpec,
+    build_decoder,
+    check_lossy,
+    check_verifier,
+    option_names,
+    parse,
+)
+from .server import add_serve_arguments, run_serve
+from .tuning.costs import measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path
+from .tuning.draft_choice import choose_draft_quant, describe, plot_variants
+from .tuning.runtime_model import default_kind, fit_runtime, required_tau_ratio
+from .verify import VERIFIERS
+from .viz.trees import draw_trees
 
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
 
@@ -264,18 +274,18 @@ def cmd_generate(args) -> int:
 
 def cmd_models(args) -> int:
     if args.action == "list":
-        for name, alias in loading.ALIASES.items():
-            state = "fetched" if loading.is_fetched(name) else "not fetched"
+        for name, alias in aliases.ALIASES.items():
+            state = "fetched" if aliases.is_fetched(name) else "not fetched"
             print(f"{name:24s} {state:12s} {getattr(alias, 'description', '')}")
         return 0
     if not args.alias:
-        raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(loading.ALIASES)}")
-    if args.alias not in loading.ALIASES:
-        raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(loading.ALIASES)}")
+        raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(aliases.ALIASES)}")
+    if args.alias not in aliases.ALIASES:
+        raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(aliases.ALIASES)}")
     if args.action == "fetch":
-        print(loading.fetch_alias(args.alias))
+        print(aliases.fetch_alias(args.alias))
     else:
-        print(loading.alias_path(args.alias))
+        print(aliases.alias_path(args.alias))
     return 0
 
 
@@ -392,7 +402,7 @@ def _profile_pair(args, sizes: list[int]) -> int:
     quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
                                                prefix=args.prefix, repeats=args.repeats)
     print(f"\ndraft variants ({source}; agreement over {record['positions']} teacher-forced positions; est. tok/s = "
-          "the best chain's predicted speed, see arborspec/models/draft_choice.py):")
+          "the best chain's predicted speed, see arborspec/tuning/draft_choice.py):")
     print("\n".join(describe(record)))
     if args.out:
         root, dot, ext = args.out.rpartition(".")

@@ -5,7 +5,6 @@ import re
 import pytest
 
 from arborspec.bench import records
-
 from arborspec.cli import main
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 

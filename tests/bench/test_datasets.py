@@ -8,8 +8,8 @@ import zipfile
 import pytest
 
 from arborspec.bench import datasets
-from arborspec.models import corpus
 from arborspec.bench.datasets import Source, iter_json_array
+from arborspec.tuning import corpus
 from tests.conftest import char_tokenizer
 
 CHAT = "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}bot: {% endif %}"

@@ -2,13 +2,14 @@
 the backend choice, and the report's speed-up column over plain llama.cpp; on a tiny GGUF the test writes itself."""
 import pytest
 
+from arborspec.backends import llamacpp
 from arborspec.bench import llamacpp_peers
 from arborspec.bench.llamacpp_peers import llamacpp_generate
 from arborspec.bench.report import render
 from arborspec.engine import SpeculativeDecoder
-from arborspec.models import llamacpp
-from arborspec.models.loading import ModelLoadError, load_model, resolve_backend
-from tests.models.tiny_gguf import EOS, write_tiny_gguf
+from arborspec.loading import ModelLoadError, load_model
+from arborspec.loading.model import resolve_backend
+from tests.backends.tiny_gguf import EOS, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
 

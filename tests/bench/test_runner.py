@@ -1,10 +1,9 @@
 """The interleaved loop: a failing method is recorded and skipped, not fatal; names and budgets become configurations;
 each method runs on its own draft variant. (The method-name grammar itself: tests/test_spec.py.)"""
+import pytest
 import torch
 
-import pytest
-
-from arborspec import spec
+from arborspec import runspec
 from arborspec.bench import records, runner
 from arborspec.bench.runner import BenchSettings, run_bench
 
@@ -42,7 +41,7 @@ def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkey
 
 
 def test_bad_names_are_skipped_with_a_warning(monkeypatch):
-    monkeypatch.setitem(spec.METHODS, "future", spec.RunSpec("future", "not-yet-written"))
+    monkeypatch.setitem(runspec.METHODS, "future", runspec.RunSpec("future", "not-yet-written"))
     warnings = []
     settings = BenchSettings(target="t", draft="d", methods=["ar", "future", "no-such-method", "chain+fp8",
                                                              "wetap-lossy@64"])
@@ -64,7 +63,7 @@ def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():
 
 
 def test_levers_run_on_their_own_draft_copy_and_stay_exact(loaded_pair, tmp_path, monkeypatch):
-    from arborspec.models import draft_levers
+    from arborspec.tuning import draft_levers
 
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # the int8 draft is cached on disk
     monkeypatch.setattr(draft_levers, "corpus_counts",  # no ShareGPT download: count a line of code instead
@@ -143,7 +142,7 @@ def test_methods_take_the_runs_draft_quant_measured_once(loaded_pair, tmp_path, 
         calls.append(draft)
         return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "measured"
 
-    monkeypatch.setattr(spec, "choose_draft_quant", measured)
+    monkeypatch.setattr(runspec, "choose_draft_quant", measured)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n')
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),

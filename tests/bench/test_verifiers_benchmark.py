@@ -2,7 +2,7 @@
 (a refused pairing would only show hours into the benchmark, as a skipped row); its pooled table renders."""
 import pytest
 
-from arborspec.spec import build_decoder, parse
+from arborspec.runspec import build_decoder, parse
 from tests.conftest import load_benchmark, noisy_copy, tiny_model
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from arborspec import SpeculativeDecoder
-from arborspec.sampling import SamplingConfig
+from arborspec.core.sampling import SamplingConfig
 from tests.conftest import noisy_copy, tiny_model
 from tests.verify.harness import (
     TableDecoder,

@@ -10,9 +10,9 @@ import hashlib
 
 import torch
 
+from arborspec.core.sampling import SamplingConfig, make_generator
+from arborspec.core.tree import TokenTree
 from arborspec.drafting import DraftContext
-from arborspec.sampling import SamplingConfig, make_generator
-from arborspec.tree import TokenTree
 
 
 class FakeSession:

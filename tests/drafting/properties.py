@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from arborspec.tree import DrawRule, TokenTree, packed
+from arborspec.core.tree import DrawRule, TokenTree, packed
 
 
 def brute_ancestors(tree: TokenTree, i: int) -> set[int]:

@@ -11,19 +11,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec import SpeculativeDecoder, profile
+from arborspec import SpeculativeDecoder
+from arborspec.core.isotonic import pool_adjacent_violators
+from arborspec.core.sampling import SamplingConfig, make_generator
+from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES, DraftContext
 from arborspec.drafting.auto.calibration import Calibrator
 from arborspec.drafting.auto.guard import Guard
 from arborspec.drafting.auto.objective import CostModel, best_prefix, tree_rate
 from arborspec.drafting.auto.tree_builder import draw_new
-from arborspec.drafting.suffix import graft_suffix_branches
-from arborspec.drafting.suffix_index import SuffixIndex
-from arborspec.engine import StepStats, with_free_branches
-from arborspec.isotonic import pool_adjacent_violators
-from arborspec.profile import CostCurve
-from arborspec.sampling import SamplingConfig, make_generator
-from arborspec.tree import DrawRule
+from arborspec.drafting.grafts.suffix import graft_suffix_branches
+from arborspec.drafting.grafts.suffix_index import SuffixIndex
+from arborspec.engine import StepStats
+from arborspec.engine.decoder import with_free_branches
+from arborspec.tuning import costs as forward_costs
+from arborspec.tuning.costs import CostCurve
 from arborspec.verify.naive import NaiveVerifier
 from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import check_greedy_equivalence, make_pair
@@ -88,7 +90,7 @@ def cheap_profile(monkeypatch):
         curves.setdefault("calls", []).append(model)
         return (flat(0.01) if len(curves["calls"]) % 2 else flat(0.001)), "measured"
 
-    monkeypatch.setattr(profile, "profile_model", fake)
+    monkeypatch.setattr(forward_costs, "profile_model", fake)
     return curves
 
 
@@ -577,8 +579,14 @@ def test_default_suffix_branches_on_bare_trees_keep_the_target_distribution():
     """auto's default at T = 1: suffix branches only on the trees auto leaves bare (guard fallbacks, steps where no
     child pays), those verified by naive, the drafted ones by traversal without them: the first tokens keep the
     target's distribution, with both kinds of step and accepted suffix nodes among the samples."""
-    from tests.verify.harness import (TableDecoder, TableModel, assert_same_distribution, exact_target_distribution,
-                                      sample_outputs, samples_needed)
+    from tests.verify.harness import (
+        TableDecoder,
+        TableModel,
+        assert_same_distribution,
+        exact_target_distribution,
+        sample_outputs,
+        samples_needed,
+    )
 
     vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1, 3, 1]  # the prompt repeats, so suffix branches are drafted
     target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
@@ -595,7 +603,7 @@ def test_default_suffix_branches_on_bare_trees_keep_the_target_distribution():
 
 
 def test_bench_knows_auto():
-    from arborspec.spec import options_for, parse
+    from arborspec.runspec import options_for, parse
 
     spec = parse("auto")
     assert spec.policy == "auto" and spec.needs_draft

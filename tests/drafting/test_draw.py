@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arborspec import SpeculativeDecoder
+from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
 from arborspec.drafting.layers import DRAW_RULES, greedy_children
-from arborspec.spec import build_decoder, parse
-from arborspec.tree import DrawRule
+from arborspec.runspec import build_decoder, parse
 from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
 from tests.drafting.properties import check_tree

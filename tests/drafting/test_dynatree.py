@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
-from arborspec.tree import DrawRule
 from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
 from tests.drafting.properties import check_tree

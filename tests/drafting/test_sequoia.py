@@ -105,7 +105,7 @@ def test_sampling_preserves_the_target_distribution():
 
 
 def test_calibrate_measures_ranks():
-    from arborspec.calibrate import calibrate
+    from arborspec.bench.calibrate import calibrate
 
     target, _ = make_pair("llama")
     same = calibrate(target, target, [[5, 6, 7], [9, 3]], max_new_tokens=10, ranks=4)

@@ -5,7 +5,7 @@ import pytest
 
 from arborspec import SpeculativeDecoder
 from arborspec.cli import main
-from arborspec.tree import TokenTree, block_count, packed
+from arborspec.core.tree import TokenTree, block_count, packed
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 from tests.drafting.equivalence import make_pair
 
@@ -57,8 +57,8 @@ def test_trees_are_recorded_with_the_accepted_path(pair):
 
 
 def test_reordering_reduces_blocks_of_dyspec_trees():
-    from tests.drafting.fake_session import FakeSession, fake_context
     from arborspec.drafting import POLICIES
+    from tests.drafting.fake_session import FakeSession, fake_context
 
     counts = {o: 0 for o in ("bfs", "dfs", "heavy")}
     for seed in range(3):
@@ -69,7 +69,7 @@ def test_reordering_reduces_blocks_of_dyspec_trees():
 
 
 def test_tree_picture(tmp_path, pair):
-    from arborspec.plots import draw_trees, token_label, tree_layout
+    from arborspec.viz.trees import draw_trees, token_label, tree_layout
 
     tok = char_tokenizer()
     target, draft = pair

@@ -7,7 +7,8 @@ roughly the magnitude asked for.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 
 KINDS = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0)
 

@@ -3,7 +3,7 @@ table left out), times them, and its whole-model table adds the groups up and di
 import pytest
 
 from tests.conftest import load_benchmark
-from tests.models.tiny_gguf import write_tiny_gguf
+from tests.backends.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-from hypothesis import given, settings, strategies as st
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import KernelBuildError, emulated_library, library

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from arborspec.models.loading import load_model
-from arborspec.spec import build_decoder, parse
+from arborspec.loading import load_model
+from arborspec.runspec import build_decoder, parse
 from tests.server.conftest import API_KEY, METHOD, MODEL
 
 PROMPT = "def f(x):\n    return"

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from arborspec.cache import cache_dir
+from arborspec.core.disk_cache import cache_dir
 from arborspec.kernels.build import library
-from arborspec.models.loading import load_model
-from arborspec.spec import build_decoder, parse
-from tests.models.tiny_gguf import write_tiny_gguf
+from arborspec.loading import load_model
+from arborspec.runspec import build_decoder, parse
+from tests.backends.tiny_gguf import write_tiny_gguf
 from tests.server.conftest import LiveServer
 
 METHOD = "static(depth=3,branch=2)"

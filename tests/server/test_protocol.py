@@ -8,8 +8,17 @@ import pytest
 
 from arborspec.server.app import render_chat
 from arborspec.server.output import visible_text
-from arborspec.server.protocol import (APIError, ChatRequest, CompletionRequest, Limits, check_sampling,
-                                       completion_prompt, max_tokens, parse_request, stop_strings)
+from arborspec.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    check_sampling,
+    completion_prompt,
+    max_tokens,
+    parse_request,
+    stop_strings,
+)
 
 LIMITS = Limits("tiny", max_tokens_limit=100, default_max_tokens=16, max_body_bytes=1000)
 

@@ -24,10 +24,10 @@ pytest.importorskip("ray.serve", reason="the `ray` extra is not installed")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from arborspec.models.loading import load_model  # noqa: E402
-from arborspec.server.replicas import merge_metrics  # noqa: E402
-from arborspec.server.run import add_serve_arguments, check_ray_flags  # noqa: E402
-from arborspec.spec import build_decoder, parse  # noqa: E402
+from arborspec.loading import load_model
+from arborspec.runspec import build_decoder, parse
+from arborspec.server.replicas import merge_metrics
+from arborspec.server.run import add_serve_arguments, check_ray_flags
 from tests.server.conftest import METHOD, MODEL, LiveServer, server_args  # noqa: E402
 
 PROMPT = "def f(x):\n    return"
@@ -164,7 +164,7 @@ def test_more_cpus_than_the_cluster_has_is_a_clear_error(model_dirs):
 def test_replicas_that_cannot_load_their_model_are_a_clear_error(model_dirs, tmp_path):
     proc = serve_on_ray(*server_args(model_dirs), "--target", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"the replicas did not start: arborspec.models.loading.ModelLoadError: model path " \
+    assert f"the replicas did not start: arborspec.loading.ModelLoadError: model path " \
            f"'{tmp_path / 'missing'}' not found" in proc.stderr
 
 

@@ -172,7 +172,7 @@ class FakeTarget:
 
 def forwarding_steps(name: str, n: int, target: FakeTarget, log: list):
     """A decoder loop whose every step drafts (logged), runs one target forward and commits (logged)."""
-    from arborspec.models.batching import forward
+    from arborspec.backends.batching import forward
 
     stats = GenerationStats("fake", "greedy", False, prompt_tokens=3)
     for i in range(n):

@@ -7,12 +7,12 @@ import argparse
 import pytest
 
 from arborspec import cli
-from arborspec.models import llamacpp
-from arborspec.models.native import is_native
+from arborspec.backends import llamacpp
+from arborspec.backends.native import is_native
+from arborspec.loading.pair import LoadedPair
 from arborspec.server import build, run
 from arborspec.server.scheduler import Scheduler
-from arborspec.spec import LoadedPair
-from tests.models.tiny_gguf import write_tiny_gguf
+from tests.backends.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from arborspec.tree import DrawRule, TokenTree
+from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.verify.rules import expected_tokens
 
 D = torch.float64

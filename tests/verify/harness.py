@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from scipy import stats
 
+from arborspec.core.sampling import SamplingConfig, make_generator, sample
+from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.drafting import POLICIES, DraftContext
 from arborspec.drafting.base import Policy
 from arborspec.drafting.layers import greedy_children, layer_probs
-from arborspec.sampling import SamplingConfig, make_generator, sample
-from arborspec.tree import DrawRule, TokenTree
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import Verifier
 

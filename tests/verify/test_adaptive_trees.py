@@ -15,10 +15,18 @@ This is what lets `auto` verify its sampled trees with traversal verification in
 import pytest
 import torch
 
-from arborspec.tree import DrawRule
+from arborspec.core.tree import DrawRule
 from arborspec.verify.rules import mbr_plan
 from arborspec.verify.traversal import traversal_plan
-from tests.verify.exact import build_tree, max_error, outcomes_over, random_tree_dists, sequential, target_joint, walk_outcomes
+from tests.verify.exact import (
+    build_tree,
+    max_error,
+    outcomes_over,
+    random_tree_dists,
+    sequential,
+    target_joint,
+    walk_outcomes,
+)
 
 WO = DrawRule.WITHOUT_REPLACEMENT
 

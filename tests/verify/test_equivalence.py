@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
+from arborspec.core.sampling import SamplingConfig
 from arborspec.drafting import POLICIES
-from arborspec.sampling import SamplingConfig
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import Verdict, chain_nodes, draft_dist, draw, multi_draft_walk, target_probs
 from arborspec.verify.block import BlockVerifier

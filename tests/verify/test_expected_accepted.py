@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from arborspec.sampling import SamplingConfig
-from arborspec.tree import DrawRule
+from arborspec.core.sampling import SamplingConfig
+from arborspec.core.tree import DrawRule
 from arborspec.verify import VERIFIERS
 from arborspec.verify.rules import (
     asps_neighbor,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.optimize import linprog
 
-from arborspec.tree import DrawRule
+from arborspec.core.tree import DrawRule
 from arborspec.verify.rules import (
     MultiDraftPlan,
     greedy_draft_plan,

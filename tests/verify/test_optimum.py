@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from arborspec import SpeculativeDecoder, engine
-from arborspec.sampling import SamplingConfig
-from arborspec.tree import DrawRule, TokenTree
+from arborspec import SpeculativeDecoder
+from arborspec.core.sampling import SamplingConfig
+from arborspec.core.tree import DrawRule, TokenTree
+from arborspec.engine import decoder
 from arborspec.verify.base import root_optimum
 from arborspec.verify.rules import (
     acceptance_bound_without_replacement,
@@ -162,7 +163,7 @@ def test_the_stats_say_none_where_nothing_was_measured_and_keep_the_time_out(mod
         time.sleep(0.02)
         return root_optimum(*args)
 
-    monkeypatch.setattr(engine, "root_optimum", slow)
+    monkeypatch.setattr(decoder, "root_optimum", slow)
     start = time.perf_counter()
     st = on.generate([4, 9, 12], max_new_tokens=10, ignore_eos=True, seed=0).stats
     wall = time.perf_counter() - start

@@ -10,7 +10,7 @@
 import pytest
 import torch
 
-from arborspec.tree import DrawRule, TokenTree
+from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.verify.base import draft_dist
 from arborspec.verify.rules import block_neighbor, mbr_plan, mss_plan, reject_below, weight_step
 from arborspec.verify.traversal import traversal_plan

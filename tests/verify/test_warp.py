@@ -1,9 +1,9 @@
-"""The one warp (sampling.py) is transformers' temperature -> top-k -> top-p, ties and edges included."""
+"""The one warp (core/sampling.py) is transformers' temperature -> top-k -> top-p, ties and edges included."""
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from arborspec.sampling import SamplingConfig, warp
+from arborspec.core.sampling import SamplingConfig, warp
 
 SETTINGS = [
     (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (1.0, 5, 1.0), (1.0, 1, 1.0), (1.0, 60, 1.0), (1.0, 0, 0.9),

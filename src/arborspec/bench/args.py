@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..spec import GRAMMAR, add_pair_arguments
+from ..flags import add_pair_arguments
+from ..runspec import GRAMMAR
 
 DEFAULT_METHODS = "ar,hf-assisted,chain,static,auto"
 

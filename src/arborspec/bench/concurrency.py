@@ -1,7 +1,7 @@
 """`arborspec bench --concurrency 1,2,4`: total throughput and per-request latency against requests decoded at once.
 
 For each method (at each temperature) and each concurrency C, the benchmark's prompts run through
-`SpeculativeDecoder.generate_batch(..., concurrency=C)` (arborspec/batch.py): C requests at once, the next prompt
+`SpeculativeDecoder.generate_batch(..., concurrency=C)` (arborspec/engine/batch.py): C requests at once, the next prompt
 joining when one finishes, a round = one step of each, and ONE target forward per round where the target batches
 (the native backend; elsewhere the steps of a round run one after another). This is what the server's scheduler
 runs, without HTTP in between (benchmarks/serve_load.py measures the live server).
@@ -22,14 +22,26 @@ from pathlib import Path
 
 import torch
 
-from ..cache import write_json
-from ..drafting.base import parse_int_list
-from ..models.batching import can_batch
-from ..plotting import grid, save_figure
-from ..spec import build_decoder
+from ..backends.batching import can_batch
+from ..core.disk_cache import write_json
+from ..core.options import parse_int_list
+from ..runspec import build_decoder
+from ..viz.canvas import grid, save_figure
 from .datasets import prompt_ids
-from .runner import (SCHEMA, UNRECORDED, WARMUP_TOKENS, Bench, BenchSettings, Config, _configs, _prompts, environment,
-                     load_models, run_from_args, settings_from_args)
+from .runner import (
+    SCHEMA,
+    UNRECORDED,
+    WARMUP_TOKENS,
+    Bench,
+    BenchSettings,
+    Config,
+    _configs,
+    _prompts,
+    environment,
+    load_models,
+    run_from_args,
+    settings_from_args,
+)
 
 
 def run_concurrency(settings: BenchSettings, levels: list[int], models=None) -> Path:

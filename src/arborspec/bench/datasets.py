@@ -30,8 +30,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models import corpus
-from ..models.corpus import Source, dataset_path, iter_json_array, sharegpt_records  # noqa: F401 (re-exported)
+from ..tuning import corpus
+from ..tuning.corpus import Source, dataset_path, iter_json_array, sharegpt_records
 from . import code_edit
 
 SOURCES: dict[str, Source] = {
@@ -59,7 +59,7 @@ class Prompt:
 
 
 def fetch(name: str, progress: bool = True) -> Path:
-    """The cached, verified file of source `name`; downloads and extracts it once (models/corpus.py)."""
+    """The cached, verified file of source `name`; downloads and extracts it once (tuning/corpus.py)."""
     return corpus.fetch(SOURCES[name], progress, name=name)
 
 

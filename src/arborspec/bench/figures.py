@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..plotting import grid, save_figure
-from ..spec import split_label
+from ..runspec import split_label
+from ..viz.canvas import grid, save_figure
 from . import metrics
 from .tables import ordered_sources, tables
 

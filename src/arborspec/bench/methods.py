@@ -1,7 +1,7 @@
 """The bench's transformers baselines: `hf-ar` (plain `generate`), `hf-assisted` (`assistant_model=draft`) and
 `hf-lookup` (`prompt_lookup_num_tokens=10`), timed like an arborspec run.
 
-What every method name means, baselines included, is arborspec/spec.py. The baselines run on the same loaded models
+What every method name means, baselines included, is arborspec/runspec.py. The baselines run on the same loaded models
 with the same prompt ids, `do_sample = T > 0`, the same temperature / top-k / top-p and the engine's EOS ids, and
 nothing else from the model's generation config. A streamer timestamps every round (TTFT, committed tokens per
 round); for assisted generation and prompt lookup the drafted tokens per round come from wrapping the candidate
@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import candidate_generator as cg
 
-from ..spec import RunSpec
+from ..runspec import RunSpec
 
 
 class _Clock:

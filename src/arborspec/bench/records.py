@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cache import atomic_write
+from ..core.disk_cache import atomic_write
 
 NAME = "results.json"
 GZ = ".gz"

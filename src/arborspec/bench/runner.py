@@ -23,7 +23,7 @@ carries a quantization lever), `sources` (per source of drafted nodes -- the dra
 -- the nodes it proposed, the accepted ones credited to it and those it proposed too; engine.StepStats.sources) and
 the environment.
 
-What a method name means is arborspec/spec.py, the same for `generate`, the bench and the Python API.
+What a method name means is arborspec/runspec.py, the same for `generate`, the bench and the Python API.
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from ..drafting.base import parse_int_list
-from ..models.loading import ALIASES, alias_gguf
-from ..models.model_info import eos_ids
-from ..spec import (DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, RunSpec, build_decoder, llama_options, load_pair, options_for,
-                    parse, prepare_draft, resolve_quant, split_methods)
+from ..backends.model_info import eos_ids
+from ..core.options import parse_int_list
+from ..loading.aliases import ALIASES, alias_gguf
+from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_quant
+from ..runspec import RunSpec, build_decoder, options_for, parse, split_methods
 from . import metrics, records
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..spec import split_label
-from ..tree import SOURCES
+from ..core.tree import SOURCES
+from ..runspec import split_label
 from . import metrics
 
 BASELINES = ("ar", "hf-assisted", "llamacpp-ar")  # each row's speed-up is over these, run in the same benchmark

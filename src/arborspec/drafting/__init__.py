@@ -7,9 +7,9 @@ from .chain import ChainPolicy
 from .dynatree import DynaTreePolicy
 from .dyspec import DySpecPolicy
 from .dyspec_threshold import DySpecThresholdPolicy
+from .grafts.suffix import SuffixPolicy
 from .sequoia import SequoiaPolicy
 from .static import StaticPolicy
-from .suffix import SuffixPolicy
 from .wetap import WetapPolicy
 
 POLICIES: dict[str, type[Policy]] = {

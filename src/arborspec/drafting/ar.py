@@ -7,8 +7,8 @@ repeat. Measured in docs/suffix.md ("The draft-free mode, budgeted").
 """
 from __future__ import annotations
 
-from .. import profile
-from ..tree import TokenTree
+from ..core.tree import TokenTree
+from ..tuning import costs
 from .auto.objective import CostModel
 from .base import DraftContext, Policy
 
@@ -25,7 +25,7 @@ class AutoregressivePolicy(Policy):
 
     def price_free_branches(self, target) -> None:
         if self.costs is None:
-            curve, _ = profile.profile_model(target, progress=True)
+            curve, _ = costs.profile_model(target, progress=True)
             self.costs = CostModel(curve, curve)  # no draft calls: only the target curve is read
 
     def draft(self, ctx: DraftContext) -> TokenTree:

@@ -12,9 +12,9 @@ from typing import ClassVar
 
 import torch
 
-from ..models.session import Session
-from ..sampling import SamplingConfig
-from ..tree import DrawRule, TokenTree
+from ..backends.session import Session
+from ..core.sampling import SamplingConfig
+from ..core.tree import DrawRule, TokenTree
 
 
 @dataclass
@@ -26,7 +26,7 @@ class DraftContext:
     sampling: SamplingConfig  # the draft's own warp (its temperature may differ from the target's)
     generator: torch.Generator | None
     max_depth: int  # the tree may not go deeper than this (context window, tokens left to generate)
-    sharing: int = 1  # requests whose steps share this step's forwards (a batching round: models/batching.py)
+    sharing: int = 1  # requests whose steps share this step's forwards (a batching round: backends/batching.py)
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Policy:
         return None
 
 
-EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (tree.py says why each is exact for its rule)
+EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (core/tree.py says why each is exact for its rule)
     DrawRule.WITHOUT_REPLACEMENT: "mbr",
     DrawRule.WITH_REPLACEMENT: "mss",
     DrawRule.DETERMINISTIC: "naive",
@@ -121,51 +121,13 @@ def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(policy_cls.Options))
 
 
-def check_int(value, what: str, low: int = 1) -> None:
-    if isinstance(value, bool) or int(value) != value or value < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
 
 
-def parse_bool(value, what: str) -> bool:
-    """Options arrive as Python bools or, from the command line, as text."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in {"1", "true", "yes", "on"}:
-        return True
-    if text in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{what} must be true or false, got {value!r}")
 
 
-def int_or_text(text: str):
-    """An integer option that also takes a word (dyspec's budget=auto)."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
 
 
-def option_parser(f: dataclasses.Field):
-    """The function turning a command-line string into the value of option field `f` (by its annotation)."""
-    if f.name == "budget":  # every policy's budget also takes "auto" (drafting/budget_tuner.py)
-        return int_or_text
-    kind = getattr(f.type, "__name__", f.type)
-    if kind == "bool":
-        return lambda text: parse_bool(text, f.name)
-    return {"int": int, "float": float, "str": str, "int | str": int_or_text}.get(kind, str)
 
 
-def opt(default, help: str):
-    """A policy option: a dataclass field whose help text the CLI shows."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in str(text).split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must list positive integers, got {text!r}")
-    return values

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..tree import TokenTree
+from ..core.tree import TokenTree
 
 CANDIDATES = (0, 4, 8, 16, 32, 64)
 

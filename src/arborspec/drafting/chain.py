@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sampling import SamplingConfig
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt
+from ..core.options import opt
+from ..core.sampling import SamplingConfig
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 from .layers import draw_children, layer_probs
 
 

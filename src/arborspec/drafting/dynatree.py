@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, check_int, opt, parse_bool
+from ..core.options import check_int, opt, parse_bool
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 
 
 @dataclass

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig, sample
-from ..tree import DrawRule, TokenTree
+from ..core.options import check_int, opt, parse_bool
+from ..core.sampling import SamplingConfig, sample
+from ..core.tree import DrawRule, TokenTree
 from .auto import AutoPolicy
-from .base import DraftContext, Policy, check_int, opt, parse_bool
+from .base import DraftContext, Policy
 
 
 def parse_budget(value, what: str = "budget"):

@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..sampling import sample
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, check_int, opt
+from ..core.options import check_int, opt
+from ..core.sampling import sample
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 
 
 @dataclass

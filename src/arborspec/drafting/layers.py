@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sample
-from ..tree import DrawRule, TokenTree
+from ..core.sampling import sample
+from ..core.tree import DrawRule, TokenTree
 from .base import DraftContext
 
 # How a policy with a `draw` option picks a node's k children when the draft samples (T > 0), and the drawing rule

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, check_int, opt
+from ..core.options import check_int, opt
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
 DEFAULT_ACCEPTANCE = "0.65,0.12,0.05,0.03,0.02,0.015,0.01,0.01"

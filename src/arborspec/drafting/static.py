@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, opt, parse_int_list
+from ..core.options import opt, parse_int_list
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DrawRule, TokenTree
-from .base import DraftContext, Policy, check_int, opt
+from ..core.options import check_int, opt
+from ..core.tree import DrawRule, TokenTree
+from .base import DraftContext, Policy
 from .layers import layer_probs
 
 

@@ -132,5 +132,5 @@ def cache_key() -> str:
 
 
 def build_dir() -> Path:
-    from ..cache import cache_dir
+    from ..core.disk_cache import cache_dir
     return cache_dir() / "kernels" / cache_key()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 
 SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0)
 

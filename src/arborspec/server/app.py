@@ -23,8 +23,19 @@ from starlette.exceptions import HTTPException
 from .decoders import Decoders
 from .metrics import CONTENT_TYPE, Metrics
 from .output import DONE, Reply, event, visible_text
-from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, chat_messages, check_model, check_sampling,
-                       completion_prompt, max_tokens, parse_request, stop_strings)
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    chat_messages,
+    check_model,
+    check_sampling,
+    completion_prompt,
+    max_tokens,
+    parse_request,
+    stop_strings,
+)
 from .scheduler import Job, QueueFull, Scheduler, ShuttingDown, Update
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request": only ever seen in the metrics

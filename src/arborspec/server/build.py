@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 from fastapi import FastAPI
 
-from ..models.batching import can_batch
-from ..models.native import is_native
-from ..spec import LoadedPair, RunSpec, load_pair_for
+from ..backends.batching import can_batch
+from ..backends.native import is_native
+from ..loading.pair import LoadedPair, load_pair_for
+from ..runspec import RunSpec
 from .app import create_app
 from .decoders import Decoders, Sampling
 from .metrics import Metrics
@@ -56,7 +57,7 @@ def server_info(args, spec: RunSpec, decoders: Decoders, scheduler: Scheduler) -
 
 
 def backend_of(model) -> str:
-    """The backend a loaded model runs on (models/loading.py's BACKENDS)."""
+    """The backend a loaded model runs on (loading/model.py's BACKENDS)."""
     if is_native(model):
         return "native"
     return "torch" if isinstance(model, torch.nn.Module) else "llamacpp"

@@ -1,4 +1,4 @@
-"""Each request's own SpeculativeDecoder, made from the loaded pair, the server's run spec (arborspec/spec.py, the
+"""Each request's own SpeculativeDecoder, made from the loaded pair, the server's run spec (arborspec/runspec.py, the
 grammar and defaults `arborspec generate` uses) and the request's sampling settings and `arborspec` overrides.
 
 A decoder per request is what keeps requests independent: the policy's state (auto's calibration, DynaTree's
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..engine import SpeculativeDecoder
-from ..spec import RunSpec, build_decoder, check_verifier, options_for, parse
+from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
 
 
 @dataclass(frozen=True)

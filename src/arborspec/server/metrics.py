@@ -11,8 +11,7 @@ steps. `arborspec_server_info` names what the server runs: its method, backends 
 """
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info,
-                               generate_latest)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from ..engine import GenerationResult, StepStats
 

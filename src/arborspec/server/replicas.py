@@ -28,7 +28,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from ..spec import RunSpec
+from ..runspec import RunSpec
 from .build import build_server, describe, listen, url_host
 
 APP_NAME = "arborspec"

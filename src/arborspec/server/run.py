@@ -1,6 +1,6 @@
 """`arborspec serve`: its flags, and starting the server (load the pair, warm up, listen, serve until SIGTERM).
 
-The speculative settings use `arborspec generate`'s grammar and defaults (arborspec/spec.py): --method takes the
+The speculative settings use `arborspec generate`'s grammar and defaults (arborspec/runspec.py): --method takes the
 whole NAME[(option=value,...)][@BUDGET][+LEVER...] name, so generate's per-option flags are written into it here
 (`--method "static(depth=4,branch=2)"`, `--method chain@6+ngram`). Sampling flags are the defaults for requests
 that leave a field out. Every flag is checked before anything loads, so a typo fails in a second with one line
@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import uvicorn
 
-from ..models.loading import ModelLoadError
-from ..spec import (DEFAULT_METHOD, GRAMMAR, RunSpec, add_pair_arguments, add_sampling_arguments,
-                    add_tree_layout_arguments, check_lossy, check_verifier, parse)
+from ..flags import add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
+from ..loading.model import ModelLoadError
+from ..runspec import DEFAULT_METHOD, GRAMMAR, RunSpec, check_lossy, check_verifier, parse
 from .build import build_server, describe, listen, rounds, url_host
 from .protocol import sampling_problem
 from .scheduler import Scheduler
@@ -90,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"[arborspec] warning: listening on {args.host} without an API key: anyone who can reach this port "
               f"may use the server (set ${API_KEY_ENV} to require one)", file=sys.stderr, flush=True)
     if args.ray:
-        from .replicas import run_on_ray  # Ray is an optional extra: imported only when asked for
+        from .replicas import run_on_ray
         return run_on_ray(args, spec)
     with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
         server = build_server(args, spec)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
+from ..backends.batching import run_round
 from ..engine import GenerationResult
-from ..models.batching import run_round
 from .metrics import Metrics
 
 log = logging.getLogger("arborspec.server")
@@ -92,7 +92,7 @@ def step_round(jobs: list[Job], metrics: Metrics, batch: bool = False) -> None:
     """Advance every job in `jobs` by one speculative step.
 
     Without `batch` each job runs its own step in turn (its draft forwards, then one target forward over its own
-    tree), so a round costs the sum of the jobs' steps. With `batch` (a target that batches, models/batching.py),
+    tree), so a round costs the sum of the jobs' steps. With `batch` (a target that batches, backends/batching.py),
     each job's step runs in a thread of its own, taking turns: every job drafts its tree; ONE target forward runs all
     trees together, each attending only to its own KV cache; each job verifies and commits its own tree with its own
     sampling settings and random generator. Every output stays what it is at batch size 1; the gain is that the

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import TokenTree
-from .base import SAMPLED, Verdict, Verifier, draw, drafted_chain, expected_on_chain
+from ..core.sampling import SamplingConfig
+from ..core.tree import TokenTree
+from .base import SAMPLED, Verdict, Verifier, drafted_chain, draw, expected_on_chain
 from .rules import asps_expected_tokens_by_prefix, asps_log_neighbor, sample_neighbor
 
 

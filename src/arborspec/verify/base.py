@@ -18,10 +18,14 @@ from typing import ClassVar
 
 import torch
 
-from ..sampling import SamplingConfig, sample_one
-from ..tree import DrawRule, TokenTree
-from .rules import (acceptance_bound_without_replacement, optimal_acceptance_greedy, optimal_acceptance_iid,
-                    optimal_acceptance_one)
+from ..core.sampling import SamplingConfig, sample_one
+from ..core.tree import DrawRule, TokenTree
+from .rules import (
+    acceptance_bound_without_replacement,
+    optimal_acceptance_greedy,
+    optimal_acceptance_iid,
+    optimal_acceptance_one,
+)
 
 
 @dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import TokenTree
+from ..core.sampling import SamplingConfig
+from ..core.tree import TokenTree
 from .base import Verdict, Verifier, child_with_token
 
 

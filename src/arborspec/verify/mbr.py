@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import DrawRule, TokenTree
+from ..core.sampling import SamplingConfig
+from ..core.tree import DrawRule, TokenTree
 from .base import Verdict, Verifier, expected_walk, multi_draft_walk, target_probs
 from .rules import mbr_plan
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import TokenTree
+from ..core.sampling import SamplingConfig
+from ..core.tree import TokenTree
 from .base import SAMPLED, Verdict, Verifier, chain_nodes, draft_dist, draw, expected_on_chain, target_probs
 from .rules import accept_prob, residual, sps_expected_tokens_by_prefix
 

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import DrawRule, TokenTree
+from ..core.sampling import SamplingConfig
+from ..core.tree import DrawRule, TokenTree
 from .base import SAMPLED, Verdict, Verifier, draft_dist, draw, target_probs
 from .rules import normalize, reject_below, weight_step
 

@@ -14,11 +14,10 @@ deterministic child the draft's warp excluded) gives ratio inf.
 """
 from __future__ import annotations
 
-
 import torch
 
-from ..sampling import SamplingConfig
-from ..tree import TokenTree
+from ..core.sampling import SamplingConfig
+from ..core.tree import TokenTree
 from .base import Verdict, Verifier, draft_dist, draw, target_probs
 
 DEFAULT_TAU = 0.5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...isotonic import pool_adjacent_violators
+from ...core.isotonic import pool_adjacent_violators
 
 EDGES = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 PRIOR_STRENGTH = 2.0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...profile import CostCurve
+from ...tuning.costs import CostCurve
 
 
 @dataclass
@@ -44,7 +44,7 @@ class CostModel:
     overhead: float = 0.0
     draft_scale: float = 1.0
     verify_scale: float = 1.0
-    sharing: int = 1  # requests whose steps share every forward (a batching round, models/batching.py)
+    sharing: int = 1  # requests whose steps share every forward (a batching round, backends/batching.py)
 
     def layer(self, w):
         return self.draft_scale * self.raw_draft(w)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..base import check_int, opt, parse_bool
+from ...core.options import check_int, opt, parse_bool
 
 
 @dataclass

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ... import profile
-from ...cache import model_fingerprint, read_record, write_record
-from ...sampling import SamplingConfig
-from ...tree import DrawRule, TokenTree
+from ...core.disk_cache import model_fingerprint, read_record, write_record
+from ...core.sampling import SamplingConfig
+from ...core.tree import DrawRule, TokenTree
+from ...tuning import costs as forward_costs
 from ..base import DraftContext, Policy
 from .calibration import Calibrator
 from .guard import Guard
@@ -106,12 +106,12 @@ class AutoPolicy(Policy):
             return
         if self.costs is None:
             refresh = self.options.reprofile
-            t_curve, t_src = profile.profile_model(target, refresh=refresh, progress=True)
-            d_curve, d_src = profile.profile_model(draft, refresh=refresh, progress=True)
+            t_curve, t_src = forward_costs.profile_model(target, refresh=refresh, progress=True)
+            d_curve, d_src = forward_costs.profile_model(draft, refresh=refresh, progress=True)
             self.costs = CostModel(t_curve, d_curve)
             self.source = {"costs": f"target {t_src}, draft {d_src}",
-                           "target_profile": str(profile.profile_path(target)),
-                           "draft_profile": str(profile.profile_path(draft))}
+                           "target_profile": str(forward_costs.profile_path(target)),
+                           "draft_profile": str(forward_costs.profile_path(draft))}
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
             self._load_calibration()
@@ -132,7 +132,7 @@ class AutoPolicy(Policy):
         gathered the evidence that would have corrected it. The sampled predictor keeps its prior: agreement with
         the target's argmax says little about acceptance at T > 0."""
         try:
-            agreement, source = profile.pair_agreement(target, draft, tokenizer)
+            agreement, source = forward_costs.pair_agreement(target, draft, tokenizer)
         except Exception as err:  # a backend whose sessions cannot run a long chain: keep the prior
             self.source["agreement"] = f"unavailable ({type(err).__name__})"
             return
@@ -317,7 +317,7 @@ class AutoPolicy(Policy):
 def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> dict:
     """What a saved calibration is valid for: the pair, their dtypes, the thread count and both sampling settings."""
     return {"target": model_fingerprint(target), "draft": model_fingerprint(draft),
-            "dtype": [str(target.dtype), str(draft.dtype)], "threads": profile.model_threads(target),
+            "dtype": [str(target.dtype), str(draft.dtype)], "threads": forward_costs.model_threads(target),
             "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
             "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
 
@@ -330,7 +330,7 @@ def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: 
     probability of 0.6; `expected_ceiling`), `ceiling` (every token accepted) and
     `rate`, what auto would run at: the speculative rate where it beats plain decoding by the guard's margin (as
     `uses_draft` decides), else the plain one. `draft_curve` None: plain decoding only. For `--backend auto`
-    (models/backend_choice.py), which compares backends by these."""
+    (loading/backend_choice.py), which compares backends by these."""
     plain = 1.0 / float(target_curve(1))
     margin = AutoOptions().guard_margin if margin is None else margin
     if draft_curve is None:

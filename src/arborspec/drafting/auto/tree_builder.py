@@ -37,7 +37,7 @@ import heapq
 import numpy as np
 import torch
 
-from ...tree import DrawRule, TokenTree
+from ...core.tree import DrawRule, TokenTree
 from ..base import DraftContext
 from .calibration import Calibrator
 from .objective import CostModel, best_prefix

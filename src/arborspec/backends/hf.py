@@ -1,0 +1,159 @@
+"""Tree attention on HuggingFace causal LMs: one forward over many tree nodes on top of a committed KV cache.
+
+The KV cache of a `TreeSession` is laid out as
+
+    [ committed prefix (len(self.cached)) | speculative region: tree nodes forwarded this step ]
+
+A forward appends nodes to the region; each node attends to the whole committed prefix and to its own ancestors in
+the tree, at position (root position + depth). `commit(path)` keeps the prefix plus the KV entries of an accepted
+root-to-node path, gathered along the sequence axis, and drops the rest: the accepted tokens are never re-run.
+
+Committed tokens that are not in the cache yet (the prompt at the first step, tokens the draft never forwarded) are
+"pending": they ride along as a causal chain in front of the first forward of a step, so catching up costs no
+separate pass. transformers (5.x) passes a 4D mask of shape (batch, 1, q_len, kv_len) through to attention unchanged; an
+additive float mask (0 or the dtype's minimum) is used because eager attention silently mis-reads a boolean one (it
+adds it to the scores: logits off by ~27).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..core.sampling import check_finite
+from ..core.tree import TokenTree
+from . import batching
+from .session import TreeRegion
+
+
+class TreeSession(TreeRegion):
+    """One sequence's KV cache on one model, with a speculative tree region (implements `session.Session`)."""
+
+    def __init__(self, model, role: str = "target"):
+        self.model = model
+        self.role = role
+        self.cache = DynamicCache(config=model.config)
+        self.cached: list[int] = []  # committed token ids whose KV is in the cache
+        self.tree: TokenTree | None = None  # the tree the region belongs to
+        self.slot: dict[int, int] = {}  # tree node -> offset in the region
+        self.region_len = 0  # KV entries in the region (after `renumber`, some belong to no node)
+        self.forwards = 0  # model calls, for statistics
+
+    def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        """Logits (len(nodes), vocab) for `nodes` of `tree`, whose root is context[-1].
+
+        Every ancestor of a node must be in the region already or among `nodes` (listed parents first).
+        """
+        pending = begin_forward(self, context, tree, nodes)
+        q = len(pending) + len(nodes)
+        past = len(self.cached) + self.region_len
+        kv_len = past + q
+        allowed = torch.zeros(q, kv_len, dtype=torch.bool)  # (q, kv_len), True = may attend
+        for i in range(len(pending)):  # a causal chain over the prefix
+            allowed[i, : len(self.cached) + i + 1] = True
+        prefix_len = len(self.cached) + len(pending)
+        new_slot = {node: self.region_len + j for j, node in enumerate(nodes)}
+        for j, node in enumerate(nodes):
+            row = len(pending) + j
+            allowed[row, :prefix_len] = True
+            for anc in tree.path(node):
+                slot = self.slot.get(anc, new_slot.get(anc))
+                if slot is None:
+                    raise RuntimeError(f"node {node}'s ancestor {anc} has not been forwarded")
+                allowed[row, prefix_len + slot] = True
+        root_pos = len(context) - 1
+        positions = [len(self.cached) + i for i in range(len(pending))]
+        positions += [root_pos + tree.depths[n] for n in nodes]
+        ids = pending + [tree.tokens[n] for n in nodes]
+        logits = self._run(ids, positions, allowed, keep=len(nodes))  # (len(nodes), vocab)
+        end_forward(self, pending, new_slot)
+        return logits
+
+    def prefill(self, ids: list[int]) -> None:
+        """Put committed tokens into the cache without computing logits over the vocabulary."""
+        if self.region_len:
+            raise RuntimeError("prefill with a non-empty region")
+        n, past = len(ids), len(self.cached)
+        allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+        self._run(list(ids), list(range(past, past + n)), allowed, keep=1)
+        self.cached.extend(ids)
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the committed prefix plus the region slots of `path` (root first, a chain); drop the rest."""
+        base = len(self.cached)
+        keep_slots = [self.slot[n] for n in path]
+        if keep_slots != list(range(len(keep_slots))) or len(keep_slots) != self.region_len:
+            index = torch.tensor(list(range(base)) + [base + s for s in keep_slots])
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self.cached.extend(self.tree.tokens[n] for n in path)
+        self.slot = {}
+        self.region_len = 0
+        self.tree = None
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, ids: list[int], positions: list[int], allowed: torch.Tensor, keep: int) -> torch.Tensor:
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        call = dict(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.tensor([positions]),
+            attention_mask=mask[None, None],  # (1, 1, q, kv_len)
+            past_key_values=self.cache,
+            use_cache=True,
+            # positions as a tensor, not the int `keep`: an int slices hidden_states[:, -keep:] into a strided view,
+            # and the bf16 lm_head matmul on that view is ~8x slower on CPU whenever keep < len(ids) (0.5B draft,
+            # 17 tokens, keep 1: 600-850 ms vs 70 ms); a tensor gathers a contiguous copy. Same logits.
+            logits_to_keep=torch.arange(len(ids) - keep, len(ids)),
+        )
+        # inside a batching round, the call joins the round's one forward over every request (batching.py)
+        out = batching.forward(self.model, call, self.role)
+        self.forwards += 1
+        logits = out.logits[0].float()  # (keep, vocab)
+        check_finite(logits, self.role)
+        return logits
+
+
+def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]) -> list[int]:
+    """Start a forward of `nodes` on `session` (any backend's session with `tree`, `slot`, `cached` and `role`): check
+    the call, bind the tree to the region, and return the committed tokens before the tree's root that the session
+    has not processed yet.
+
+    Only the first forward of a step carries such pending tokens; later forwards of the same step (the region is not
+    empty) add tree nodes only.
+    """
+    if not nodes:
+        raise ValueError("forward needs at least one node")
+    if session.tree is not tree:
+        if session.slot:
+            raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")
+        session.tree = tree
+    if tree.tokens[0] != context[-1]:
+        raise ValueError("the tree's root must be the last committed token")
+    if session.slot:
+        return []
+    n = len(session.cached)
+    if n >= len(context) or context[:n] != session.cached:
+        raise RuntimeError(f"{session.role} cache is out of sync with the committed tokens")
+    return context[n:-1]
+
+
+def end_forward(session, pending: list[int], new_slot: dict[int, int]) -> None:
+    """After a forward ran on `session` (any backend's, as for begin_forward): the pending tokens are committed and
+    the forwarded nodes hold the region slots `new_slot` gave them."""
+    session.cached.extend(pending)
+    session.slot.update(new_slot)
+    session.region_len += len(new_slot)
+
+
+def check_cache_support(model) -> None:
+    """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states)."""
+    cache = DynamicCache(config=model.config)
+    bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+    if bad:
+        raise ValueError(
+            f"{type(model).__name__} uses cache layers {sorted(set(bad))}; arborspec's attention backend needs plain "
+            "full-attention KV caches (sliding-window and state-space layers are not supported by this backend)"
+        )

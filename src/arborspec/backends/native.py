@@ -1,0 +1,459 @@
+"""The native backend: a GGUF model run by transformers' own layers with its weights kept as GGUF blocks.
+
+The torch backend dequantizes a GGUF into dense bf16 tensors (the 1.5B target: ~3 GB resident); llama.cpp keeps the
+blocks but runs its own kernels, one sequence-id set per tree node. Here the model is transformers' skeleton in
+float32 (so `hf.TreeSession`'s tree attention, and with it every policy and verifier, runs unchanged) whose every
+linear layer and output head is a `QuantLinear` and whose embedding is a `QuantEmbedding`: both hold a
+`kernels.QuantMatrix` over the file's blocks (nothing is dequantized up front), and the matrix products run on
+arborspec's own kernels, which read the blocks once for all rows of a tree (docs/kernels.md). Norms, biases and the
+rotary tables are the only float tensors made; a tied head reads the embedding's blocks.
+
+The skeleton is built on the meta device (no weight memory) from the GGUF's config (its metadata renamed by
+transformers' GGUF key table: what transformers itself reads), then each GGUF tensor replaces the module it belongs
+to, its blocks read from the file. Every tensor of the file must find its module and every
+parameter of the skeleton must be filled, so a file with something this mapping does not know (another architecture's
+extra tensors, Llama 3.1's rope_freqs) is refused with `NotNative` instead of running wrong; the loader then runs it
+on another backend. llama.cpp's converter stores the llama architecture's attn_q / attn_k rows permuted for its rope
+layout (pairs of adjacent dimensions); transformers rotates halves, so those rows are put back in order here, a
+permutation of whole rows of blocks (each row is independent).
+"""
+from __future__ import annotations
+
+import copy
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from types import MethodType
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+from ..core.disk_cache import sha256_key
+from ..kernels import QuantMatrix, supported
+from ..kernels.matrix import SUPPORTED_TYPES
+from . import native_step
+from .llamacpp import read_gguf_info
+
+ARCHITECTURES = ("qwen2", "llama")  # GGUF general.architecture values whose tensors map onto transformers' classes
+# how the backend names its weight format (blocks as in the GGUF, float32 activations), as llama.cpp's "gguf-q4_k_m":
+# in the cost-profile fingerprint. model.dtype itself stays torch.float32: TreeSession builds its attention mask in it.
+DTYPE = "gguf-native"
+
+# GGUF tensor name (blk.N.<part> or <part>) -> the transformers module it fills
+_BLOCK_MODULES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MODULES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ROPE_PERMUTED = {"llama": {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}}
+
+
+class NotNative(ValueError):
+    """A readable GGUF that the native backend does not cover (the message says why); the loader runs it elsewhere."""
+
+
+# ----------------------------------------------------------------------------------------------- the modules
+
+
+class QuantLinear(nn.Module):
+    """y = x · Wᵀ + b with W kept as GGUF blocks (a `QuantMatrix`); b float32 or None. The blocks are a buffer so the
+    module's memory shows in `buffers()`, uint8, as in the file: no float copy of W exists."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.matrix = matrix
+        self.in_features, self.out_features = matrix.k, matrix.n
+        self.register_buffer("blocks", matrix.data, persistent=False)  # uint8: the file's blocks, maybe repacked
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32), requires_grad=False)  # (n,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.numel() == 0:  # an empty forward (no tokens): nothing for the kernels to do
+            return x.new_zeros(*lead, self.out_features)
+        y = self.matrix(x.reshape(-1, self.in_features))  # (m, k) -> (m, n)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)  # (..., n)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.matrix.qtype.name}"
+
+
+class PrunedQuantHead(QuantLinear):
+    """A native draft's output head over the token ids `keep` only (FR-Spec's idea; tuning/draft_levers.PrunedHead
+    is the same lever for dense drafts): its matrix holds just those rows of the file's head, so a draft step reads
+    K rows instead of the vocabulary's (the 0.5B draft's Q8_0 head is 145 MB of the ~400 MB it reads a step), and
+    every other token gets the lowest finite logit: probability exactly 0 after the softmax, so the distribution a
+    verifier sees is the one the draft drew from."""
+
+    def __init__(self, head: QuantLinear, keep: torch.Tensor):
+        keep = torch.as_tensor(keep, dtype=torch.long).unique()  # sorted
+        if len(keep) == 0 or keep[0] < 0 or keep[-1] >= head.out_features:
+            raise ValueError(f"a pruned head keeps token ids in [0, {head.out_features})")
+        matrix = QuantMatrix(head.matrix.blocks().index_select(0, keep), head.matrix.qtype, len(keep), head.matrix.k)
+        super().__init__(matrix, None if head.bias is None else head.bias[keep])
+        self.vocab_size = head.out_features
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expand(super().forward(x))
+
+    def expand(self, small: torch.Tensor) -> torch.Tensor:
+        """(..., K) logits of the kept ids -> (..., vocab), the lowest finite logit elsewhere."""
+        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
+        return out.index_copy_(-1, self.keep, small)
+
+
+def with_pruned_head(model, keep: torch.Tensor):
+    """A twin of the native `model` whose head covers the token ids in `keep` only. Every other weight is shared, not
+    copied, and `model` itself is left as it was (the bench runs both side by side)."""
+    if not is_native(model) or not isinstance(model.lm_head, QuantLinear):
+        raise ValueError("a pruned head needs a native model")
+    if isinstance(model.lm_head, PrunedQuantHead):
+        raise ValueError("the model's head is pruned already")
+    twin = copy.copy(model)
+    twin._modules = dict(model._modules)  # a module table of its own: the head below is the twin's only
+    twin.lm_head = PrunedQuantHead(model.lm_head, keep)
+    base = model.fingerprint()
+    twin.fingerprint = lambda: sha256_key({"model": base, "head": twin.lm_head.keep.tolist()})  # its own costs
+    native_step.install_twin(twin, model)
+    return twin
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: each lookup dequantizes just the rows asked for."""
+
+    def __init__(self, matrix: QuantMatrix):
+        super().__init__()
+        self.matrix = matrix
+        self.num_embeddings, self.embedding_dim = matrix.n, matrix.k
+        self.register_buffer("blocks", matrix.data, persistent=False)  # (vocab, row_bytes) uint8, the file's layout
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() == 0:
+            return torch.zeros(*ids.shape, self.embedding_dim)
+        return self.matrix.rows(ids)  # (..., ) -> (..., embedding_dim) float32
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.matrix.qtype.name}"
+
+
+# ----------------------------------------------------------------------------------------------- the file
+# gguf's GGUFReader builds Python objects for every vocabulary entry (Qwen2.5: 150k tokens and 150k merges: ~10 s
+# and ~0.5 GB while it lives), and transformers' config reading for qwen2 / llama parses the file with it once more.
+# The loader needs the scalar metadata and the tensor table only: `read_gguf` walks them in a fraction of a second,
+# skipping arrays (their length is kept: the vocabulary size).
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order: (rows n, row length k) for a matrix
+    qtype: QT
+    path: Path
+    offset: int  # of its bytes in the file
+    nbytes: int
+
+    def read(self) -> np.ndarray:
+        """Its bytes (uint8), read into memory of their own: a file read, not a map, so the process never holds
+        the file's pages and a copy of them at once (the kernels keep their own, maybe repacked, copy)."""
+        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
+
+    @property
+    def part(self) -> str:
+        """"attn_q" for "blk.3.attn_q.weight", "output" for "output.weight"."""
+        return self.name.split(".")[-2]
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    metadata: dict  # key -> value; an array's value is its length
+    tensors: list[GgufTensor]
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a byte buffer, front to back."""
+
+    def __init__(self, blob: np.ndarray):
+        self.blob, self.pos = blob, 0
+
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.blob, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = self.take("<Q")
+        self.pos += length
+        return bytes(self.blob[self.pos - length:self.pos]).decode("utf-8")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])[0]
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self.take("<IQ")
+        if item in _SCALARS:
+            self.pos += count * struct.calcsize(_SCALARS[item])
+        else:  # strings (or nested arrays) have their own lengths: walk them
+            for _ in range(count):
+                self.value(item)
+        return count
+
+
+def read_gguf(path: Path) -> GgufFile:
+    """The file's metadata and tensor table (no tensor data is read); ValueError or struct.error for a file that is
+    not a whole GGUF v2/v3."""
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    cursor = _Cursor(blob)
+    magic, version, n_tensors, n_values = cursor.take("<4sIQQ")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+    metadata = {}
+    for _ in range(n_values):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.take("<I")[0])
+    table = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        (dims,) = cursor.take("<I")
+        shape = tuple(reversed(cursor.take(f"<{dims}Q")))  # the file lists the innermost dimension first
+        kind, offset = cursor.take("<IQ")
+        table.append((name, shape, QT(kind), offset))
+    align = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.pos // align) * align  # tensor data begins at the next aligned offset
+    tensors = []
+    for name, shape, qtype, offset in table:
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        begin, size = start + offset, prod(shape) // block * block_bytes
+        if begin + size > len(blob):
+            raise ValueError(f"tensor {name} ends past the end of the file")
+        tensors.append(GgufTensor(name, shape, qtype, path, begin, size))
+    return GgufFile(metadata, tensors)
+
+
+def _open(path: Path) -> GgufFile:
+    """`read_gguf(path)`; for a file it cannot read, the one-line ValueError llama.cpp's backend gives (from gguf's
+    own, slower reader), or NotNative if gguf reads what this reader does not."""
+    try:
+        return read_gguf(path)
+    except Exception as exc:
+        reason = str(exc) or type(exc).__name__
+    read_gguf_info(path)  # raises for a bad file
+    raise NotNative(f"its header could not be read here ({reason})")
+
+
+def _check_model(path: Path, file: GgufFile) -> str:
+    """The architecture of a causal-LM GGUF; ValueError for one that is not a model or not causal."""
+    arch = file.metadata.get("general.architecture")
+    if not isinstance(arch, str) or not file.tensors:
+        raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
+    if file.metadata.get(f"{arch}.pooling_type") or file.metadata.get(f"{arch}.attention.causal") is False:
+        raise ValueError(f"{path} is an embedding model ({arch} with pooling / non-causal attention), not a causal LM")
+    return arch
+
+
+def _weight_type(file: GgufFile) -> str:
+    """"Q4_K_M" from general.file_type, else the most common matrix type (as read_gguf_info reports it)."""
+    try:
+        return gguf.LlamaFileType(int(file.metadata["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, TypeError, ValueError):
+        kinds = Counter(t.qtype.name for t in file.tensors if len(t.shape) == 2)
+        return kinds.most_common(1)[0][0] if kinds else "unknown"
+
+
+def _config(file: GgufFile, arch: str) -> PretrainedConfig:
+    """transformers' config of the file: its metadata renamed by transformers' own GGUF key table, as
+    `AutoConfig.from_pretrained(gguf_file=...)` does for these architectures (without parsing the file again)."""
+    table = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    values = {}
+    for key, value in file.metadata.items():
+        prefix, _, rest = key.partition(".")
+        name = table[prefix].get(rest) if prefix in (arch, "general", "tokenizer") else None
+        if name not in (None, -1):
+            values[name] = value
+    values["tie_word_embeddings"] = all(t.name != "output.weight" for t in file.tensors)
+    values.setdefault("vocab_size", file.metadata.get("tokenizer.ggml.tokens"))
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+@dataclass(frozen=True)
+class NativeInfo:
+    """What a native model was loaded from; its presence on a model marks the model as native (`is_native`)."""
+
+    path: Path
+    weight_type: str  # e.g. "Q4_K_M", as read_gguf_info reports it
+
+
+def is_native(model) -> bool:
+    return isinstance(getattr(model, "native_gguf", None), NativeInfo)
+
+
+def _module_path(name: str) -> tuple[str, str]:
+    """GGUF tensor name -> (transformers module path, "weight" or "bias"); NotNative for a name it does not know."""
+    stem, _, kind = name.rpartition(".")
+    parts = stem.split(".")
+    if kind in ("weight", "bias"):
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_MODULES:
+            return f"model.layers.{parts[1]}.{_BLOCK_MODULES[parts[2]]}", kind
+        if len(parts) == 1 and parts[0] in _TOP_MODULES:
+            return _TOP_MODULES[parts[0]], kind
+    raise NotNative(f"tensor {name!r} has no place in the native backend's mapping")
+
+
+def _check_covered(arch: str, tensors: list[GgufTensor]) -> None:
+    """NotNative unless the architecture is mapped and every 2-D weight has a kernel."""
+    if arch not in ARCHITECTURES:
+        raise NotNative(f"architecture {arch!r} is not covered (native runs {', '.join(ARCHITECTURES)})")
+    uncovered = sorted({t.qtype.name for t in tensors if len(t.shape) == 2 and not supported(t.qtype)})
+    if uncovered:
+        raise NotNative(f"weight type(s) {', '.join(uncovered)} have no native kernel (covered: "
+                        f"{', '.join(t.name for t in SUPPORTED_TYPES)})")
+
+
+def _check_kernels() -> None:
+    """NotNative if arborspec's kernels cannot be compiled here (no C++ compiler, ...; compiled once per CPU)."""
+    from ..kernels.build import KernelBuildError, library
+
+    try:
+        library()
+    except KernelBuildError as exc:
+        raise NotNative(str(exc)) from None
+
+
+def _rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's rope permutation: within each head, the file holds dimension pairs
+    interleaved, row (head, i, half) at head * 2d + 2i + half; transformers wants (head, half, i)."""
+    d = rows // heads // 2
+    return torch.arange(rows).reshape(heads, d, 2).transpose(1, 2).reshape(-1)
+
+
+def _float(tensor: GgufTensor) -> torch.Tensor:
+    """A 1-D GGUF tensor (norm weight, bias) as a float32 torch tensor of its own (small: copied)."""
+    values = dequantize(tensor.read(), tensor.qtype).astype(np.float32)
+    return torch.from_numpy(values.reshape(-1))
+
+
+def _matrix(tensor: GgufTensor, config, arch: str, lookup: bool = False) -> QuantMatrix:
+    """A 2-D GGUF tensor as a QuantMatrix over its blocks read from the file, rows put back in order for the llama
+    rope layout. `lookup`: an embedding table, read row by row, which keeps the file's layout (the kernels may
+    repack a matrix for their products, kernels/matrix.py)."""
+    n, k = tensor.shape
+    blocks = torch.from_numpy(tensor.read()).reshape(n, -1)  # (n, row_bytes) uint8
+    heads = _rope_heads(tensor, config, arch)
+    if heads:
+        blocks = blocks[_rope_rows(n, heads)]
+    return QuantMatrix(blocks, tensor.qtype, n, k, pack=not lookup)
+
+
+def _rope_heads(tensor: GgufTensor, config, arch: str) -> int | None:
+    """The head count whose rope permutation `tensor` (a q or k weight or bias of a llama GGUF) carries, else None."""
+    key = _ROPE_PERMUTED.get(arch, {}).get(tensor.part) if tensor.name.startswith("blk.") else None
+    return getattr(config, key) if key else None
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_native(path: str | Path) -> PreTrainedModel:
+    """The GGUF at `path` as a float32 transformers model with GGUF-block linear layers (see the module docstring).
+
+    ValueError (one line) for an unreadable file; NotNative for a readable one this backend does not cover."""
+    path = Path(path).expanduser().resolve()
+    file = _open(path)
+    arch = _check_model(path, file)
+    _check_covered(arch, file.tensors)
+    _check_kernels()
+    groups: dict[str, dict[str, GgufTensor]] = {}  # module path -> {"weight": tensor, "bias": tensor}
+    for tensor in file.tensors:
+        module, kind = _module_path(tensor.name)
+        groups.setdefault(module, {})[kind] = tensor
+    try:
+        config = _config(file, arch)
+    except Exception as exc:
+        raise NotNative(f"transformers cannot make its config ({str(exc).strip().splitlines()[0]})") from None
+    with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    for module, tensors in groups.items():
+        _fill(model, module, tensors, config, arch)
+    if "lm_head" not in groups and config.tie_word_embeddings:
+        model.lm_head = QuantLinear(model.model.embed_tokens.matrix)  # the head reads the embedding's blocks
+    _rebuild_rotary(model)
+    _check_filled(model)
+    model.eval()
+    model.requires_grad_(False)
+    model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
+    model.native_gguf = NativeInfo(path, _weight_type(file))
+    model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
+    native_step.install(model)
+    return model
+
+
+def _fill(model: PreTrainedModel, path: str, tensors: dict, config, arch: str) -> None:
+    """Replace the skeleton's module at `path` by one over the GGUF tensors (weight, optional bias) given."""
+    try:
+        old = model.get_submodule(path)
+    except AttributeError:
+        raise NotNative(f"the {type(model).__name__} skeleton has no module {path}") from None
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    if weight is None:
+        raise NotNative(f"{path} has a bias but no weight in the file")
+    if isinstance(old, (nn.Linear, nn.Embedding)):
+        have, want = weight.shape, tuple(old.weight.shape)  # (out, in) / (vocab, dim)
+        if have != want:
+            raise NotNative(f"{weight.name} is {have[0]}x{have[1]}, the config wants {path} {want[0]}x{want[1]}")
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(_matrix(weight, config, arch, lookup=True))
+        else:
+            b = _float(bias) if bias is not None else None
+            if b is not None and _rope_heads(bias, config, arch):
+                b = b[_rope_rows(len(b), _rope_heads(bias, config, arch))]
+            new = QuantLinear(_matrix(weight, config, arch), b)
+        model.set_submodule(path, new)
+        return
+    values = _float(weight)
+    if bias is not None or getattr(old, "weight", None) is None or tuple(old.weight.shape) != tuple(values.shape):
+        raise NotNative(f"{weight.name} {tuple(values.shape)} does not fit {path} ({type(old).__name__})")
+    old.weight = nn.Parameter(values, requires_grad=False)
+
+
+def _rebuild_rotary(model: PreTrainedModel) -> None:
+    """The rotary tables were computed on the meta device with the skeleton: compute them again for real."""
+    for path, module in list(model.named_modules()):
+        if path and any(b.is_meta for b in module.buffers(recurse=False)) and "Rotary" in type(module).__name__:
+            model.set_submodule(path, type(module)(config=model.config))
+
+
+def _check_filled(model: PreTrainedModel) -> None:
+    """NotNative if any parameter or buffer of the skeleton was left without data by the file."""
+    empty = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if empty:
+        more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+        raise NotNative(f"the file leaves {', '.join(empty[:3])}{more} of the transformers model empty")
+
+
+def fingerprint(model) -> str:
+    """A native model's identity for cached cost profiles: the file (path, size, mtime), this backend and the
+    kernels' build key (their source, this CPU, torch), since a profile records those kernels' timings. The default
+    fingerprint would see only the config and the norms, the same for every quantization of one model."""
+    from ..kernels.build import cache_key
+
+    info: NativeInfo = model.native_gguf
+    stat = info.path.stat()
+    return sha256_key({"gguf": str(info.path), "size": stat.st_size, "mtime": stat.st_mtime_ns, "backend": DTYPE,
+                       "weights": info.weight_type, "kernels": cache_key()})

@@ -1,0 +1,51 @@
+"""Measure a draft/target pair's positional acceptance rates: Sequoia's acceptance vector.
+
+For each calibration prompt the target generates a continuation (greedy at temperature 0, sampled above it); one
+forward of the draft over prompt + continuation then ranks, at every generated position, the draft's candidates.
+`acceptance[i]` is the fraction of positions where the target's token was the draft's (i+1)-th most likely token:
+the probability that the (i+1)-th ranked child of an accepted node is the one the target takes (the events are
+disjoint, so the vector sums to at most 1). `arborspec calibrate` writes it as JSON for `sequoia --acceptance-file`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.disk_cache import write_json
+from ..engine import SpeculativeDecoder
+from ..engine.decoder import _unwrap
+from ..tuning.corpus import DEFAULT_PROMPTS
+
+
+@torch.inference_mode()
+def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
+              ranks: int = 16, seed: int | None = 0) -> dict:
+    """The acceptance vector of `draft` against `target` on `prompts` (text or token-id lists)."""
+    target_model, tokenizer = _unwrap(target, tokenizer)
+    draft_model, _ = _unwrap(draft)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks!r}")
+    dec = SpeculativeDecoder(target_model, method="ar", temperature=temperature, tokenizer=tokenizer)
+    counts = torch.zeros(ranks, dtype=torch.float64)
+    positions = 0
+    for i, prompt in enumerate(prompts):
+        ids = dec.encode(prompt)
+        out = dec.generate(ids, max_new_tokens=max_new_tokens, seed=None if seed is None else seed + i).token_ids
+        if not out:
+            continue
+        full = torch.tensor([ids + out])
+        logits = draft_model(input_ids=full).logits[0, len(ids) - 1 : len(ids) - 1 + len(out)].float()
+        chosen = logits.gather(1, torch.tensor(out)[:, None])  # (len(out), 1)
+        rank = (logits > chosen).sum(dim=1)  # 0 = the draft's top token
+        for r in rank.tolist():
+            if r < ranks:
+                counts[r] += 1
+        positions += len(out)
+    if positions == 0:
+        raise ValueError("calibration produced no tokens")
+    acceptance = (counts / positions).tolist()
+    return {"acceptance": acceptance, "positions": positions, "prompts": len(prompts), "temperature": temperature,
+            "ranks": ranks, "max_new_tokens": max_new_tokens}
+
+
+def write_acceptance_file(path: str, result: dict) -> None:
+    write_json(path, result)

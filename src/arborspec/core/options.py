@@ -1,0 +1,55 @@
+"""Parsing the options a user writes as text (`dynatree(adapt=false)`, `--widths 3,3,3`): checked integers,
+booleans, integer lists, and the dataclass fields a policy declares its options with (`opt`)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+def check_int(value, what: str, low: int = 1) -> None:
+    if isinstance(value, bool) or int(value) != value or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+
+
+def parse_bool(value, what: str) -> bool:
+    """Options arrive as Python bools or, from the command line, as text."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{what} must be true or false, got {value!r}")
+
+
+def int_or_text(text: str):
+    """An integer option that also takes a word (dyspec's budget=auto)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def option_parser(f: dataclasses.Field):
+    """The function turning a command-line string into the value of option field `f` (by its annotation)."""
+    if f.name == "budget":  # every policy's budget also takes "auto" (drafting/budget_tuner.py)
+        return int_or_text
+    kind = getattr(f.type, "__name__", f.type)
+    if kind == "bool":
+        return lambda text: parse_bool(text, f.name)
+    return {"int": int, "float": float, "str": str, "int | str": int_or_text}.get(kind, str)
+
+
+def opt(default, help: str):
+    """A policy option: a dataclass field whose help text the CLI shows."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def parse_int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must list positive integers, got {text!r}")
+    return values

@@ -1,0 +1,63 @@
+"""Many prompts decoded at once: `SpeculativeDecoder.generate_batch`, and what `arborspec bench --concurrency` runs.
+
+Up to `concurrency` requests are active; every round advances each of them by one speculative step (its own draft,
+verification and commit), and a request that finishes leaves at the end of its round while the next waiting prompt
+joins, as in the server's scheduler. Where the target batches (backends/batching.py: the native backend), the
+round's target forwards run as one forward over every request's tree, so the target's weights are read once per
+round instead of once per request; elsewhere the steps run one after another.
+
+Each prompt gets its own fork of the decoder (the same models and settings, a fresh policy) and its own seed, so its
+output is bit for bit what `decoder.fork().generate(prompt, seed=seed)` gives alone: greedy and seeded sampled
+outputs do not depend on the batch.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from functools import partial
+
+from ..backends.batching import can_batch, run_round
+from ..core.options import check_int
+
+
+def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list[str] | None = None,
+                   seeds: list[int | None] | None = None, ignore_eos: bool = False,
+                   concurrency: int | None = None) -> list:
+    """One GenerationResult per prompt, in order (see the module docstring); `seeds`: one per prompt (None: each
+    unseeded); `concurrency`: the most requests active at once (None: all of them)."""
+    n = len(prompts)
+    seeds = [None] * n if seeds is None else list(seeds)
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+    limit = n if concurrency is None else concurrency
+    if n:
+        check_int(limit, "concurrency", 1)
+    for prompt in prompts:  # an empty or too long prompt fails here, before any request has started
+        decoder.encode(prompt)
+    batch = can_batch(decoder.target)
+    results: list = [None] * n
+    waiting, active = deque(range(n)), {}  # active: prompt index -> its decoder loop
+    try:
+        while waiting or active:
+            while waiting and len(active) < limit:  # join between rounds
+                i = waiting.popleft()
+                active[i] = decoder.fork().steps(prompts[i], max_new_tokens, stop, seeds[i], ignore_eos)
+            order = list(active)
+            errors = run_round([partial(_advance, active[i], results, i) for i in order], batch)
+            for err in errors:
+                if err is not None:
+                    raise err
+            for i in order:  # leave between rounds
+                if results[i].stats.finish_reason:
+                    active.pop(i).close()
+    finally:
+        for steps in active.values():
+            try:
+                steps.close()
+            except ValueError:  # interrupted (Ctrl-C) mid-round: its thread still holds it; the thread is a daemon
+                pass
+    return results
+
+
+def _advance(steps: Iterator, results: list, i: int) -> None:
+    results[i] = next(steps)

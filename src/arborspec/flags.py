@@ -1,0 +1,68 @@
+"""Every argparse flag more than one command shares, declared once: the pair (--target, --draft, --dtype,
+--draft-quant), the backends and llama.cpp's options, sampling, and the tree's layout. `generate`, `trees`,
+`calibrate`, `bench` and `serve` take them from here, with the defaults of loading/pair.py."""
+from __future__ import annotations
+
+import argparse
+
+from .loading.model import BACKENDS
+from .loading.pair import (
+    DEFAULT_BACKEND,
+    DEFAULT_DRAFT,
+    DEFAULT_DRAFT_QUANT,
+    DEFAULT_DTYPE,
+    DEFAULT_TARGET,
+    DRAFT_QUANTS,
+)
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """--target, --draft, --dtype and --draft-quant, with the defaults above (`generate`, `trees`, `bench`)."""
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
+    p.add_argument("--draft-quant", default=DEFAULT_DRAFT_QUANT, choices=DRAFT_QUANTS,
+                   help="quantize the draft's linear layers (int4 needs torchao); auto (default): the variant measured "
+                        "fastest for this pair on this machine (cached; see `arborspec profile --pair`); a method's "
+                        "+int8 / +int4 / +noquant lever overrides it")
+    add_backend_arguments(p)
+
+
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    """--backend and --draft-backend (every command that loads models)."""
+    p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS,
+                   help="what runs the models: llamacpp (llama.cpp's quantized CPU kernels on the GGUF itself), torch "
+                        "(transformers), native (transformers' layers over the GGUF's blocks on arborspec's own "
+                        "kernels; docs/kernels.md), or auto (default): for an alias or .gguf, whichever of native "
+                        "and llamacpp is measured fastest for it here (once, cached), else torch")
+    p.add_argument("--draft-backend", default=None, choices=BACKENDS,
+                   help="the draft's backend when it differs from --backend (e.g. a llama.cpp target with an int8 "
+                        "PyTorch draft: --backend llamacpp --draft-backend torch)")
+    p.add_argument("--llama-threads", type=int, default=None,
+                   help="llama.cpp threads (default: every core this process may use)")
+    p.add_argument("--llama-ctx", type=int, default=None,
+                   help="llama.cpp context window in tokens (default: min(4096, the model's trained context))")
+    p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
+
+
+def add_sampling_arguments(p) -> None:
+    """--temperature, --top-k, --top-p, --draft-temperature and --seed (`generate`, `trees`, `calibrate`; `serve`:
+    the defaults for requests that leave the field out). `p`: a parser or an argument group."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probabilities add up to P (1 = off)")
+    p.add_argument("--draft-temperature", type=float, default=None,
+                   help="the draft's own temperature (default: --temperature)")
+    p.add_argument("--seed", type=int, default=None, help="seeds the sampling, for a repeatable run (default: random)")
+
+
+def add_tree_layout_arguments(p) -> None:
+    """--token-order and --ssm-tree: how a drafted tree is laid out for the target's forward (the output is the
+    same either way)."""
+    p.add_argument("--token-order", default="bfs", choices=["bfs", "dfs", "heavy"],
+                   help="layout of the tree's tokens in the target's forward (DySpec App. C; same output)")
+    p.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"],
+                   help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
+
+

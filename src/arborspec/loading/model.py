@@ -1,0 +1,255 @@
+"""One model loaded on the backend asked for: transformers (`torch`), llama.cpp, or arborspec's native kernels.
+
+`loading/plan.py` decides the backend (and `--backend auto`); this module loads on the one given: an alias (fetched by
+loading/aliases.py), a local .gguf file, a local directory or a hub id, with its tokenizer.
+
+bf16 is the default dtype because on this CPU bf16 decodes 2-3x faster than fp32 (the weights are read at the
+memory bandwidth, and bf16 reads half the bytes).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..backends import llamacpp, native
+from ..backends.model_info import check_pair, pair_names
+from ..core.downloads import ModelLoadError, _say
+from .aliases import ALIASES, _dense_gguf, alias_gguf, alias_path, fetch_alias, is_fetched
+
+DEFAULT_DTYPE_NAME = "bf16"  # the dtype flags' default; DEFAULT_DTYPE below is the same as a torch.dtype
+# Which code runs a model: "torch" (transformers, weights dequantized to dense tensors), "llamacpp" (llama.cpp's
+# quantized CPU kernels on the GGUF file itself), "native" (transformers' layers with the GGUF's weights kept as
+# blocks, on arborspec's own kernels: backends/native.py, docs/kernels.md), or "auto": for a GGUF (an alias or a .gguf
+# file) whichever of native and llama.cpp is measured to run it fastest on this machine (backend_choice.py; both
+# decode the default pair's Q4_K_M files 4-5x faster than transformers' bf16), and transformers for everything else.
+BACKENDS = ("auto", "torch", "llamacpp", "native")
+_GGUF_BACKENDS = {"llamacpp": "the llama.cpp backend", "native": "the native backend"}
+
+
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # the spec the user gave (alias, path, or hub id)
+    source: str  # where the weights were read from (a path, or the hub id)
+
+
+
+
+
+_DTYPES: dict[str, torch.dtype | str] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+DEFAULT_DTYPE = _DTYPES[DEFAULT_DTYPE_NAME]
+
+
+# ----------------------------------------------------------------------------------------------------------- paths
+
+
+
+
+
+
+
+
+
+
+
+
+# -------------------------------------------------------------------------------------------------------- progress
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------- fetching
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------- loading
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+    """A torch dtype (or "auto") from a dtype, a name like "bf16"/"float32", or None (DEFAULT_DTYPE)."""
+    if dtype is None:
+        return DEFAULT_DTYPE
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except (KeyError, AttributeError):
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)} or a torch.dtype") from None
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf")
+
+
+def _resolve(spec: str, progress: bool) -> tuple[str, str | None, bool]:
+    """(source for from_pretrained, gguf file name or None, whether the source is the hub)."""
+    if spec in ALIASES:
+        return str(fetch_alias(spec, progress)), None, False
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{spec!r} is a file but not a .gguf file; give a .gguf file or a model directory")
+        return str(path.resolve().parent), path.name, False
+    if path.is_dir():
+        return str(path.resolve()), None, False
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"model path {spec!r} not found")
+    return spec, None, True
+
+
+def resolve_backend(spec: str, backend: str = "auto") -> str:
+    """"torch", "llamacpp" or "native" for model `spec` (see BACKENDS)."""
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+    gguf = spec in ALIASES or spec.endswith(".gguf")
+    if backend == "auto":
+        return gguf_fallback() if gguf else "torch"
+    if backend in _GGUF_BACKENDS and not gguf:
+        raise ModelLoadError(f"{_GGUF_BACKENDS[backend]} runs GGUF files: give an alias "
+                             f"({', '.join(sorted(ALIASES))}) or a .gguf file, not {spec!r}")
+    return backend
+
+
+def gguf_fallback() -> str:
+    """The backend a GGUF runs on when not on native: llama.cpp where llama-cpp-python is installed, else torch."""
+    return "llamacpp" if llamacpp.available() else "torch"
+
+
+def _spec_gguf(spec: str, progress: bool, check: bool = True) -> Path:
+    """The GGUF file of `spec`: an alias's kept GGUF (fetched if need be) or the .gguf path given; with `check`,
+    ModelLoadError if there is no such file."""
+    path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    if check and not path.is_file():
+        raise ModelLoadError(f"model path {spec!r} not found")
+    return path
+
+
+def is_gguf(spec: str | None) -> bool:
+    """An alias or a .gguf file: what the GGUF backends (native, llama.cpp) run."""
+    return spec is not None and (spec in ALIASES or spec.endswith(".gguf"))
+
+
+
+
+
+
+
+
+
+
+def load_llamacpp_model(spec: str, progress: bool = True, **options):
+    """An alias's kept GGUF or a .gguf file, on llama.cpp (backends/llamacpp.py; `options` go to load_llamacpp)."""
+    path = _spec_gguf(spec, progress, check=False)  # llama.cpp's own message for a missing file
+    _say(f"loading {spec} on llama.cpp", progress)
+    try:
+        return llamacpp.load_llamacpp_pair(path, name=spec, **options)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _gguf_tokenizer(spec: str, path: Path) -> PreTrainedTokenizerBase:
+    """A GGUF's tokenizer: a fetched alias keeps it beside its checkpoint as tokenizer.json (~1 s to load), else
+    transformers builds it from the GGUF's vocabulary (~12 s for Qwen2.5's 150k tokens and merges); the same one."""
+    if spec in ALIASES and is_fetched(spec):
+        return AutoTokenizer.from_pretrained(alias_path(spec))
+    return llamacpp.gguf_tokenizer(path)
+
+
+def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> LoadedModel | None:
+    """An alias's kept GGUF or a .gguf file on the native backend (backends/native.py), with the GGUF's tokenizer;
+    None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight types, its
+    architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
+    path = _spec_gguf(spec, progress)
+    _say(f"loading {spec} on arborspec's kernels (native)", progress)
+    start = time.perf_counter()
+    try:
+        model = native.load_native(path)
+        tokenizer = _gguf_tokenizer(spec, path)
+    except native.NotNative as exc:
+        if quiet:  # `--backend auto` tries native among others: not a surprise worth a note, only progress
+            _say(f"native cannot run {spec}: {exc}", progress)
+            return None
+        other = {"llamacpp": "llama.cpp", "torch": "transformers (torch)"}[gguf_fallback()]
+        print(f"[arborspec] note: {spec} is not run natively: {exc}; loading it on {other} instead", file=sys.stderr,
+              flush=True)
+        return None
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(path))
+
+
+
+
+def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", progress: bool = True) -> LoadedModel:
+    """`spec` on transformers: dense weights in `dtype` (a GGUF dequantized), eval mode, no grads."""
+    torch_dtype = resolve_dtype(dtype)
+    source, gguf_file, from_hub = _resolve(spec, progress)
+    _say(f"loading {spec}", progress)
+    start = time.perf_counter()
+    try:
+        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, **kwargs)
+        except ValueError as exc:  # models without attention (Mamba2) refuse "sdpa": let transformers pick
+            if "does not support an attention implementation" not in str(exc):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if from_hub:
+            raise ModelLoadError(
+                f"could not load {spec!r} from the HuggingFace hub (hub unreachable or unknown id: {reason}); "
+                f"give a local directory, a .gguf file, or an alias ({', '.join(sorted(ALIASES))})") from exc
+        raise ModelLoadError(f"could not load {spec!r} from {source}: {reason}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=source)
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+
+
+def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise ValueError unless draft and target tokenize identically (same vocabulary, same ids, same EOS): the
+    tokenizer half of `model_info.check_pair`, for loaded models (the engine checks the models' output rows too)."""
+    check_pair(None, None, target.tokenizer, draft.tokenizer, pair_names(target, draft))

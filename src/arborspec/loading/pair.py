@@ -1,0 +1,132 @@
+"""THE loader of a target/draft pair, for `arborspec generate`, `bench`, `serve` and the Python API, with the
+defaults every front end shares: the default Qwen pair, bf16, the backend and draft variant measured fastest here."""
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.native import is_native
+from ..tuning import draft_levers
+from ..tuning.draft_choice import choose_draft_quant
+from .model import DEFAULT_DTYPE_NAME, check_tokenizers_compatible
+from .plan import load_planned, plan_backends
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+
+
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+DEFAULT_DTYPE = DEFAULT_DTYPE_NAME  # "bf16", defined once in loading/model.py (2-3x faster than fp32 on this CPU)
+
+
+DEFAULT_DRAFT_QUANT = "auto"
+
+
+DEFAULT_BACKEND = "auto"  # GGUF: native or llama.cpp, measured (loading/backend_choice.py); else torch
+
+
+DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES)
+
+
+def is_torch_model(loaded) -> bool:
+    """A model with dense PyTorch weights: the draft levers (int8 / int4, a pruned head) and the draft-variant
+    measurement apply to it. A GGUF run as it is (llama.cpp, or native: a torch module over GGUF blocks) is not one."""
+    return isinstance(loaded.model, torch.nn.Module) and not is_native(loaded.model)
+
+
+def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
+    """The draft quantization to run: `quant`, or for "auto" the variant measured fastest for this pair on this
+    machine (tuning/draft_choice.py; measured once, then cached). A GGUF draft on llama.cpp or the native backend runs
+    its GGUF as it is ("none")."""
+    if not is_torch_model(draft) or not is_torch_model(target):
+        if quant in ("auto", "none"):
+            return "none"
+        if not is_torch_model(draft):
+            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp or "
+                             "the native backend runs its GGUF's own quantization (use --draft-backend torch for an "
+                             "int8/int4 draft)")
+    if quant != "auto":
+        return quant
+    quant, record, source = choose_draft_quant(target, draft, progress=progress)
+    if progress:
+        best = record["variants"][quant]
+        print(f"[arborspec] draft: {quant} ({source}: top-1 agreement {best['agreement']:.2f}, "
+              f"{best['draft_times'][0] * 1e3:.0f} ms per draft token; --draft-quant to override)", file=sys.stderr)
+    return quant
+
+
+def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 0, copy_first: bool = False,
+                  progress: bool = True):
+    """(the draft a run uses, its quantization with "auto" resolved): `draft` (LoadedModel) quantized and its head
+    cut as asked. `copy_first` leaves `draft` itself untouched (the bench prepares several variants of one draft)."""
+    quant = resolve_quant(target, draft, quant, progress)
+    if quant == "none" and not vocab:
+        return draft, quant
+    if is_native(draft.model):  # a native GGUF draft: its head pruned, every other weight shared (never copied)
+        if progress:
+            print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...", file=sys.stderr)
+        return draft_levers.prune_native_draft(draft, vocab, progress=progress), quant
+    if not is_torch_model(draft):
+        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts, "
+                         "not to GGUF drafts on llama.cpp")
+    if progress:
+        print(f"[arborspec] preparing the draft (quantization {quant}, vocabulary {vocab or 'full'}) ...",
+              file=sys.stderr)
+    prepared = copy.deepcopy(draft) if copy_first else draft
+    return draft_levers.prepare_draft(prepared, quant, vocab, progress=progress), quant
+
+
+@dataclass
+class LoadedPair:
+    """What `load_pair` returns: the models and what was decided for them. It unpacks as `target, draft = ...`."""
+
+    target: object  # LoadedModel (or llama.cpp's LlamaCppLoaded)
+    draft: object | None  # prepared (quantization, head) as asked; None when the run drafts nothing
+    quant: str = "none"  # the draft's quantization, "auto" resolved ("none" without a draft)
+    backends: tuple = ()  # (target's backend, draft's backend or None): what each model runs on
+    choice: str = ""  # why `--backend auto` chose the target's backend (empty when the backend was given)
+
+    def __iter__(self):
+        return iter((self.target, self.draft))
+
+
+def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, draft_quant: str = DEFAULT_DRAFT_QUANT,
+              dtype: str = DEFAULT_DTYPE, draft_vocab: int = 0, progress: bool = True, backend: str = DEFAULT_BACKEND,
+              draft_backend: str | None = None, llama: dict | None = None) -> LoadedPair:
+    """THE loader of a target/draft pair, for `arborspec generate`, `bench`, `serve` and the Python API: (target,
+    draft) loaded (alias, local directory, .gguf file or hub id) and checked to share a tokenizer, the draft prepared.
+
+    The backends are decided before anything loads (loading/model.py, plan_backends: `--backend auto` picks the
+    GGUF backend whose measured costs predict the fastest decoding, speculation included, cached; the draft follows
+    it), so each model loads once, on the backend it runs on. For a PyTorch draft `draft_quant="auto"` measures
+    which draft variant is fastest for this pair on this machine the first time (seconds to a minute; cached, see
+    `arborspec profile --pair`). `draft=None` loads the target alone (for `ar`). `llama`: llama.cpp options
+    (n_threads, n_ctx, n_batch) for models on that backend."""
+    if draft_quant not in DRAFT_QUANTS:
+        raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
+    llama = llama or {}
+    plan = plan_backends(target, draft, backend, draft_backend, llama, progress)
+    target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress)
+    if draft is None:
+        return LoadedPair(target_model, None, "none", (plan.target, None), plan.why)
+    check_tokenizers_compatible(target_model, draft_model)
+    draft_model, quant = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
+    return LoadedPair(target_model, draft_model, quant, (plan.target, plan.draft), plan.why)
+
+
+def load_pair_for(args, spec, progress: bool = True) -> LoadedPair:
+    """`load_pair` with a command's flags (--target, --draft, --dtype, --backend, --draft-backend, --llama-*) for
+    `spec` (its quantization and head; the draft only when it drafts): what `generate` and `serve` both load."""
+    return load_pair(args.target, args.draft if spec.needs_draft else None, spec.quant, args.dtype, spec.vocab,
+                     progress=progress, backend=args.backend, draft_backend=args.draft_backend,
+                     llama=llama_options(args))
+
+
+def llama_options(args) -> dict:
+    """The llama.cpp options of the command line (--llama-threads/-ctx/-batch), for load_model / load_pair."""
+    given = {"n_threads": args.llama_threads, "n_ctx": args.llama_ctx, "n_batch": args.llama_batch}
+    return {k: v for k, v in given.items() if v is not None}

@@ -1,0 +1,287 @@
+"""Cost profiles: what one forward over a tree of n tokens costs a given model on this machine, measured and cached.
+
+`measure_forward_cost` times a model's tree forwards (median of repeats, on a ~200-token prefix) through the same
+sessions generation uses (`models.make_session`), so it times any backend, a llama.cpp model included.
+
+The auto policy (drafting/auto/) sizes every tree from two such curves: the target's t(n) (one forward over n tree
+tokens, root included) and the draft's d(w) (one draft call over w nodes: the cost of one drafted layer).
+`profile_model` returns a model's `CostCurve`, measured once and cached under cache_dir()/profiles/ as JSON. A cached
+profile is used only when its key (model fingerprint, dtype, thread count, machine) and its versions (profile format,
+arborspec, torch, transformers) equal the current ones; otherwise it is measured again and overwritten.
+
+`plot_profile` draws one model's measurements with STree's fitted runtime model (`runtime_model`), `plot_pair` the
+two curves the auto policy uses (`arborspec profile --model` / `--pair`).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..backends import make_session
+from ..backends.model_info import context_window
+from ..core.disk_cache import machine_id, model_fingerprint, read_record, record_path, sha256_key, write_record
+from ..core.isotonic import pool_adjacent_violators
+from ..core.tree import TokenTree
+from ..viz.canvas import pyplot, save_figure
+from .reference_texts import reference_texts
+from .runtime_model import RuntimeModel, required_tau_ratio
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------------
+def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree:
+    """An n-token complete `arity`-ary tree (parents first), root token `root`, other tokens from `tokens`."""
+    tree = TokenTree.root(root)
+    for i in range(1, n):
+        tree.add((i - 1) // arity, tokens[(i - 1) % len(tokens)])
+    return tree
+
+
+def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3, ssm_tree: str = "packed",
+                         seed: int = 0, new_session=None) -> list[float]:
+    """Median seconds of one forward over an N-token complete binary tree, for each N in `sizes`.
+
+    One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
+    prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). One untimed warm-up call per size.
+    `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind.
+    """
+    rng = random.Random(seed)
+    vocab = int(model.config.vocab_size)
+    context = [rng.randrange(vocab) for _ in range(prefix)]
+    session = new_session(model, "target") if new_session else make_session(model, "target", ssm_tree=ssm_tree)
+    session.prefill(context[:-1])
+    out = []
+    for n in sizes:
+        times = []
+        for rep in range(repeats + 1):
+            tree = full_tree(n, context[-1], [rng.randrange(vocab) for _ in range(max(n - 1, 1))])
+            start = time.perf_counter()
+            session.forward(context, tree, list(range(len(tree))))
+            elapsed = time.perf_counter() - start
+            session.commit([0])
+            context.append(rng.randrange(vocab))
+            if rep:
+                times.append(elapsed)
+        out.append(statistics.median(times))
+    return out
+
+
+# ---- cost curves ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured seconds of one forward over n tree tokens, at `sizes`; piecewise linear in between, linear past the
+    last size. From n = 2 on the curve is made non-decreasing (noise only: more tokens never cost less), while t(1)
+    is kept as measured: in bf16 a one-token forward can be slower than a two-token one (on this project's CPU the
+    lm_head matmul took 23 ms for one token against 18 ms for two)."""
+
+    sizes: tuple[int, ...]
+    times: tuple[float, ...]
+
+    @classmethod
+    def from_measurements(cls, sizes, times) -> "CostCurve":
+        pairs = sorted(zip((int(s) for s in sizes), (float(t) for t in times)))
+        if not pairs or any(t <= 0 for _, t in pairs) or len({s for s, _ in pairs}) != len(pairs):
+            raise ValueError("a cost curve needs distinct sizes with positive times")
+        s, t = zip(*pairs)
+        start = next((i for i, n in enumerate(s) if n >= 2), len(s))
+        return cls(tuple(s), t[:start] + tuple(float(v) for v in pool_adjacent_violators(t[start:])))
+
+    def __call__(self, n):
+        n = np.asarray(n, dtype=np.float64)
+        out = np.interp(n, self.sizes, self.times)
+        if len(self.sizes) > 1:
+            slope = (self.times[-1] - self.times[-2]) / (self.sizes[-1] - self.sizes[-2])
+            out = np.where(n > self.sizes[-1], self.times[-1] + max(slope, 0.0) * (n - self.sizes[-1]), out)
+        return float(out) if out.ndim == 0 else out
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "times": list(self.times)}
+
+
+# ---- profiles: curves cached per model, dtype, thread count, machine and library versions ---------------------------
+def model_threads(model) -> int:
+    """The threads `model` computes with: its own setting for a backend that has one (llama.cpp), else torch's."""
+    return getattr(model, "n_threads", None) or torch.get_num_threads()
+
+
+def profile_key(model) -> dict:
+    return {"model": model_fingerprint(model), "name": str(getattr(model.config, "_name_or_path", "") or ""),
+            "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
+
+
+def measure_agreement(target, draft, texts: list[list[int]]) -> float:
+    """Greedy top-1 agreement of `draft` with `target`, teacher-forced: the fraction of positions of `texts` (token
+    id lists) where the draft's argmax is the target's, from one chain forward of each model over each text through
+    its own sessions (any backend)."""
+    hits = total = 0
+    room = min(context_window(target), context_window(draft), 4096)
+    for ids in texts:
+        ids = list(ids[:room])  # a text past a model's context window is cut
+        if len(ids) < 2:
+            continue
+        chain = TokenTree.from_parents(ids, [-1] + list(range(len(ids) - 1)))
+        tops = []
+        for model in (target, draft):
+            logits = make_session(model, "target").forward(list(ids[:1]), chain, list(range(len(ids))))
+            tops.append(logits[:-1].argmax(-1))  # (positions,): the next token after each prefix
+        hits += int((tops[0] == tops[1]).sum())
+        total += len(ids) - 1
+    if not total:
+        raise ValueError("no text to measure agreement on")
+    return hits / total
+
+
+def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
+    """(agreement, source): `measure_agreement` on the reference texts (tuning/corpus.py), cached per pair like the
+    cost profiles ('cache' or 'measured')."""
+    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
+    cached = None if refresh else read_record("agreement", key)
+    if cached is not None and isinstance(cached.get("agreement"), float):
+        return cached["agreement"], "cache"
+    texts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
+    with torch.inference_mode():
+        agreement = measure_agreement(target, draft, texts)
+    try:
+        write_record("agreement", key, {"agreement": agreement, "positions": sum(len(t) - 1 for t in texts)})
+    except OSError:
+        pass  # a read-only cache must not stop generation
+    return agreement, "measured"
+
+
+def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
+                  measure=None, progress: bool = False) -> tuple[CostCurve, str]:
+    """The model's cost curve t(n) from the cache, or measured now (and cached). Returns (curve, source), source
+    'cache' or 'measured'. `measure` (default `measure_forward_cost`) is replaceable for tests."""
+    key = profile_key(model)
+    cached = None if refresh else read_record("cost", key)
+    if cached is not None:
+        try:
+            curve = CostCurve.from_measurements(cached["sizes"], cached["raw_times"])
+        except (KeyError, TypeError, ValueError):
+            curve = None
+        if curve is not None and (measure is not None or live_agrees(model, curve, key, progress)):
+            return curve, "cache"
+    if progress:
+        print(f"[arborspec] profiling {key['name'] or type(model).__name__} ({key['dtype']}, {key['threads']} threads)"
+              " for tree sizes " + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
+    measure = measure or measure_forward_cost
+    window = context_window(model, default=0)
+    if window:  # the profile's prefix grows by one token per timed call and must leave room for the deepest tree
+        prefix = max(2, min(prefix, window - len(sizes) * (repeats + 1) - max(sizes) - 2))
+    start = time.perf_counter()
+    times = measure(model, sizes, prefix=prefix, repeats=repeats)
+    curve = CostCurve.from_measurements(sizes, times)
+    write_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
+                               "repeats": repeats, "seconds": time.perf_counter() - start})
+    _checked.add(sha256_key(key))  # measured in this process: nothing to check it against
+    return curve, "measured"
+
+
+# ---- cached curves checked against live forwards ------------------------------------------------------------------
+LIVE_SIZES = (1, 4)  # the live check's forwards: one plain step and a small tree
+LIVE_RATIO = 2.0  # a cached t(n) off by more than this factor from the live one is measured again
+LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny model, never a stale profile
+_checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
+
+
+def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False) -> bool:
+    """Whether a few live forwards (`LIVE_SIZES`, 2 each after a warm-up, on a 32-token prefix: ~0.2 s for the 1.5B
+    target) leave the cached curve standing; checked once per profile and process. False (after a one-line note)
+    means the cached figure is more than `LIVE_RATIO` times slower than the live one: it was measured while something
+    else ran (a first start on a busy machine once timed the draft on native at 1064 ms against the 65 ms it runs at,
+    and kept that figure for good), and is measured again. Live forwards more than `LIVE_RATIO` times slower than the
+    cached figure leave it standing, with a note: load on the machine only ever slows a forward, so the faster of two
+    figures is the truer one, and one taken now would be the stale figure of the next start. `force`: check even if
+    this process checked (or measured) it already."""
+    name = sha256_key(key)
+    if name in _checked and not force:
+        return True
+    _checked.add(name)
+    window = context_window(model, default=0)
+    prefix = 32 if not window else max(2, min(32, window - 3 * len(LIVE_SIZES) - max(LIVE_SIZES) - 2))
+    live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2)
+    label = key["name"] or type(model).__name__
+    for n, seconds in zip(LIVE_SIZES, live):
+        cached = float(curve(n))
+        if abs(seconds - cached) <= LIVE_FLOOR:
+            continue
+        if seconds * LIVE_RATIO < cached:
+            _note(f"the cached cost of {label} is off (t({n}) {cached * 1e3:.1f} ms cached, {seconds * 1e3:.1f} ms "
+                  "now): measuring it again", progress)
+            return False
+        if seconds > LIVE_RATIO * cached:
+            _note(f"{label} runs slower than its cached cost (t({n}) {seconds * 1e3:.1f} ms now, {cached * 1e3:.1f} "
+                  "ms cached): the machine is busy; keeping the cached figure", progress)
+            return True
+    return True
+
+
+def confirm_profile(model, progress: bool = False) -> tuple[CostCurve, str]:
+    """`profile_model`'s curve, checked against live forwards now even if it was measured a moment ago (a profile
+    taken while something else ran for a while is measured again): for comparisons between models measured one
+    after another, as `--backend auto` makes (loading/backend_choice.py)."""
+    curve, source = profile_model(model, progress=progress)
+    if live_agrees(model, curve, profile_key(model), progress, force=True):
+        return curve, source
+    return profile_model(model, refresh=True, progress=progress)
+
+
+def _note(text: str, progress: bool) -> None:
+    if progress:
+        print(f"[arborspec] note: {text}", file=sys.stderr, flush=True)
+
+
+def profile_path(model):
+    """Where `profile_model` keeps `model`'s curve (it may not exist yet)."""
+    return record_path("cost", profile_key(model))
+
+
+# ---- pictures -------------------------------------------------------------------------------------------------------
+def plot_profile(sizes, times, model: RuntimeModel, out: str, title: str = "", n1: int = 5) -> str:
+    """Two panels: measured t(N) with the fitted curve, and the required tau2/tau1 against N2 for N1 = n1 (STree
+    Fig. 2)."""
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    grid = np.linspace(min(sizes), max(sizes), 200)
+    ax1.plot(sizes, [t * 1e3 for t in times], "o", label="measured (median)")
+    ax1.plot(grid, [model(g) * 1e3 for g in grid], "-", label=model.describe())
+    ax1.set_xlabel("tree tokens N")
+    ax1.set_ylabel("forward time (ms)")
+    ax1.legend(fontsize=8)
+    ax1.set_title(title or "forward cost")
+    n2 = np.arange(n1, max(max(sizes), n1 + 1) + 1)
+    ax2.plot(n2, [required_tau_ratio(model, n1, x) for x in n2])
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    ax2.set_xlabel("larger tree N2")
+    ax2.set_ylabel(f"required tau2 / tau1 (N1 = {n1})")
+    ax2.set_title("a larger tree pays above this curve")
+    save_figure(fig, out, dpi=120)
+    return out
+
+
+def plot_pair(target: CostCurve, draft: CostCurve, out: str, title: str = "") -> str:
+    """The auto policy's cost model: t(n) of the target and d(w) of the draft, absolute and relative to t(1)."""
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    for curve, label in ((target, "target t(n): verify n tree tokens"), (draft, "draft d(n): one layer of n nodes")):
+        grid = np.arange(1, max(curve.sizes) + 1)
+        ax1.plot(curve.sizes, [t * 1e3 for t in curve.times], "o")
+        ax1.plot(grid, curve(grid) * 1e3, "-", label=label)
+        ax2.plot(grid, curve(grid) / target(1), "-", label=label.split(":")[0])
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("tokens n")
+    ax1.set_ylabel("ms per call")
+    ax1.legend(fontsize=8)
+    ax1.set_title(title or "cost profile")
+    ax2.set_xscale("log", base=2)
+    ax2.axhline(1.0, color="grey", lw=0.5)
+    ax2.set_xlabel("tokens n")
+    ax2.set_ylabel("cost / target t(1)")
+    ax2.legend(fontsize=8)
+    save_figure(fig, out, dpi=120)
+    return out

@@ -1,0 +1,164 @@
+"""Which draft variant to run (`--draft-quant auto`, the CLI default): chosen by measurement on this machine.
+
+A quantized draft is cheaper per call but agrees less often with the target; which wins depends on the CPU, the
+thread count and the pair, so arborspec measures instead of guessing. For every variant (bf16 as loaded, int8, and
+int4 when torchao is installed) it measures
+
+- the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
+- top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
+  (reference_texts.reference_texts(): a reference file and the default prompts; one forward of each model, no generation),
+
+and scores it by the best chain it would allow. With per-position agreement a (treated as independent), a chain of
+depth k commits 1 + a + a^2 + ... + a^k tokens per step and costs k draft calls plus one target forward over k + 1
+tokens, so
+
+    score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
+
+with t(n) the target's profiled cost. The variant with the highest score is the default; the whole record (curves,
+agreement, scores, the choice) is cached beside the cost profiles under the pair's key, and `arborspec profile
+--pair` prints and plots it.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import torch
+
+from ..core.disk_cache import read_record, write_record
+from ..viz.canvas import pyplot, save_figure
+from .costs import profile_key, profile_model
+from .draft_levers import QUANT_MODES, TORCHAO_HINT, prepare_draft
+from .reference_texts import reference_texts
+
+MAX_CHAIN = 16
+
+
+def reference_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
+
+
+@torch.inference_mode()
+def agreement(target, draft, texts: list[list[int]], k: int = 4) -> tuple[float, float]:
+    """(top-1 agreement, top-k coverage) of `draft` against `target`'s argmax, teacher-forced on token-id lists."""
+    hits = cover = total = 0
+    for ids in texts:
+        if len(ids) < 2:
+            continue
+        x = torch.tensor([ids])
+        t_logits, d_logits = target(input_ids=x).logits[0, :-1], draft(input_ids=x).logits[0, :-1]
+        vocab = min(t_logits.shape[-1], d_logits.shape[-1])  # padding rows past the tokenizer may differ
+        want = t_logits[:, :vocab].float().argmax(-1)  # (positions,)
+        top = d_logits[:, :vocab].float().topk(k, dim=-1).indices  # (positions, k)
+        hits += int((top[:, 0] == want).sum())
+        cover += int((top == want[:, None]).any(-1).sum())
+        total += len(want)
+    if not total:
+        raise ValueError("the agreement reference text is empty")
+    return hits / total, cover / total
+
+
+def chain_score(a: float, d1: float, t) -> tuple[float, int]:
+    """(tokens per second, depth) of the best chain under per-position agreement `a` (see the module docstring)."""
+    best = (1.0 / t(1), 0)
+    for k in range(1, MAX_CHAIN + 1):
+        tokens = sum(a**i for i in range(k + 1))
+        best = max(best, (tokens / (k * d1 + t(k + 1)), k))
+    return best
+
+
+def available_variants() -> list[str]:
+    """The quantization modes this installation can run: int4 needs the optional torchao (imported only here and
+    in `draft_levers.quantize`: it is slow to import and may be absent)."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return [q for q in QUANT_MODES if q != "int4"]
+    return list(QUANT_MODES)
+
+
+def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
+    """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
+    `profile_kw` (sizes, prefix, repeats) goes to `profile.profile_model`."""
+    t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
+    texts = reference_ids(target.tokenizer)
+    variants = {}
+    for quant in available_variants():
+        if progress:
+            print(f"[arborspec] measuring the {quant} draft ...", file=sys.stderr, flush=True)
+        try:
+            variants[quant] = _measure_variant(target, draft, quant, t_curve, texts, progress, refresh, profile_kw)
+        except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
+            if quant == "none":
+                raise
+            variants[quant] = dict(unavailable=f"{type(err).__name__}: {err}")
+    if "int4" not in variants:
+        variants["int4"] = dict(unavailable=TORCHAO_HINT)
+    choice = max((q for q in variants if "score" in variants[q]), key=lambda q: variants[q]["score"])
+    return dict(choice=choice, variants=variants, target_sizes=list(t_curve.sizes),
+                target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
+
+
+def _measure_variant(target, draft, quant, t_curve, texts, progress, refresh, profile_kw) -> dict:
+    start = time.perf_counter()
+    prepared = prepare_draft(copy.deepcopy(draft), quant, progress=progress).model if quant != "none" else draft.model
+    prep = time.perf_counter() - start
+    d_curve, _ = profile_model(prepared, refresh=refresh, progress=progress, **profile_kw)
+    top1, top4 = agreement(target.model, prepared, texts)
+    score, depth = chain_score(top1, d_curve(1), t_curve)
+    return dict(draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times), agreement=top1, coverage4=top4,
+                score=score, best_chain=depth, prepare_seconds=prep)
+
+
+def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = False,
+                       **profile_kw) -> tuple[str, dict, str]:
+    """(quant, record, source): the measured best variant for this pair on this machine, from the cache when the
+    pair, dtype, thread count, machine and library versions are unchanged ('cache'), else measured ('measured')."""
+    key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
+           "variants": available_variants()}
+    record = None if refresh else read_record("draft-quant", key)
+    if record is not None and record.get("choice") in QUANT_MODES:
+        return record["choice"], record, "cache"
+    record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
+    write_record("draft-quant", key, record)
+    return record["choice"], record, "measured"
+
+
+def describe(record: dict) -> list[str]:
+    """Table rows: one line per variant, side by side."""
+    rows = [f"{'variant':>8} {'d(1) ms':>8} {'d(8) ms':>8} {'d(32) ms':>9} {'top-1 agree':>11} {'top-4 cover':>11} "
+            f"{'best chain':>10} {'est. tok/s':>10}"]
+    for quant, v in record["variants"].items():
+        if "unavailable" in v:
+            rows.append(f"{quant:>8}  unavailable: {v['unavailable']}")
+            continue
+        d = dict(zip(v["draft_sizes"], v["draft_times"]))
+        cell = lambda n: f"{d[n] * 1e3:.1f}" if n in d else "-"  # noqa: E731
+        mark = "  <- default" if quant == record["choice"] else ""
+        rows.append(f"{quant:>8} {cell(1):>8} {cell(8):>8} {cell(32):>9} {v['agreement']:11.3f} "
+                    f"{v['coverage4']:11.3f} {v['best_chain']:10d} {v['score']:10.2f}{mark}")
+    return rows
+
+
+def plot_variants(record: dict, out: str, title: str = "") -> str:
+    """Draft cost curves of every variant beside the target's, and agreement vs. cost per drafted token."""
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
+    ax1.plot(record["target_sizes"], [t * 1e3 for t in record["target_times"]], "k-o", label="target t(n)")
+    for quant, v in record["variants"].items():
+        if "unavailable" in v:
+            continue
+        ax1.plot(v["draft_sizes"], [t * 1e3 for t in v["draft_times"]], "-o", label=f"draft {quant} d(n)")
+        ax2.scatter(v["draft_times"][0] * 1e3, v["agreement"], s=40)
+        ax2.annotate(f"{quant} (top-4 {v['coverage4']:.2f})", (v["draft_times"][0] * 1e3, v["agreement"]),
+                     fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("tokens per call n")
+    ax1.set_ylabel("ms per call")
+    ax1.legend(fontsize=8)
+    ax1.set_title(title or "draft variants: cost per call")
+    ax2.set_xlabel("draft ms per token, d(1)")
+    ax2.set_ylabel("top-1 agreement with the target")
+    ax2.set_title(f"default: {record['choice']}")
+    save_figure(fig, out, dpi=120)
+    return out

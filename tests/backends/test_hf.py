@@ -1,0 +1,106 @@
+"""The tree-masked forward equals per-path causal forwards, and compaction leaves an exact cache."""
+import random
+
+import pytest
+import torch
+
+from arborspec.backends.hf import TreeSession, check_cache_support
+from arborspec.core.tree import TokenTree
+from tests.conftest import tiny_model
+
+
+def random_tree(rng, root, n, vocab=56):
+    tree = TokenTree.root(root)
+    for _ in range(n - 1):
+        tree.add(rng.randrange(len(tree)), rng.randrange(2, vocab))
+    return tree
+
+
+def reference_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_forward_equals_path_forwards(arch, attn):
+    model = tiny_model(arch, attn=attn)
+    rng = random.Random(hash((arch, attn)) % 1000)
+    for trial in range(3):
+        context = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 12))]
+        tree = random_tree(rng, context[-1], rng.randrange(1, 24))
+        session = TreeSession(model)
+        if trial == 1 and len(context) > 2:
+            session.prefill(context[:2])  # some of the prompt cached, the rest pending
+        logits = session.forward(context, tree, list(range(len(tree))))
+        for node in range(len(tree)):
+            path = context[:-1] + [tree.tokens[i] for i in tree.path(node)]
+            torch.testing.assert_close(logits[node], reference_logits(model, path), atol=2e-5, rtol=1e-4)
+
+
+def test_layer_by_layer_forward_equals_one_pass(arch):
+    """The draft grows its tree over several calls; that must give the same logits as one pass."""
+    model = tiny_model(arch)
+    rng = random.Random(7)
+    context = [rng.randrange(2, 56) for _ in range(5)]
+    tree = random_tree(rng, context[-1], 20)
+    whole = TreeSession(model).forward(context, tree, list(range(len(tree))))
+    session, parts = TreeSession(model), []
+    for depth in range(tree.depth + 1):
+        layer = [i for i in range(len(tree)) if tree.depths[i] == depth]
+        parts.append((layer, session.forward(context, tree, layer)))
+    for layer, logits in parts:
+        torch.testing.assert_close(logits, whole[layer], atol=2e-5, rtol=1e-4)
+
+
+def test_commit_compacts_to_the_accepted_path(arch):
+    model = tiny_model(arch)
+    rng = random.Random(3)
+    context = [rng.randrange(2, 56) for _ in range(6)]
+    session = TreeSession(model)
+    for _ in range(4):  # several steps, each accepting a random path
+        tree = random_tree(rng, context[-1], 15)
+        session.forward(context, tree, list(range(len(tree))))
+        path = tree.path(rng.randrange(len(tree)))
+        session.commit(path)
+        context = context + [tree.tokens[i] for i in path[1:]] + [rng.randrange(2, 56)]
+        assert session.cached == context[:-1]
+        assert session.cache.get_seq_length() == len(context) - 1
+        nxt = session.forward(context, TokenTree.root(context[-1]), [0])[0]
+        torch.testing.assert_close(nxt, reference_logits(model, context), atol=2e-5, rtol=1e-4)
+        session.commit([0])
+        context.append(rng.randrange(2, 56))
+
+
+def test_renumber_then_commit_keeps_exactly_the_path(arch):
+    """A policy that prunes after drafting (WETAP) renumbers the region; commit must still drop every other row,
+    including the pruned nodes' KV and when the kept path happens to sit in the region's first rows."""
+    model = tiny_model(arch)
+    context = [5, 9, 13, 2]
+    tree = TokenTree.from_parents([2, 7, 8, 11, 12], [-1, 0, 1, 0, 3])  # 0 -> 1 -> 2 and 0 -> 3 -> 4
+    session = TreeSession(model)
+    session.forward(context, tree, list(range(len(tree))))  # five rows in the region
+    session.renumber([0, 1, 2])  # the policy kept the chain 0 -> 1 -> 2 (the region's first three rows)
+    assert session.has(2) and not session.has(3) and session.tree.tokens == [2, 7, 8]
+    session.commit([0, 1, 2])
+    context = context + [7, 8, 30]
+    assert session.cached == context[:-1] and session.cache.get_seq_length() == len(context) - 1
+    nxt = session.forward(context, TokenTree.root(context[-1]), [0])[0]
+    torch.testing.assert_close(nxt, reference_logits(model, context), atol=2e-5, rtol=1e-4)
+
+
+def test_out_of_sync_context_is_refused():
+    model = tiny_model("llama")
+    session = TreeSession(model)
+    session.prefill([3, 4, 5])
+    with pytest.raises(RuntimeError, match="out of sync"):
+        session.forward([9, 9, 9, 9], TokenTree.root(9), [0])
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="sliding"):
+        check_cache_support(model)

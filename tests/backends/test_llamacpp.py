@@ -1,0 +1,547 @@
+"""The llama.cpp backend (backends/llamacpp.py) on tiny random Qwen2 GGUFs written by tests/backends/tiny_gguf.py.
+
+What is proved, and against what:
+ (a) a tree forwarded in one batch == each root-to-node path forwarded as a plain chain on a fresh session;
+ (b) forwarding layer by layer, in odd orders, or split into several llama_decode calls == one batch;
+ (c) commit keeps exactly the accepted path: continuing == a fresh session prefilled with the committed tokens, and
+     no KV cell or sequence survives a step (the cache's state size equals the fresh session's);
+ (d) the same GGUF in transformers through hf.TreeSession gives close logits;
+ (e) greedy speculative decoding on llama.cpp target + draft == plain `ar` decoding on llama.cpp, token for token;
+ (f) bad files and options give one-line ValueErrors.
+llama.cpp computes a token's logits with kernels that depend on the batch size, so "==" is within a tolerance,
+never bitwise. Most tests use an f32 KV cache, where logits of magnitude ~10 agree to ~5e-6 (ATOL); with the default
+f16 cache tree and chain agree to ~2e-3, with flash attention to ~4e-6: checked once each.
+"""
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+
+from arborspec.backends import make_session
+from arborspec.backends.hf import TreeSession
+from arborspec.backends.llamacpp import LlamaCppSession, load_llamacpp, load_llamacpp_pair, read_gguf_info
+from arborspec.backends.session import Session
+from arborspec.core.tree import TokenTree, dfs_order
+
+from .tiny_gguf import EOS, VOCAB, write_tiny_gguf
+
+ATOL = 3e-5  # F32 weights, f32 KV cache: same cells, kernels chosen by batch size (measured worst: 4.3e-6)
+LOOSER = {"default": 5e-3, "flash": 1e-4}  # f16 KV cache, flash off (measured 2.0e-3) / on (measured 3.8e-6)
+
+try:
+    import llama_cpp  # noqa: F401
+
+    HAVE_LLAMA = True
+except ImportError:
+    HAVE_LLAMA = False
+needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed")
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    write_tiny_gguf(d / "target.gguf")
+    write_tiny_gguf(d / "draft.gguf", noise=0.3)
+    write_tiny_gguf(d / "q8.gguf", dtype="q8_0")
+    return d
+
+
+@pytest.fixture(scope="module")
+def target(gguf_dir):
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    yield model
+    model.close()
+
+
+def random_tree(rng: random.Random, root: int, n: int, max_children: int = 3) -> TokenTree:
+    """A random tree of `n` nodes stored parents-first, with random tokens."""
+    tree = TokenTree.root(root)
+    while len(tree) < n:
+        parent = rng.randrange(len(tree))
+        if len(tree.children(parent)) < max_children:
+            tree.add(parent, rng.randrange(VOCAB))
+    return tree
+
+
+def chain_logits(model, context: list[int], tokens: list[int], new_session=make_session) -> torch.Tensor:
+    """Logits after `tokens` (tokens[0] == context[-1]) forwarded as a plain sequence on a fresh session (of any
+    backend: test_native reuses it; `new_session(model)` makes it)."""
+    session = new_session(model)
+    session.prefill(context[:-1])
+    chain = TokenTree.from_parents(tokens, [-1] + list(range(len(tokens) - 1)))
+    return session.forward(context, chain, list(range(len(chain))))[-1]
+
+
+def assert_paths_match_chains(model, context: list[int], tree: TokenTree, logits: torch.Tensor, atol: float) -> None:
+    """Every node's row of a tree forward equals the last logits of its root-to-node path run as a plain chain."""
+    for node in range(len(tree)):
+        ref = chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
+        torch.testing.assert_close(logits[node], ref, atol=atol, rtol=0)
+
+
+def cells_state_size(session: LlamaCppSession) -> int:
+    """Bytes llama.cpp would save for every non-empty KV cell: equal sizes <=> equal cell contents' shapes."""
+    return session.lib.llama_state_seq_get_size(session.ctx, -1)
+
+
+# ------------------------------------------------------------------------------------- (a) tree == path chains
+
+
+@needs_llama
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+@pytest.mark.parametrize("prefilled", [9, 5])  # 5: four committed tokens ride along as pending in the tree batch
+def test_tree_forward_equals_each_path_as_a_chain(target, order, prefilled):
+    rng = random.Random(1)
+    context = [rng.randrange(VOCAB) for _ in range(10)]
+    tree = random_tree(rng, context[-1], 24)
+    if order == "dfs":
+        tree = tree.permute(dfs_order(tree))
+    session = target.new_session()
+    session.prefill(context[:prefilled])
+    logits = session.forward(context, tree, list(range(len(tree))))
+    assert logits.shape == (len(tree), VOCAB) and logits.dtype == torch.float32
+    assert session.cached == context[:-1]
+    assert_paths_match_chains(target, context, tree, logits, ATOL)
+    # the tree is not trivially flat: siblings with different parents' paths get different logits
+    assert (logits[1:] - logits[0]).abs().amax() > 1.0
+
+
+@needs_llama
+@pytest.mark.parametrize("setting", ["default", "flash"])
+def test_tree_forward_equals_path_chains_under_default_and_flash_settings(gguf_dir, setting):
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, flash_attn=setting == "flash")
+    rng = random.Random(10)
+    context = [rng.randrange(VOCAB) for _ in range(12)]
+    tree = random_tree(rng, context[-1], 16)
+    session = model.new_session()
+    session.prefill(context[:-1])
+    assert_paths_match_chains(model, context, tree, session.forward(context, tree, list(range(len(tree)))),
+                              LOOSER[setting])
+
+
+@needs_llama
+def test_quantized_tree_forward_equals_path_chains(gguf_dir):
+    model = load_llamacpp(gguf_dir / "q8.gguf", n_threads=1, kv_type="f32")
+    assert model.dtype == "gguf-q8_0"
+    rng = random.Random(2)
+    context = [rng.randrange(VOCAB) for _ in range(8)]
+    tree = random_tree(rng, context[-1], 16)
+    session = model.new_session()
+    session.prefill(context[:-1])
+    logits = session.forward(context, tree, list(range(len(tree))))
+    assert_paths_match_chains(model, context, tree, logits, ATOL)  # Q8_0 dots are integer: measured 0.0
+
+
+# ---------------------------------------------------------------------------- (b) layers / odd orders / chunks
+
+
+def parents_first_shuffle(tree: TokenTree, rng: random.Random) -> list[int]:
+    """A random order of all nodes in which every parent precedes its children (later siblings often first)."""
+    ready, order = [0], []
+    while ready:
+        node = ready.pop(rng.randrange(len(ready)))
+        order.append(node)
+        ready += tree.children(node)
+    return order
+
+
+@needs_llama
+@pytest.mark.parametrize("how", ["layers", "shuffled", "singles"])
+def test_forwarding_in_pieces_equals_one_batch(target, how):
+    rng = random.Random(3)
+    context = [rng.randrange(VOCAB) for _ in range(12)]
+    tree = random_tree(rng, context[-1], 20)
+    whole = target.new_session()
+    whole.prefill(context[:6])  # pending tokens ride in front of the first piece too
+    ref = whole.forward(context, tree, list(range(len(tree))))
+    if how == "layers":  # a drafting policy: one call per depth
+        pieces = [[n for n in range(len(tree)) if tree.depths[n] == d] for d in range(tree.depth + 1)]
+    else:
+        order = parents_first_shuffle(tree, rng)
+        if how == "singles":
+            pieces = [[n] for n in order]
+        else:
+            cuts = sorted(rng.sample(range(1, len(order)), 4))
+            pieces = [order[a:b] for a, b in zip([0] + cuts, cuts + [len(order)])]
+    session = target.new_session()
+    session.prefill(context[:6])
+    for piece in pieces:
+        # a piece may list a node before its parent within the piece only if parents-first: sort by storage index
+        piece = sorted(piece)
+        logits = session.forward(context, tree, piece)
+        torch.testing.assert_close(logits, ref[piece], atol=ATOL, rtol=0)
+        assert all(session.has(n) for n in piece)
+    assert session.forwards == len(pieces) + 1  # + the prefill
+
+
+@needs_llama
+def test_forward_longer_than_n_batch_is_split(gguf_dir, target):
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_batch=7, kv_type="f32")
+    rng = random.Random(4)
+    context = [rng.randrange(VOCAB) for _ in range(30)]
+    tree = random_tree(rng, context[-1], 25)
+    ref_session = target.new_session()
+    ref_session.prefill(context[:-1])
+    ref = ref_session.forward(context, tree, list(range(len(tree))))
+    session = small.new_session()
+    session.prefill(context[:3])  # 26 pending tokens + 25 nodes: 8 decodes of <= 7 tokens
+    logits = session.forward(context, tree, list(range(len(tree))))
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    assert session.forwards == 1 + 8
+
+
+# ------------------------------------------------------------------------------------------------- (c) commit
+
+
+def assert_clean(session: LlamaCppSession, reference: LlamaCppSession) -> None:
+    """Only the committed tokens are in the cache: sequence 0 holds positions 0..n-1, no other sequence has a cell,
+    and the cache would save exactly as much as a fresh session prefilled with the same tokens."""
+    lib, mem, n = session.lib, session.mem, len(session.cached)
+    assert session.cached == reference.cached
+    assert lib.llama_memory_seq_pos_min(mem, 0) == 0 and lib.llama_memory_seq_pos_max(mem, 0) == n - 1
+    assert all(lib.llama_memory_seq_pos_max(mem, s) == -1 for s in range(1, session.model.n_seq_max))
+    assert cells_state_size(session) == cells_state_size(reference)
+
+
+@needs_llama
+def test_commit_keeps_exactly_the_accepted_path(target):
+    rng = random.Random(5)
+    context = [rng.randrange(VOCAB) for _ in range(6)]
+    session = target.new_session()
+    session.prefill(context[:-1])
+    for step in range(8):
+        tree = random_tree(rng, context[-1], rng.randrange(1, 30))
+        pieces = [list(range(len(tree)))] if step % 2 else \
+            [[n for n in range(len(tree)) if tree.depths[n] == d] for d in range(tree.depth + 1)]
+        for piece in pieces:
+            session.forward(context, tree, piece)
+        accepted = tree.path(rng.randrange(len(tree)))
+        session.commit(accepted)
+        context += [tree.tokens[n] for n in accepted[1:]] + [rng.randrange(VOCAB)]  # + a bonus token
+        reference = target.new_session()
+        reference.prefill(session.cached)
+        assert_clean(session, reference)
+        probe = random_tree(rng, context[-1], 6)  # continuing == the fresh session (pending bonus rides along)
+        torch.testing.assert_close(session.forward(context, probe, list(range(6))),
+                                   reference.forward(context, probe, list(range(6))), atol=ATOL, rtol=0)
+        session.commit([0])
+        reference.commit([0])
+        context.append(rng.randrange(VOCAB))
+        assert_clean(session, reference)
+
+
+@needs_llama
+def test_commit_of_nothing_and_of_the_root_only(target):
+    context = [3, 1, 4, 1, 5]
+    session = target.new_session()
+    session.prefill(context[:-1])
+    session.commit([])  # a draft that forwarded nothing this step
+    assert session.cached == context[:-1]
+    tree = random_tree(random.Random(6), context[-1], 10)
+    session.forward(context, tree, list(range(10)))
+    session.commit([0])
+    reference = target.new_session()
+    reference.prefill(context)
+    assert_clean(session, reference)
+
+
+@needs_llama
+def test_steps_do_not_leak_cells_up_to_a_full_window(gguf_dir):
+    """The context gets 96 + 16 cells, rounded up to 256 by llama.cpp. Steps of 16-node trees forward more nodes in
+    all than that, and the committed tokens still grow to fill it: no cell of a dropped branch survives a step (a
+    leak of one cell per step would overflow the cache: llama_decode returns 1, a RuntimeError here)."""
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=96, n_batch=16)
+    rng = random.Random(7)
+    context = [rng.randrange(VOCAB)]
+    session = model.new_session()
+    cells = session.lib.llama_n_ctx(session.ctx)  # what llama.cpp allocated (n_ctx + n_batch, rounded up to 256)
+    steps = 0
+    while len(context) < cells - 20:
+        tree = random_tree(rng, context[-1], 16)
+        session.forward(context, tree, list(range(16)))
+        path = tree.path(rng.choice([n for n in range(16) if tree.depths[n] <= 1]))
+        session.commit(path)
+        context += [tree.tokens[n] for n in path[1:]] + [rng.randrange(VOCAB)]
+        steps += 1
+    assert steps * 16 > cells  # without the cleanup the cells would have run out long ago
+    assert session.lib.llama_memory_seq_pos_max(session.mem, 0) == len(context) - 2
+
+
+@needs_llama
+def test_renumber_follows_a_pruned_tree(target):
+    rng = random.Random(8)
+    context = [rng.randrange(VOCAB) for _ in range(7)]
+    tree = random_tree(rng, context[-1], 15)
+    session = target.new_session()
+    session.prefill(context[:-1])
+    session.forward(context, tree, list(range(len(tree))))
+    keep = sorted(rng.sample(range(1, len(tree)), 9))
+    kept = [0] + [n for n in keep if all(a in [0] + keep for a in tree.path(n))]
+    pruned = tree.select(kept)
+    session.renumber(kept)
+    assert all(session.has(i) for i in range(len(pruned))) and not session.has(len(pruned))
+    assert session.tree.tokens == pruned.tokens and session.tree.parents == pruned.parents
+    path = pruned.path(len(pruned) - 1)
+    session.commit(path)
+    reference = target.new_session()
+    reference.prefill(context[:-1] + [pruned.tokens[n] for n in path])
+    assert_clean(session, reference)
+
+
+@needs_llama
+@pytest.mark.parametrize("n_seq_max", [4, 9, 17])  # 1, 2 and 4 sequences evicted per scan
+def test_scarce_sequences_evict_dead_branches_and_restore_them(gguf_dir, target, n_seq_max):
+    """n_seq_max - 1 branch sequences; drafting a wide tree node by node evicts branches (moving nodes that a later
+    branch also holds, dropping dead ends), and a later forward under a dropped node forwards it again first.
+    Logits and the committed cache stay exact."""
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_seq_max=n_seq_max, kv_type="f32")
+    rng = random.Random(11)
+    context = [rng.randrange(VOCAB) for _ in range(9)]
+    tree = random_tree(rng, context[-1], 80, max_children=4)
+    full = target.new_session()
+    full.prefill(context[:-1])
+    ref = full.forward(context, tree, list(range(len(tree))))
+    session = small.new_session()
+    session.prefill(context[:-1])
+    for node in parents_first_shuffle(tree, rng):  # one node per call: at most one new branch each
+        torch.testing.assert_close(session.forward(context, tree, [node]), ref[[node]], atol=ATOL, rtol=0)
+    assert len(session.slot) < len(tree)  # some branches were evicted...
+    evicted = max(n for n in range(len(tree)) if not session.has(n))
+    child = tree.add(evicted, 9)  # ...and growing under one restores its path
+    logits = session.forward(context, tree, [child])
+    torch.testing.assert_close(logits[0], chain_logits(target, context, [tree.tokens[n] for n in tree.path(child)]),
+                               atol=ATOL, rtol=0)
+    assert all(session.has(n) for n in tree.path(child))
+    session.commit(tree.path(child))
+    reference = small.new_session()
+    reference.prefill(session.cached)
+    assert_clean(session, reference)
+    wide = TokenTree.from_parents([4, 1, 2, 3, 4, 6], [-1, 0, 0, 0, 0, 0])  # 5 branches in one call
+    if n_seq_max == 4:
+        with pytest.raises(ValueError, match="one forward needs more than 3 branches"):
+            small.new_session().forward([4], wide, list(range(6)))
+
+
+# --------------------------------------------------------------------------------------- (d) numerics vs torch
+
+
+@needs_llama
+def test_logits_agree_with_transformers_on_the_same_gguf(gguf_dir, target):
+    from arborspec.loading import load_model
+
+    hf = load_model(str(gguf_dir / "target.gguf"), dtype="fp32", progress=False).model
+    rng = random.Random(9)
+    context = [rng.randrange(VOCAB) for _ in range(20)]
+    tree = random_tree(rng, context[-1], 16)
+    ours, theirs = target.new_session(), TreeSession(hf)
+    ours.prefill(context[:10])
+    theirs.prefill(context[:10])
+    a = ours.forward(context, tree, list(range(len(tree))))
+    b = theirs.forward(context, tree, list(range(len(tree))))
+    # f32 weights and KV cache on both sides: measured 8.6e-6 on logits up to ~20
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------ (e) end to end
+
+
+@needs_llama
+@pytest.mark.parametrize("method,options", [("chain", {"k": 4}), ("static", {"depth": 3, "branch": 2}),
+                                            ("dyspec", {"budget": 12}), ("wetap", {"budget": 16})])
+def test_greedy_speculative_output_equals_plain_decoding(gguf_dir, method, options):
+    from arborspec.engine import SpeculativeDecoder
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1)
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1)
+    prompt = "def fib(n):\n    return"
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=48, ignore_eos=True)
+    again = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=48, ignore_eos=True)
+    assert again.token_ids == ar.token_ids  # greedy llama.cpp decoding is deterministic
+    spec = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=48,
+                                                                                 ignore_eos=True)
+    assert spec.token_ids == ar.token_ids and spec.text == ar.text
+    assert spec.stats.n_steps < ar.stats.n_steps  # the noisy draft is accepted sometimes
+    assert len(set(ar.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_loop_equals_the_general_loop(gguf_dir, temperature):
+    """The engine's plain loop (`ar`, `auto` when no tree pays: one llama_decode and one pick a step, the prompt in
+    the first decode) commits what draft -> verify -> commit does with root-only trees, greedy and seeded."""
+    from arborspec.engine import SpeculativeDecoder
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    prompt = "def fib(n):\n    return"
+    for seed in range(2):
+        plain = SpeculativeDecoder(target, method="ar", temperature=temperature)
+        plain.verifier.verify = lambda *args: pytest.fail("the plain loop runs no verifier")
+        general = SpeculativeDecoder(target, method="ar", temperature=temperature)
+        general.policy.plain = False  # the same policy, stepped through draft -> verify -> commit
+        a = plain.generate(prompt, max_new_tokens=32, seed=seed, ignore_eos=True)
+        b = general.generate(prompt, max_new_tokens=32, seed=seed, ignore_eos=True)
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert len(set(a.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
+def test_pair_tokenizer_and_model_attributes(gguf_dir):
+    pair = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_ctx=128)
+    model = pair.model
+    assert model.config.vocab_size == VOCAB == len(pair.tokenizer)
+    assert model.config.max_position_embeddings == 128 and model.config.model_type == "qwen2"
+    assert model.generation_config.eos_token_id == EOS == pair.tokenizer.eos_token_id
+    assert model.n_threads == 1 and isinstance(model.dtype, str)
+    assert isinstance(model.new_session("draft"), Session) and make_session(model, "draft").role == "draft"
+    assert model.fingerprint() == load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=128).fingerprint()
+    assert model.fingerprint() != load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64).fingerprint()
+    assert model.fingerprint() != load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=128,
+                                                flash_attn=True).fingerprint()
+    assert model.fingerprint() != load_llamacpp(gguf_dir / "draft.gguf", n_threads=1, n_ctx=128).fingerprint()
+
+
+# ------------------------------------------------------------------------------------------- (f) bad inputs
+
+
+@needs_llama
+def test_truncated_and_foreign_files_are_refused(tmp_path):
+    good = write_tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    cases = {"data-cut": (good[: len(good) - 1000], "is a truncated or corrupt GGUF file"),
+             "header-cut": (good[:200], "is a truncated or corrupt GGUF file"),
+             "text": (b"this is not a model\n" * 10, "is not a GGUF file \\(GGUF magic invalid\\)"),
+             "empty": (b"", "is a truncated or corrupt GGUF file")}
+    for name, (data, message) in cases.items():
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match=message):
+            load_llamacpp(tmp_path / f"{name}.gguf")
+    with pytest.raises(ValueError, match="GGUF file .* not found"):
+        load_llamacpp(tmp_path / "missing.gguf")
+
+
+@needs_llama
+def test_gguf_that_is_not_a_causal_lm_is_refused(tmp_path):
+    broken = write_tiny_gguf(tmp_path / "broken.gguf", skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match="llama.cpp could not load .*tensor 'blk.1.ffn_up.weight' not found"):
+        load_llamacpp(broken)
+    embedder = write_tiny_gguf(tmp_path / "embed.gguf", pooling=1)
+    assert read_gguf_info(embedder).embedding_model
+    with pytest.raises(ValueError, match="is an embedding model .*not a causal LM"):
+        load_llamacpp(embedder)
+    unknown = write_tiny_gguf(tmp_path / "unknown.gguf", arch="no-such-arch")
+    with pytest.raises(ValueError, match="llama.cpp could not load .*unknown model architecture: 'no-such-arch'"):
+        load_llamacpp(unknown)
+
+
+@needs_llama
+def test_bad_options_are_refused(gguf_dir):
+    path = gguf_dir / "target.gguf"
+    with pytest.raises(ValueError, match="larger than target.gguf's trained context \\(256"):
+        load_llamacpp(path, n_ctx=257)
+    for option, value in (("n_seq_max", 257), ("n_seq_max", 0), ("n_batch", 0), ("n_threads", 0),
+                          ("n_threads", 1.5), ("n_ctx", 1), ("kv_type", "q4_0")):
+        with pytest.raises(ValueError, match=option):
+            load_llamacpp(path, **{option: value})
+    assert load_llamacpp(path, n_threads=1).n_ctx == 256  # default: min(4096, trained)
+
+
+def test_missing_llama_cpp_module_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="needs llama-cpp-python==0.3.36 .*scripts/setup.sh. builds it"):
+        load_llamacpp(path)
+
+
+@needs_llama
+def test_close_frees_the_model_and_closes_its_sessions(gguf_dir):
+    from arborspec.backends import llamacpp
+
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64)
+    live, done = model.new_session(), model.new_session()
+    live.prefill([5, 6, 7])
+    done.close()  # its context goes back to the model, to be freed with it
+    assert model in llamacpp._OPEN and len(model._idle) == 1 and not model.closed
+    model.close()
+    assert model.closed and model not in llamacpp._OPEN and not model._idle and live.ctx is None
+    tree = TokenTree.from_parents([7], [-1])
+    with pytest.raises(RuntimeError, match="target session is closed"):
+        live.forward([5, 6, 7], tree, [0])  # a clear error, not a call into freed memory
+    with pytest.raises(RuntimeError, match="session is closed"):
+        live.commit([0])
+    with pytest.raises(ValueError, match="target.gguf is closed"):
+        model.new_session()
+    model.close()  # idempotent
+
+
+@needs_llama
+def test_models_left_open_are_closed_at_exit(gguf_dir, monkeypatch):
+    """close_all (registered with atexit) closes what is still open: at interpreter exit it runs before
+    llama-cpp-python's module is torn down, after which freeing would fail."""
+    import weakref
+
+    from arborspec.backends import llamacpp
+
+    model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=64)
+    session = model.new_session()
+    monkeypatch.setattr(llamacpp, "_OPEN", weakref.WeakSet([model]))  # not the other tests' open models
+    llamacpp.close_all()
+    assert model.closed and session.ctx is None and not llamacpp._OPEN
+
+
+def test_a_finished_sessions_context_is_reused_cleared(target):
+    """A new session takes the previous one's context (no 150 ms re-creation) with its KV cache emptied: what it
+    computes equals a first session's result, whatever the previous session left in the cells."""
+    first = chain_logits(target, [1, 2, 3, 4, 5], [5, 6, 7])
+    session = make_session(target, "target")
+    session.prefill([9, 9, 9, 9, 9, 9, 9, 9])  # leave unrelated cells behind
+    ctx = session.ctx
+    del session
+    reused = make_session(target, "target")
+    assert reused.ctx == ctx and len(reused.cached) == 0
+    assert cells_state_size(reused) == cells_state_size(make_session(target, "target"))
+    del reused
+    assert torch.allclose(chain_logits(target, [1, 2, 3, 4, 5], [5, 6, 7]), first, atol=1e-6)
+
+
+def exact_first_two(model, prompt: list[int], sampling) -> torch.Tensor:
+    """P(first two generated tokens) under the warped target, read from the model itself (llama.cpp here, any
+    backend's session): one forward after the prompt, and one after each first token the warp allows (top-k keeps
+    this to a handful)."""
+    def next_probs(context: list[int]) -> torch.Tensor:
+        session = make_session(model)
+        session.prefill(context[:-1])
+        root = TokenTree.from_parents([context[-1]], [-1])
+        return sampling.probs(session.forward(context, root, [0]))[0].double()
+
+    vocab = model.config.vocab_size
+    first = next_probs(prompt)
+    dist = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for t1 in torch.nonzero(first).flatten().tolist():
+        dist[t1 * vocab : (t1 + 1) * vocab] = first[t1] * next_probs(prompt + [t1])
+    return dist
+
+
+@pytest.mark.slow
+@needs_llama
+@pytest.mark.parametrize("method,options,verifier", [("chain", {"k": 2}, "sps"), ("dyspec", {"budget": 6}, "mbr"),
+                                                     ("static", {"depth": 2, "branch": 2}, "naive")])
+def test_sampled_speculative_output_follows_the_target_distribution(gguf_dir, method, options, verifier):
+    """At T = 1 (top-k 3, so the exact distribution of the first two tokens has few cells), the exact verifiers on
+    llama.cpp sessions emit the target's distribution: a chi-square test with enough samples to catch any error of
+    total variation 0.02 with probability 0.95."""
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.engine import SpeculativeDecoder
+    from tests.verify.harness import assert_same_distribution, plan_samples, sample_outputs
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, kv_type="f32")
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, kv_type="f32")
+    prompt = target.tokenizer("def fib(n):")["input_ids"]
+    sampling = SamplingConfig(1.0, 3, 1.0)
+    probs = exact_first_two(target.model, prompt, sampling)
+    dec = SpeculativeDecoder(target, draft, method=method, temperature=1.0, top_k=3, verifier=verifier, **options)
+    assert dec.verifier.name == verifier
+    counts = sample_outputs(dec, prompt, 2, plan_samples(probs), seed=11, max_new_tokens=3)
+    assert_same_distribution(counts, probs)

@@ -1,0 +1,107 @@
+"""What the engine reads off any model object, and the seam for backends that are not torch modules: a model that
+brings its own sessions (`new_session`) and offers only `config`, `generation_config`, `dtype` and `fingerprint()`."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.backends import check_session_support, make_session
+from arborspec.backends.model_info import check_pair, context_window, eos_ids
+from arborspec.core.tree import TokenTree
+from arborspec.tuning import costs
+from tests.conftest import tiny_model
+
+VOCAB = 40
+
+
+class EchoSession:
+    """A session whose next token is always (last token + 1) % VOCAB; the Session protocol, no torch model."""
+
+    def __init__(self, role):
+        self.role, self.cached, self.forwards = role, [], 0
+        self.tree, self.slot = None, {}
+
+    def prefill(self, ids):
+        self.cached.extend(ids)
+
+    def forward(self, context, tree: TokenTree, nodes):
+        if self.tree is not tree:
+            self.tree, self.slot = tree, {}
+        self.forwards += 1
+        logits = torch.zeros(len(nodes), VOCAB)
+        for i, n in enumerate(nodes):
+            self.slot[n] = len(self.slot)
+            logits[i, (tree.tokens[n] + 1) % VOCAB] = 10.0
+        return logits
+
+    def has(self, node):
+        return node in self.slot
+
+    def renumber(self, kept):
+        self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
+        self.tree = self.tree.select(kept)
+
+    def commit(self, path):
+        self.cached = self.cached + [self.tree.tokens[n] for n in path] if self.tree else self.cached
+        self.tree, self.slot = None, {}
+
+
+class NotTorchModel:
+    """What a llama.cpp model offers the engine."""
+
+    def __init__(self, window=64):
+        self.config = SimpleNamespace(vocab_size=VOCAB, max_position_embeddings=window, model_type="fake",
+                                      _name_or_path="fake-model")
+        self.generation_config = SimpleNamespace(eos_token_id=[7, 8])
+        self.dtype = "q4_k_m"
+        self.n_threads = 3
+
+    def fingerprint(self):
+        return "fake-fingerprint"
+
+    def new_session(self, role="target"):
+        return EchoSession(role)
+
+
+def test_context_window_and_eos_ids_read_any_config():
+    assert context_window(NotTorchModel(window=50)) == 50
+    gpt2 = SimpleNamespace(config=SimpleNamespace(n_positions=1024))
+    assert context_window(gpt2) == 1024 and context_window(SimpleNamespace(config=SimpleNamespace())) == 2**31
+    assert context_window(SimpleNamespace(config=SimpleNamespace()), default=0) == 0
+    assert eos_ids(NotTorchModel(), SimpleNamespace(eos_token_id=2)) == {2, 7, 8}
+    assert eos_ids(SimpleNamespace(), None) == set()
+
+
+class SizedTokenizer:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_check_pair_refuses_outputs_that_do_not_cover_the_tokenizer():
+    target = tiny_model("llama")
+    n = target.config.vocab_size
+    short = SimpleNamespace(config=SimpleNamespace(vocab_size=n - 1))
+    check_pair(target, target, SizedTokenizer(n))
+    check_pair(target, short, None)  # no tokenizer: the common rows are all there is
+    with pytest.raises(ValueError, match=rf"draft vocabulary \({n - 1}\) and target vocabulary \({n}\) do not cover"):
+        check_pair(target, short, SizedTokenizer(n))
+
+
+def test_a_model_that_brings_its_own_sessions_runs_through_the_engine_and_the_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    model = NotTorchModel()
+    check_session_support(model)  # accepted without looking for torch caches
+    assert isinstance(make_session(model, "draft"), EchoSession)
+    dec = SpeculativeDecoder(model, model, method="chain", k=3)
+    out = dec.generate([1, 2, 3], max_new_tokens=6)
+    assert out.token_ids == [4, 5, 6, 7]  # the echo chain, cut at the model's EOS (7)
+    assert out.stats.finish_reason == "eos" and out.stats.tokens_per_step > 1
+    curve, source = costs.profile_model(model, sizes=(1, 2, 4), repeats=1, prefix=8)
+    assert source == "measured" and len(curve.times) == 3
+    key = costs.profile_key(model)
+    assert key["threads"] == 3 and key["model"] == "fake-fingerprint" and key["dtype"] == "q4_k_m"
+    assert costs.profile_model(model, sizes=(1, 2, 4), repeats=1, prefix=8)[1] == "cache"

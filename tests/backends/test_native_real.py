@@ -1,0 +1,43 @@
+"""The native backend's C++ step on the real default pair (Qwen2.5-Coder 1.5B / 0.5B, Q4_K_M GGUFs): speculative
+decoding is token for token plain greedy decoding, for tree policies of every shape, with no near-tie allowance
+(each row is computed alone: kernels/forward.cpp)."""
+import os
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.backends.native_step import NativeSession
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
+
+PROMPTS = [
+    'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n',
+    "Explain what a hash map is, in two sentences.",
+]
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from arborspec.loading import load_model
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # tests/conftest.py runs the tiny models single-threaded
+    target = load_model("qwen2.5-coder-1.5b", backend="native", progress=False)
+    draft = load_model("qwen2.5-coder-0.5b", backend="native", progress=False)
+    yield target, draft
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("method,options", [("chain", {"k": 4}), ("static", {"depth": 3, "branch": 2}),
+                                            ("dyspec", {"budget": 16}), ("sequoia", {})])
+def test_speculation_on_the_step_is_plain_greedy_decoding(pair, method, options):
+    target, draft = pair
+    assert isinstance(target.model.new_session(), NativeSession)
+    for prompt in PROMPTS:
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+        res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=N_TOKENS,
+                                                                                   ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+        assert res.stats.tokens_per_step > 1.5  # the real draft is accepted most of the time

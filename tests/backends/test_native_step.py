@@ -1,0 +1,273 @@
+"""The native backend's C++ step (kernels/forward.cpp, backends/native_step.py) on tiny random GGUFs of every covered
+block type: its logits equal the Python forward's (backends/native_forward.py) up to float rounding, several sessions'
+rows in one call equal each session alone bit for bit, the cache operations (commit, truncate, fork) leave the state
+a fresh session reaches by prefilling the same tokens, and bad input is refused before the operator runs.
+
+Why "up to float rounding" against the Python forward, and not bit for bit: the two compute norms, rotary and
+attention in different float orders (~1e-7 relative), and the kernels round activations to 8 bits per block, so
+where an activation lands within that rounding of a step boundary the row moves by one 8-bit step (~1e-2 of the
+logit scale; tests/backends/test_native.py's module docstring has the measured figures). Within the C++ step, a row
+is computed alone through one code path, so exactness holds bit for bit (test_native.py (d) and (e)).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.backends import make_session, native_step
+from arborspec.backends.hf import TreeSession
+from arborspec.backends.native_step import ContextOverflow, NativeSession
+from arborspec.core.tree import TokenTree
+from arborspec.drafting import POLICIES
+from arborspec.loading import load_model
+
+from .test_llamacpp import random_tree
+from .test_native import EXACT, K_QUANT, STEP, row_errors
+from .tiny_gguf import VOCAB, write_tiny_gguf
+
+FILES = {
+    "q4_k": {"dtype": "q4_k", **K_QUANT},
+    "q6_k": {"dtype": "q6_k", **K_QUANT},
+    "q5_0": {"dtype": "q5_0", **K_QUANT},
+    "mixed": {"dtype": "mixed", **K_QUANT, "ffn": 288},
+    "llama": {"dtype": "mixed", **K_QUANT, "ffn": 288, "arch": "llama"},
+    "tied": {"dtype": "q4_k", **K_QUANT, "tied": True},
+    "short": {"dtype": "q5_0", "context": 24},  # a 24-token context window
+    "draft": {"dtype": "q4_k", **K_QUANT, "noise": 0.2},  # a noisy copy of q4_k
+}
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native-step")
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            path = write_tiny_gguf(root / f"{name}.gguf", **FILES[name])
+            loaded[name] = load_model(str(path), backend="native", progress=False)
+        return loaded[name]
+    return get
+
+
+def forward_tree(session, context: list[int], tree: TokenTree, prefilled: int, layers: int = 1) -> torch.Tensor:
+    """Prefill context[:prefilled], then forward the tree in `layers` calls (a drafting policy's level-by-level
+    calls), the pending context riding in front of the first: every node's logits (len(tree), vocab)."""
+    if prefilled:
+        session.prefill(context[:prefilled])
+    nodes = list(range(len(tree)))
+    cut = sorted({0, len(nodes), *random.Random(len(tree)).sample(range(1, max(2, len(nodes))), layers - 1)})
+    return torch.cat([session.forward(context, tree, nodes[a:b]) for a, b in zip(cut, cut[1:]) if b > a])
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q5_0", "mixed", "llama", "tied"])
+def test_the_step_equals_the_python_forward(native, name):
+    """Trees of 1..33 nodes with branching (in one call and over several), after prefixes of several lengths."""
+    model = native(name).model
+    rng = random.Random(11)
+    assert isinstance(make_session(model), NativeSession)
+    errors, same_top = [], []
+    for size in (1, 2, 5, 17, 33):
+        context = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))]
+        tree = random_tree(rng, context[-1], size)
+        prefilled = rng.randrange(0, len(context) - 1)
+        a = forward_tree(make_session(model), context, tree, prefilled, layers=1 + size // 8)
+        b = forward_tree(TreeSession(model), context, tree, prefilled)
+        errors.append(row_errors(a, b))
+        same_top.append(a.argmax(-1) == b.argmax(-1))
+    errors, same_top = torch.cat(errors), torch.cat(same_top)
+    assert errors.max() < STEP  # at most one activation step apart (see the module docstring)
+    assert (errors < EXACT).float().mean() >= 0.8
+    assert same_top.float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("method", [name for name in POLICIES if name != "ar"])
+def test_every_policy_decodes_greedily_as_plain_decoding_does(native, method):
+    """Token for token, with each policy's defaults, on the C++ step (target and draft)."""
+    target, draft = native("q4_k"), native("draft")
+    assert isinstance(make_session(target.model), NativeSession) and isinstance(make_session(draft.model), NativeSession)
+    prompt = [5, 71, 33, 9, 120, 4]
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=32, ignore_eos=True)
+    spec = SpeculativeDecoder(target, draft, method=method).generate(prompt, max_new_tokens=32, ignore_eos=True)
+    assert spec.token_ids == ar.token_ids and len(set(ar.token_ids)) > 3
+    if method not in ("auto", "suffix"):  # auto may decode plainly on models this small; suffix needs repeats
+        assert spec.stats.n_steps < ar.stats.n_steps
+
+
+def test_sessions_share_one_forward_and_get_the_bits_they_get_alone(native):
+    """Three sequences' prefills, then their trees (9, 1 and 5 nodes), each time as ONE operator call: every
+    session's logits and cache equal those of the same session run alone."""
+    model = native("mixed").model
+    rng = random.Random(3)
+    plans = []
+    for n_ctx, n_tree in ((12, 9), (3, 1), (7, 5)):
+        context = [rng.randrange(VOCAB) for _ in range(n_ctx)]
+        plans.append((context, random_tree(rng, context[-1], n_tree)))
+    alone = [make_session(model) for _ in plans]
+    together = [make_session(model) for _ in plans]
+    want = [s.forward(c, t, list(range(len(t)))) for s, (c, t) in zip(alone, plans)]
+    calls = []
+    for session, (context, tree) in zip(together, plans):  # record each session's call instead of running it
+        session._reserve(len(context) + len(tree))
+        calls.append(_step_call(session, context, tree))
+    got = model.forward.many([{"step": call} for call in calls])
+    for w, g in zip(want, got):
+        assert torch.equal(w, g), (w - g).abs().max()
+    for a, b in zip(alone, together):
+        used = len(a.cached) + a.region_len
+        assert torch.equal(a.keys[:, :, :used], b.keys[:, :, :used])
+    assert not torch.equal(got[0][0], got[2][0])  # the sequences really differ
+
+
+def _step_call(session: NativeSession, context, tree):
+    """The StepCall `session.forward` would make for the whole tree on an empty session (no state changed)."""
+    recorded = []
+    real = session.model.forward.step.run
+    session.model.forward.step.run = lambda calls: recorded.extend(calls) or [torch.zeros(len(c.keep), VOCAB) for c in calls]
+    try:
+        session.forward(context, tree, list(range(len(tree))))
+    finally:
+        session.model.forward.step.run = real
+    session.cached, session.slot, session.region_len, session.tree = [], {}, 0, None
+    return recorded[0]
+
+
+def test_commit_truncate_and_fork_leave_the_state_a_fresh_session_reaches(native):
+    """After committing a path that is not the region's first slots (a gather), the next forward equals that of a
+    fresh session that prefilled the same tokens; so after truncating, and on a fork, bit for bit."""
+    model = native("q4_k").model
+    rng = random.Random(7)
+    context = [rng.randrange(VOCAB) for _ in range(9)]
+    tree = random_tree(rng, context[-1], 12, max_children=2)
+    leaf = max(range(len(tree)), key=lambda n: (tree.depths[n], n))  # a deep node, late in the region
+    path = tree.path(leaf)
+    assert path != list(range(len(path)))  # its slots are not the region's first: commit must gather
+
+    session = make_session(model)
+    forward_tree(session, context, tree, 4, layers=3)
+    session.commit(path)
+    committed = context[:-1] + [tree.tokens[n] for n in path]
+    assert session.cached == committed
+
+    def next_logits(s, tokens: list[int], token: int) -> torch.Tensor:
+        return s.forward(tokens + [token], TokenTree.root(token), [0])
+
+    def fresh(tokens: list[int]) -> NativeSession:
+        s = make_session(model)
+        s.prefill(tokens)
+        return s
+
+    twin = session.fork()
+    token = rng.randrange(VOCAB)
+    want = next_logits(fresh(committed), committed, token)
+    assert torch.equal(next_logits(session, committed, token), want)
+    assert torch.equal(next_logits(twin, committed, token), want)  # the fork kept the state, and is its own
+    assert twin.keys.data_ptr() != session.keys.data_ptr()
+
+    session.commit([0])
+    session.truncate(6)
+    assert session.cached == committed[:6]
+    assert torch.equal(next_logits(session, committed[:6], token), next_logits(fresh(committed[:6]), committed[:6], token))
+
+
+def test_the_cache_grows_as_needed_and_positions_stop_at_the_context_window(native, monkeypatch):
+    monkeypatch.setattr(native_step, "FIRST_CAPACITY", 8)
+    model = native("short").model  # context window of 24 tokens
+    session = make_session(model)
+    rng = random.Random(0)
+    ids = [rng.randrange(VOCAB) for _ in range(24)]
+    session.prefill(ids[:20])
+    assert session.keys.shape[2] == 32  # 8, doubled twice
+    wide = TokenTree.from_parents([ids[20]] + ids[:19], [-1] + [0] * 19)  # 20 more entries, at positions 20..21
+    session.forward(ids[:21], wide, list(range(len(wide))))
+    assert session.keys.shape[2] == 64 and session.region_len == 20
+    session.commit([0])
+    deep = TokenTree.from_parents([ids[21]] + ids[:3], [-1, 0, 1, 2])  # positions 21..24: one too many
+    with pytest.raises(ContextOverflow, match="position 24 is past the model's context window of 24"):
+        session.forward(ids[:22], deep, list(range(len(deep))))
+    assert session.cached == ids[:21] and session.region_len == 0  # nothing ran
+
+
+def test_bad_input_is_refused_before_the_operator_and_by_it(native):
+    model = native("q4_k").model
+    session = make_session(model)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        session.prefill([1, VOCAB + 3])
+    assert session.cached == []
+    step = model.forward.step
+    session._reserve(4)
+    ids = torch.tensor([1, 2], dtype=torch.long)
+    cos = torch.zeros(2, step.head_dim)
+    long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    cases = {  # the operator itself: an error, never a crash
+        "writes past its cache": dict(at=long([0, 9999])),
+        "sees no key": dict(prefix=long([0, 0])),
+        "outside the vocabulary": dict(ids=long([1, 10**6])),
+        "must be ascending": dict(extra=long([3, 2]), offsets=long([0, 0, 2]), prefix=long([1, 1])),
+    }
+    for message, change in cases.items():
+        args = dict(ids=ids, cos=cos, sin=cos, keys=[session.keys], values=[session.values], seq=long([0, 0]),
+                    at=long([0, 1]), prefix=long([1, 2]), offsets=long([0, 0, 0]), extra=long([]), keep=long([1]))
+        args.update(change)
+        with pytest.raises(RuntimeError, match=message):
+            step.cpp.forward(*args.values())
+
+
+# ------------------------------------------------------------------------------------------ a pruned draft head
+
+
+def test_a_draft_with_a_pruned_head_keeps_greedy_and_sampled_output_exact(native):
+    """A native draft whose head leaves out the target's most likely first token (so the draft can never propose
+    it): greedy output is plain greedy decoding's, and at T = 1, top-k 3, the first two tokens of dyspec trees
+    verified by mbr follow the target's exact distribution (chi-square, power to catch a total variation of 0.1 with
+    probability 0.95)."""
+    from dataclasses import replace
+
+    from arborspec.backends.native import PrunedQuantHead, with_pruned_head
+    from arborspec.core.sampling import SamplingConfig
+    from tests.verify.harness import assert_same_distribution, plan_samples, sample_outputs
+
+    from .test_llamacpp import exact_first_two
+
+    target, draft = native("q4_k"), native("draft")
+    prompt = target.tokenizer("x = ")["input_ids"]
+    sampling = SamplingConfig(1.0, 3, 1.0)
+    probs = exact_first_two(target.model, prompt, sampling)  # (vocab * vocab,) over the first two tokens
+    first = probs.reshape(VOCAB, VOCAB).sum(1)
+    left_out = int(first.argmax())
+    assert first[left_out] > 0.2  # the target often starts with the token the draft can never propose
+    pruned = replace(draft, model=with_pruned_head(draft.model, [i for i in range(VOCAB) if i != left_out]))
+    assert isinstance(pruned.model.lm_head, PrunedQuantHead) and not isinstance(draft.model.lm_head, PrunedQuantHead)
+    session = make_session(pruned.model)
+    q = session.forward(prompt, TokenTree.root(prompt[-1]), [0]).softmax(-1)[0]
+    assert q[left_out] == 0 and q.sum().item() == pytest.approx(1.0)
+
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=24, ignore_eos=True)
+    spec = SpeculativeDecoder(target, pruned, method="dyspec", budget=8).generate(prompt, max_new_tokens=24,
+                                                                                 ignore_eos=True)
+    assert spec.token_ids == ar.token_ids
+
+    dec = SpeculativeDecoder(target, pruned, method="dyspec", budget=4, temperature=1.0, top_k=3, verifier="mbr")
+    counts = sample_outputs(dec, prompt, 2, plan_samples(probs, tv=0.1), seed=3, max_new_tokens=2)
+    assert_same_distribution(counts, probs, tv=0.1)
+
+
+def test_the_vocab_lever_prunes_a_native_draft_from_corpus_frequencies(native, monkeypatch):
+    """`+vocabK` on a native draft: the K most frequent tokens of the corpus (faked here: ShareGPT is a download)
+    plus EOS; the draft as loaded stays as it was (the bench runs both)."""
+    from arborspec.loading import pair
+    from arborspec.tuning import draft_levers
+
+    counts = torch.arange(VOCAB, 0, -1)  # token id i is the i-th most frequent
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tokenizer, size, progress=True: counts[:size])
+    target, draft = native("q4_k"), native("draft")
+    prepared, quant = pair.prepare_draft(target, draft, "auto", vocab=40, progress=False)
+    keep = prepared.model.lm_head.keep.tolist()
+    assert quant == "none" and keep == sorted(set(range(40)) | {draft.tokenizer.eos_token_id})
+    assert prepared.model is not draft.model and draft.model.lm_head.out_features == VOCAB
+    assert prepared.model.fingerprint() != draft.model.fingerprint()  # its own cost profile

@@ -1,0 +1,137 @@
+"""Lookahead branches: the window is the paper's mask as a tree, the Jacobi step fills the pool, decoding stays exact."""
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.core.tree import DrawRule, TokenTree
+from arborspec.drafting.grafts.lookahead import Lookahead
+from tests.conftest import noisy_copy, tiny_model
+from tests.drafting.equivalence import greedy_results, repetitive_prompts
+
+
+def logits_for(tree: TokenTree, argmax: dict[int, int], vocab: int = 64) -> torch.Tensor:
+    """(len(tree), vocab) logits whose row of node i peaks at argmax[i] (token 0 elsewhere)."""
+    out = torch.zeros(len(tree), vocab)
+    for node, tok in argmax.items():
+        out[node, tok] = 5.0
+    return out
+
+
+def test_the_window_is_a_tree_and_the_jacobi_step_fills_the_pool():
+    la = Lookahead(window=3, ngram=3, guesses=2)
+    # step 1: level 0 from the tokens before the root, as a chain under it
+    tree = la.graft(TokenTree.root(8), [5, 6, 7, 8], room=10)
+    assert tree.tokens == [8, 5, 6, 7] and tree.parents == [-1, 0, 1, 2] and la.nodes == [[1, 2, 3]]
+    la.observe(logits_for(tree, {1: 11, 2: 12, 3: 13}))
+    assert la.levels == [[5, 6, 7], [11, 12, 13]] and la.pool == {}
+    # step 2: level 1's guess of column j hangs below level 0's column j (it sees level 0's columns up to j)
+    tree = la.graft(TokenTree.root(9), [5, 6, 7, 8, 9], room=10)
+    assert tree.tokens == [9, 5, 6, 7, 11, 12, 13] and tree.parents == [-1, 0, 1, 2, 1, 2, 3]
+    assert [tree.depths[n] for n in la.nodes[1]] == [2, 3, 4]  # column j, level l at position j + l + 1
+    la.observe(logits_for(tree, {4: 21, 5: 22, 6: 23}))
+    assert {k: list(v) for k, v in la.pool.items()} == {5: [(11, 21)], 6: [(12, 22)], 7: [(13, 23)]}
+    assert la.levels == [[11, 12, 13], [21, 22, 23]]  # the oldest level dropped
+    # step 3: the root is 5, so the pool's 5-gram is proposed first, and the window merges with it
+    tree = la.graft(TokenTree.root(5), [1, 5], room=10)
+    assert tree.tokens == [5, 11, 21, 12, 13, 22, 23] and tree.parents == [-1, 0, 1, 1, 3, 3, 4]
+    assert la.nodes == [[1, 3, 4], [2, 5, 6]] and set(tree.sources[1:]) == {"lookahead"}
+    assert all(tree.child_rule[p] == DrawRule.DETERMINISTIC for p in set(tree.parents[1:]))
+    tree.validate()
+
+
+def test_the_pool_keeps_the_most_recent_ngrams_per_first_token():
+    la = Lookahead(window=1, ngram=2, guesses=2)
+    for tok in (3, 4, 3, 5, 3, 6):  # with N = 2, each step's (guess, next guess) of column 0 is one 2-gram
+        tree = la.graft(TokenTree.root(9), [9, 9], room=4)
+        la.observe(logits_for(tree, {la.nodes[-1][0]: tok}))
+    assert la.levels == [[6]]
+    assert {k: list(v) for k, v in la.pool.items()} == {9: [(3,)], 3: [(5,), (6,)], 4: [(3,)], 5: [(3,)]}  # 3 -> 4 out
+    tree = la.graft(TokenTree.root(3), [3], room=4)
+    assert tree.tokens == [3, 6, 5]  # most recent first; the window's guess (6) merges with it
+
+
+def test_room_limits_what_is_proposed():
+    la = Lookahead(window=3, ngram=2, guesses=4)
+    la.levels, la.pool = [[1, 2, 3]], {7: {(4,): None}}
+    tree = la.graft(TokenTree.root(7), [7], room=2)  # the window needs depth 3: only the pool's 2-gram fits
+    assert tree.tokens == [7, 4] and la.nodes == []
+    la.observe(torch.zeros(len(tree), 8))  # no window this step: nothing to learn
+    assert la.levels == [[1, 2, 3]]
+    assert Lookahead(2, 2, 2).graft(TokenTree.root(7), [7], room=0).tokens == [7]
+
+
+@pytest.mark.parametrize("bad", [dict(window=0), dict(ngram=1), dict(guesses=-1), dict(window=2.5)])
+def test_bad_options_say_which(bad):
+    with pytest.raises(ValueError, match="lookahead " + next(iter(bad))):
+        Lookahead(**bad)
+
+
+@pytest.mark.parametrize("method,options", [("ar", {"lookahead": 4}), ("ar", {"lookahead": 3, "lookahead_ngram": 4}),
+                                            ("static", {"depth": 2, "branch": 2, "lookahead": 3})])
+def test_lookahead_branches_keep_greedy_output(method, options):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.5) if method != "ar" else None
+    dec = SpeculativeDecoder(target, draft, method=method, **options)
+    assert dec.verifier.name == "greedy"
+    results = greedy_results(dec, target, repetitive_prompts(3, period=6), max_new_tokens=32)
+    credited = sum(res.stats.sources.get("lookahead", {}).get("accepted", 0) for res in results)
+    if method == "ar":  # no draft model: every node is the window's or the pool's
+        assert all(set(res.stats.sources) <= {"lookahead"} for res in results)
+    assert credited > 0  # lookahead's own proposals were accepted, so the identity means something
+
+
+def test_lookahead_at_temperature_needs_an_any_tree_verifier():
+    target = tiny_model("llama", seed=0)
+    assert SpeculativeDecoder(target, method="ar", lookahead=2, temperature=1.0).verifier.name == "naive"
+    with pytest.raises(ValueError, match="not exact"):
+        SpeculativeDecoder(target, noisy_copy(target, 0.2), method="static", lookahead=2, temperature=1.0,
+                           verifier="mbr")
+    with pytest.raises(ValueError, match="lookahead ngram"):
+        SpeculativeDecoder(target, method="ar", lookahead=2, lookahead_ngram=1)
+
+
+@pytest.mark.slow
+def test_lookahead_branches_keep_the_target_distribution():
+    """At T = 1, root-only trees with lookahead branches (one window and pool kept across runs, so the proposals
+    change from run to run), verified by `naive`, emit the target's distribution of the first tokens."""
+    from arborspec.core.sampling import SamplingConfig
+    from tests.verify.harness import (
+        TableDecoder,
+        TableModel,
+        TableResult,
+        assert_same_distribution,
+        exact_target_distribution,
+        sample_outputs,
+        samples_needed,
+    )
+
+    vocab, k, horizon, prompt = 5, 2, 5, [1, 3, 1, 3, 1]
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    table = TableModel.from_model(target, prompt, horizon - 1)
+    probs = exact_target_distribution(table, prompt, k, SamplingConfig(1.0))
+
+    class LookaheadDecoder(TableDecoder):
+        """The engine's loop with the lookahead graft and Jacobi step, on table sessions."""
+
+        lookahead = Lookahead(window=2, ngram=2, guesses=2)
+        proposed = 0
+
+        def generate(self, prompt, max_new_tokens, seed=None, ignore_eos=True, generator=None):
+            session, context, out = self.target.session(), list(prompt), TableResult([])
+            while len(out.token_ids) < max_new_tokens:
+                room = horizon - len(out.token_ids) - 1
+                tree = self.lookahead.graft(TokenTree.root(context[-1]), context, max(room, 0))
+                logits = session.forward(context, tree, list(range(len(tree))))
+                self.lookahead.observe(logits)
+                verdict = self.verifier.verify(tree, logits, self.sampling, generator)
+                kept = ([tree.tokens[i] for i in verdict.path] + [verdict.bonus])[: max_new_tokens - len(out.token_ids)]
+                session.commit([0] + verdict.path)
+                context, out.token_ids = context + kept, out.token_ids + kept
+                LookaheadDecoder.proposed += len(tree) - 1
+            return out
+
+    dec = LookaheadDecoder(table, None, method="ar", verifier="naive", temperature=1.0, horizon=horizon)
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)
+    assert LookaheadDecoder.lookahead.pool and LookaheadDecoder.proposed > 0  # branches really were in the trees

@@ -1,0 +1,84 @@
+"""Prompt-lookup branches: found where the context repeats, grafted without duplicates, verified exactly."""
+import random
+
+import pytest
+
+from arborspec import SpeculativeDecoder
+from arborspec.core.tree import DrawRule, TokenTree
+from arborspec.drafting.grafts.ngram import graft, lookup
+from tests.conftest import noisy_copy, tiny_model
+
+
+def test_lookup_finds_the_most_recent_continuation():
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert lookup(ctx, max_ngram=3, length=2) == [7, 8]  # the latest earlier "1 2 3" was followed by 7 8
+    assert lookup(ctx, max_ngram=3, length=10) == [7, 8, 5, 1, 2, 3]
+    assert lookup([4, 5, 6], max_ngram=2, length=3) == []
+    assert lookup([5, 6, 5], max_ngram=3, length=2) == [6, 5]  # falls back to shorter n-grams
+
+
+def test_graft_reuses_existing_children_and_marks_them_deterministic():
+    tree = TokenTree.from_parents([0, 7, 4], [-1, 0, 0])
+    chain = graft(tree, [7, 8, 9])
+    assert chain[0] == 1  # token 7 was already a child of the root
+    assert [tree.tokens[n] for n in chain] == [7, 8, 9] and len(tree) == 5
+    assert tree.child_rule[1] == DrawRule.DETERMINISTIC and tree.child_rule[3] == DrawRule.DETERMINISTIC
+    tree.validate()
+
+
+@pytest.mark.parametrize("method,options", [("ar", {}), ("chain", {"k": 3}), ("static", {"depth": 2, "branch": 2})])
+def test_ngram_branches_keep_greedy_output(method, options):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.5)
+    rng = random.Random(0)
+    for _ in range(3):
+        base = [rng.randrange(2, 56) for _ in range(8)]
+        prompt = base * 3  # repetitive: the target tends to continue the pattern, lookups find it
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=24, ignore_eos=True)
+        dec = SpeculativeDecoder(target, draft if method != "ar" else None, method=method, ngram=3, ngram_len=6,
+                                 **options)
+        res = dec.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+
+
+def test_ngram_forces_an_exact_verifier_at_temperature():
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.2)
+    dec = SpeculativeDecoder(target, draft, method="static", temperature=1.0, ngram=2)
+    assert dec.verifier.name == "naive"
+    with pytest.raises(ValueError, match="not exact"):
+        SpeculativeDecoder(target, draft, method="static", temperature=1.0, ngram=2, verifier="mbr")
+    with pytest.raises(ValueError, match="not exact"):
+        SpeculativeDecoder(target, draft, method="chain", temperature=1.0, ngram=2, verifier="sps")
+    with pytest.raises(ValueError, match="ngram"):
+        SpeculativeDecoder(target, draft, method="chain", ngram=-1)
+
+
+@pytest.mark.slow
+def test_ngram_branches_keep_the_target_distribution():
+    """Sampled static trees with a grafted lookup branch, verified by `naive`, emit the target's distribution."""
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.drafting import POLICIES
+    from arborspec.drafting.grafts.ngram import add_ngram_branch
+    from tests.verify.harness import (
+        TableDecoder,
+        TableModel,
+        assert_same_distribution,
+        exact_target_distribution,
+        sample_outputs,
+        samples_needed,
+    )
+
+    class WithLookup(POLICIES["static"]):
+        def draft(self, ctx):
+            return add_ngram_branch(super().draft(ctx), ctx.context, 2, ctx.max_depth)
+
+    vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1]  # the prompt repeats "1", so a lookup branch is grafted
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    dec = TableDecoder(t_table, d_table, method=WithLookup(depth=2, branch=2), verifier="naive", temperature=1.0,
+                       horizon=horizon)
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)

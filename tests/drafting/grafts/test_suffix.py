@@ -1,0 +1,287 @@
+"""Suffix drafts: the index agrees with a brute-force scan, the store stays bounded, decoding stays exact."""
+import itertools
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arborspec import SpeculativeDecoder
+from arborspec.core.tree import DrawRule, TokenTree
+from arborspec.drafting import POLICIES
+from arborspec.drafting.grafts.suffix import SuffixPolicy, graft_suffix_branches, speculation_tree
+from arborspec.drafting.grafts.suffix_index import CountTrie, OutputStore, SuffixIndex
+from tests.conftest import noisy_copy, tiny_model
+from tests.drafting.equivalence import greedy_results, repetitive_prompts
+
+
+# ---- brute-force reference ---------------------------------------------------------------------------------------
+def occurrences(seqs, string) -> int:
+    m = len(string)
+    return sum(s[i : i + m] == list(string) for s in seqs for i in range(len(s) - m + 1))
+
+
+def next_counts(seqs, string) -> Counter:
+    """Tokens that followed `string`, counted over every occurrence in every sequence (no crossing between them)."""
+    m, out = len(string), Counter()
+    for s in seqs:
+        for i in range(len(s) - m):
+            if s[i : i + m] == list(string):
+                out[s[i + m]] += 1
+    return out
+
+
+def naive_match(seqs, tokens, max_match, min_match=1) -> int:
+    for m in range(min(max_match, len(tokens)), max(min_match, 1) - 1, -1):
+        if next_counts(seqs, tokens[-m:]):
+            return m
+    return 0
+
+
+def trie_table(trie: CountTrie) -> dict:
+    """{string: (count, cont)} for every live node: a canonical form independent of node numbering."""
+    out, stack = {}, [((), 0)]
+    while stack:
+        string, node = stack.pop()
+        out[string] = (trie.count[node], trie.cont[node])
+        for tok, child in (trie.kids[node] or {}).items():
+            stack.append((string + (tok,), child))
+    return out
+
+
+def naive_table(seqs, depth) -> dict:
+    strings = {tuple(s[i : i + m]) for s in seqs for m in range(1, depth + 1) for i in range(len(s) - m + 1)}
+    out = {st_: (occurrences(seqs, st_), sum(next_counts(seqs, st_).values()) if len(st_) < depth else 0)
+           for st_ in strings}
+    out[()] = (sum(len(s) for s in seqs), sum(len(s) for s in seqs))
+    return out
+
+
+streams = st.lists(st.integers(0, 3), min_size=0, max_size=50)
+
+
+# ---- the trie and the index ----------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(streams, max_size=3), depth=st.integers(1, 6))
+def test_trie_counts_every_substring_like_a_scan(seqs, depth):
+    trie = CountTrie(depth)
+    for s in seqs:
+        trie.add(s)
+    assert trie_table(trie) == naive_table(seqs, depth)
+    assert len(trie) == len(naive_table(seqs, depth))  # no stray nodes
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=streams, cuts=st.lists(st.integers(0, 50), max_size=6), max_match=st.integers(1, 5),
+       max_depth=st.integers(1, 4), min_match=st.integers(0, 3))
+def test_index_follows_incrementally_and_matches_a_scan(tokens, cuts, max_match, max_depth, min_match):
+    ix = SuffixIndex(max_match, max_depth)
+    for cut in sorted(cuts) + [len(tokens)]:  # the context grows by arbitrary chunks, as steps commit tokens
+        prefix = tokens[: max(cut, 1)]
+        if not prefix:
+            continue
+        ix.follow(prefix)
+        assert ix.tokens == prefix
+        m, _ = ix.match(min_match)
+        assert m == naive_match([prefix], prefix, max_match, min_match)
+    if tokens:
+        rebuilt = SuffixIndex(max_match, max_depth)
+        rebuilt.follow(tokens)
+        assert trie_table(ix.request) == trie_table(rebuilt.request)
+
+
+def all_continuations(seqs, tokens, m, depth):
+    """{continuation: empirical path probability} for every continuation of the matched suffix up to `depth`."""
+    out, frontier = {}, [((), 1.0)]
+    for _ in range(depth):
+        nxt = []
+        for cont, p in frontier:
+            counts = next_counts(seqs, tokens[len(tokens) - m :] + list(cont))
+            total = sum(counts.values())
+            for tok, c in counts.items():
+                out[cont + (tok,)] = p * c / total
+                nxt.append((cont + (tok,), p * c / total))
+        frontier = nxt
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40), outputs=st.lists(streams, max_size=3),
+       max_match=st.integers(1, 4), max_depth=st.integers(1, 3), budget=st.integers(1, 12))
+def test_speculation_is_the_most_probable_continuations(tokens, outputs, max_match, max_depth, budget):
+    ix = SuffixIndex(max_match, max_depth, store=1000)
+    for out in outputs:  # earlier requests: prompt [9], then the output
+        ix.follow([9])
+        ix.follow([9] + out)
+    ix.follow(tokens)
+    seqs = [tokens] + [o for o in outputs if o]
+    spec = ix.speculate(budget)
+    assert spec.match == naive_match(seqs, tokens, max_match)
+    want = all_continuations(seqs, tokens, spec.match, max_depth) if spec.match else {}
+    paths = []
+    for c in spec.nodes:
+        path = (paths[c.parent] if c.parent >= 0 else ()) + (c.token,)
+        paths.append(path)
+        assert c.path_prob == pytest.approx(want[path])
+        assert c.prob == pytest.approx(want[path] / (want[path[:-1]] if len(path) > 1 else 1.0))
+    assert len(set(paths)) == len(paths) == min(budget, len(want))
+    top = sorted(want.values(), reverse=True)[: len(paths)]
+    assert sorted((c.path_prob for c in spec.nodes), reverse=True) == pytest.approx(top)
+    tree = speculation_tree(tokens[-1], spec)
+    tree.validate()
+    assert all(tree.child_rule[p] == DrawRule.DETERMINISTIC for p in set(tree.parents[1:]))
+
+
+def test_speculation_sizes_by_match_and_probability():
+    ix = SuffixIndex(8, 4)
+    ix.follow([5, 6, 1, 2, 5, 6, 1, 3, 5, 6])  # "5 6" was followed by 1 twice, then by 2 or 3
+    spec = ix.speculate(budget=10, factor=1.5)
+    assert spec.match == 2 and len(spec.nodes) == 3  # ceil(1.5 * 2)
+    assert [c.token for c in spec.nodes] == [1, 2, 3] and spec.nodes[0].prob == 1.0
+    assert len(ix.speculate(budget=10, min_prob=0.6).nodes) == 1  # the branches of probability 0.5 are left out
+    assert ix.speculate(budget=10, min_match=3).nodes == []
+    assert ix.speculate(budget=10, max_depth=1).nodes == spec.nodes[:1]
+    assert ix.speculate(budget=10, max_depth=0).nodes == []  # no room left in the context window / token budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(outputs=st.lists(streams, max_size=8), capacity=st.integers(0, 60), depth=st.integers(1, 5))
+def test_store_evicts_whole_outputs_oldest_first(outputs, capacity, depth):
+    outputs = [[7] * (capacity + 3)] + outputs  # the first is too long for the store: only its tail is kept
+    store, model = OutputStore(depth, capacity), []
+    for out in outputs:
+        store.add(out)
+        if out and capacity:  # the reference: append the (truncated) output, drop the oldest while over capacity
+            model.append(out[max(len(out) - capacity, 0):])
+            while sum(map(len, model)) > capacity:
+                model.pop(0)
+        assert list(store.outputs) == model
+        assert store.tokens == sum(map(len, model)) <= capacity
+    assert trie_table(store.trie) == naive_table(model, depth)
+    assert len(store.trie) == len(naive_table(model, depth))  # evicted nodes are gone
+
+
+def test_index_moves_finished_outputs_to_the_store():
+    ix = SuffixIndex(4, 4, store=8)
+    ix.follow([1, 2])
+    ix.follow([1, 2, 7, 8, 9])  # generated 7 8 9
+    ix.follow([3, 7])  # a new request: 7 8 9 goes to the store
+    assert list(ix.store.outputs) == [[7, 8, 9]] and ix.tokens == [3, 7]
+    assert [c.token for c in ix.speculate(4).nodes] == [8, 9]
+    with pytest.raises(ValueError, match="store"):
+        SuffixIndex(store=-1)
+
+
+# ---- grafting ----------------------------------------------------------------------------------------------------
+def test_graft_merges_with_drafted_children():
+    tree = TokenTree.from_parents([2, 3, 4], [-1, 0, 0])
+    ix = SuffixIndex(4, 4)
+    context = [1, 2, 3, 5, 6, 1, 2]  # "1 2" was followed by 3 5 6
+    graft_suffix_branches(tree, ix, context, budget=3)
+    tree.validate()
+    assert tree.tokens == [2, 3, 4, 5, 6] and tree.parents == [-1, 0, 0, 1, 3]
+    assert 0 not in tree.child_rule  # the root's children are unchanged: 3 was drafted already
+    assert tree.child_rule[1] == DrawRule.DETERMINISTIC and tree.child_rule[3] == DrawRule.DETERMINISTIC
+    before = len(tree)
+    graft_suffix_branches(tree, ix, context, budget=0)
+    assert len(tree) == before
+
+
+# ---- exactness end to end ----------------------------------------------------------------------------------------
+@pytest.fixture
+def registered(monkeypatch):
+    monkeypatch.setitem(POLICIES, "suffix", SuffixPolicy)
+
+    class StaticWithSuffix(POLICIES["static"]):
+        """A draft-model tree plus grafted suffix branches (what the engine's --suffix lever would do)."""
+
+        def __init__(self, **options):
+            super().__init__(**options)
+            self.index = SuffixIndex(8, 4)
+            self.drafted_size, self.grafted_accepted = 0, 0
+
+        def draw_rules(self, sampling):
+            return super().draw_rules(sampling) | {DrawRule.DETERMINISTIC}
+
+        def draft(self, ctx):
+            tree = super().draft(ctx)
+            self.drafted_size = len(tree)  # grafted nodes are appended after the drafted ones
+            return graft_suffix_branches(tree, self.index, ctx.context, 6, ctx.max_depth)
+
+        def update(self, step):
+            super().update(step)
+            self.grafted_accepted += sum(n >= self.drafted_size for n in step.path)
+
+    monkeypatch.setitem(POLICIES, "static+suffix", StaticWithSuffix)
+
+
+@pytest.mark.parametrize("method,options", [("suffix", {}), ("suffix", {"budget": 4, "factor": 0.0, "store": 64}),
+                                            ("static+suffix", {"depth": 2, "branch": 2}),
+                                            ("static", {"depth": 2, "branch": 2, "suffix": 6})])
+def test_suffix_drafts_keep_greedy_output(registered, method, options):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.5) if method != "suffix" else None
+    dec = SpeculativeDecoder(target, draft, method=method, **options)  # one decoder: the store sees every request
+    assert dec.verifier.name == "greedy"
+    results = greedy_results(dec, target, repetitive_prompts(3, period=8), max_new_tokens=24)
+    accepted = sum(s.accepted for res in results for s in res.stats.steps)
+    assert accepted > 0  # the drafts were used, so the identity means something
+    if method == "static+suffix":
+        assert dec.policy.grafted_accepted > 0  # grafted suffix nodes among them
+    if options.get("store"):
+        assert 0 < dec.policy.index.store.tokens <= 64
+    if options.get("suffix"):  # the engine's lever: grafted branches must add accepted tokens over the bare policy
+        bare = SpeculativeDecoder(target, draft, method=method, depth=2, branch=2)
+        bare_accepted = sum(s.accepted for p in repetitive_prompts(3, period=8)
+                            for s in bare.generate(p, max_new_tokens=24, ignore_eos=True).stats.steps)
+        assert accepted > bare_accepted
+
+
+def test_suffix_at_temperature_needs_an_any_tree_verifier(registered):
+    target = tiny_model("llama", seed=0)
+    assert SpeculativeDecoder(target, method="suffix", temperature=1.0).verifier.name == "naive"
+    with pytest.raises(ValueError, match="not exact"):
+        SpeculativeDecoder(target, method="suffix", temperature=1.0, verifier="mbr")
+    draft = noisy_copy(target, 0.2)
+    assert SpeculativeDecoder(target, draft, method="static+suffix", temperature=1.0).verifier.name == "naive"
+    for bad in ({"budget": 0}, {"factor": -1.0}, {"min_prob": 2.0}, {"min_match": 5, "max_match": 4},
+                {"store": -3}, {"depth": 3}):
+        with pytest.raises(ValueError):
+            SuffixPolicy(**bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["suffix", "static+suffix"])
+def test_suffix_drafts_keep_the_target_distribution(registered, which):
+    """At T = 1, suffix trees (alone, with a store that changes them from run to run; or grafted onto sampled static
+    trees) verified by `naive` emit the target's distribution of the first tokens."""
+    from arborspec.core.sampling import SamplingConfig
+    from tests.verify.harness import (
+        TableDecoder,
+        TableModel,
+        assert_same_distribution,
+        exact_target_distribution,
+        sample_outputs,
+        samples_needed,
+    )
+
+    vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1, 3, 1]  # the prompt repeats, so suffix branches are drafted
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    t_table = TableModel.from_model(target, prompt, horizon - 1)
+    d_table = TableModel.from_model(draft, prompt, horizon - 1) if which != "suffix" else None
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    policy = SuffixPolicy(store=32) if which == "suffix" else POLICIES[which](depth=2, branch=2)
+    dec = TableDecoder(t_table, d_table, method=policy, verifier="naive", temperature=1.0, horizon=horizon)
+    index, matched = dec.policy.index, []
+    speculate = index.speculate
+
+    def recorded(*args, **kwargs):  # each speculation a tree was drafted from: did it match and add nodes?
+        spec = speculate(*args, **kwargs)
+        matched.append(spec.match > 0 and bool(spec.nodes))
+        return spec
+
+    index.speculate = recorded
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)
+    assert sum(matched) > len(matched) / 10  # suffix branches really were in the trees

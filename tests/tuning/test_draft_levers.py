@@ -1,0 +1,115 @@
+"""Cheaper drafts keep the output exact: pruned heads, quantized weights."""
+import random
+
+import pytest
+import torch
+
+from arborspec import SpeculativeDecoder
+from arborspec.tuning.draft_levers import PrunedHead, frequent_tokens, prune_head, quantize, token_counts
+from tests.conftest import noisy_copy, tiny_model
+
+
+def test_pruned_head_zeroes_every_other_token():
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    keep = torch.tensor([3, 7, 1, 20])
+    pruned = PrunedHead(head, keep)
+    x = torch.randn(2, 5, head.in_features)
+    full, small = head(x), pruned(x)
+    torch.testing.assert_close(small[..., keep], full[..., keep])
+    probs = small.float().softmax(-1)
+    outside = torch.ones(head.out_features, dtype=torch.bool)
+    outside[keep] = False
+    assert probs[..., outside].max() == 0  # exactly zero, not just small
+    assert torch.isfinite(small).all()  # the engine refuses inf logits
+
+
+def test_frequent_tokens_and_counts(tokenizer):
+    counts = token_counts(tokenizer, ["aaa b", "a c"], vocab_size=64)
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    assert counts[a] == 4 and counts[b] == 1
+    top = frequent_tokens(counts, 2, always=[1])
+    assert a in top.tolist() and 1 in top.tolist() and len(top) == 3
+    with pytest.raises(ValueError):
+        frequent_tokens(counts, 0)
+
+
+@pytest.mark.parametrize("lever", ["prune", "int8", "int4", "prune+int8"])
+def test_greedy_equivalence_with_a_cheaper_draft(lever):
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.2)
+    if "prune" in lever:
+        prune_head(draft, torch.arange(2, 40))
+    if "int8" in lever:
+        draft = quantize(draft, "int8")
+    if lever == "int4":
+        pytest.importorskip("torchao")
+        draft = quantize(draft, "int4")
+    rng = random.Random(0)
+    accepted = 0
+    for _ in range(3):
+        prompt = [rng.randrange(2, 56) for _ in range(6)]
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=20, ignore_eos=True)
+        res = SpeculativeDecoder(target, draft, method="static", depth=3, branch=2).generate(
+            prompt, max_new_tokens=20, ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+        accepted += sum(s.accepted for s in res.stats.steps)
+    assert accepted > 0
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="unknown draft quantization"):
+        quantize(tiny_model("llama"), "int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lever", ["prune", "int8"])
+def test_cheaper_draft_keeps_the_target_distribution(lever):
+    """Sampled trees from a pruned / quantized draft, verified by mbr, emit exactly the target's distribution."""
+    from arborspec.core.sampling import SamplingConfig
+    from tests.verify.harness import (
+        TableDecoder,
+        TableModel,
+        assert_same_distribution,
+        exact_target_distribution,
+        sample_outputs,
+        samples_needed,
+    )
+
+    vocab, k, horizon, prompt = 5, 2, 4, [1, 3]
+    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
+    draft = noisy_copy(target, noise=0.8, seed=7)
+    draft = prune_head(draft, torch.tensor([0, 2, 3])) if lever == "prune" else quantize(draft, "int8")
+    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    if lever == "prune":
+        assert d_table.logits(()).float().softmax(-1)[[1, 4]].max() == 0  # the draft never proposes pruned tokens
+    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    dec = TableDecoder(t_table, d_table, method="static", verifier="mbr", temperature=1.0, horizon=horizon,
+                       depth=2, branch=2)
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
+    assert_same_distribution(counts, probs, tv=0.05)
+
+
+def test_an_int8_draft_is_prepared_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    from arborspec.loading.model import LoadedModel
+    from arborspec.tuning import draft_levers
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    calls = []
+    real = draft_levers.quantize
+    monkeypatch.setattr(draft_levers, "quantize", lambda m, mode: calls.append(mode) or real(m, mode))
+    base = tiny_model("qwen2", seed=3)
+    x = torch.tensor([[5, 9, 2, 7]])
+
+    def prepared():
+        return draft_levers.prepare_draft(LoadedModel(noisy_copy(base, 0.0), None, "d", "memory"), "int8").model
+
+    first, second = prepared(), prepared()
+    assert calls == ["int8"]  # the second came from the cache
+    assert type(second.model.layers[0].mlp.up_proj) is torch.ao.nn.quantized.dynamic.Linear
+    assert torch.equal(first(x).logits, second(x).logits)
+    other = draft_levers.prepare_draft(LoadedModel(noisy_copy(base, 0.3), None, "d", "memory"), "int8").model
+    assert calls == ["int8", "int8"] and not torch.equal(other(x).logits, first(x).logits)  # other weights: a new key
+    for path in (tmp_path / "drafts").glob("*.pt"):
+        path.write_bytes(b"truncated")
+    assert torch.equal(prepared()(x).logits, first(x).logits) and len(calls) == 3  # a broken file is re-made
