@@ -14,8 +14,7 @@ from arborspec.loading import backend_choice, load_model
 from arborspec.loading.backend_choice import choice_key, choose, pick
 from arborspec.loading.pair import load_pair
 from arborspec.tuning.costs import CostCurve
-
-from .tiny_gguf import write_tiny_gguf
+from tests.backends.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(autouse=True)
