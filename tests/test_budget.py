@@ -11,8 +11,8 @@ from arborspec.core import disk_cache as cache
 from arborspec.tuning import costs
 from arborspec.tuning.costs import full_tree, measure_forward_cost
 from arborspec.tuning.runtime_model import RuntimeModel, default_kind, fit_runtime, larger_tree_pays, required_tau_ratio
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 from tests.backends.tiny_ssm import ssm_model
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -6,8 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from arborspec import SpeculativeDecoder
-from arborspec import runspec
+from arborspec import SpeculativeDecoder, runspec
 from arborspec.bench import runner
 from arborspec.cli import build_parser, run_spec
 from arborspec.drafting.grafts.suffix import AUTO_SUFFIX

@@ -22,9 +22,11 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
     p.add_argument("--draft-quant", default=DEFAULT_DRAFT_QUANT, choices=DRAFT_QUANTS,
-                   help="quantize the draft's linear layers (int4 needs torchao); auto (default): the variant measured "
-                        "fastest for this pair on this machine (cached; see `arborspec profile --pair`); a method's "
-                        "+int8 / +int4 / +noquant lever overrides it")
+                   help="the draft variant: int8 / int4 quantize a PyTorch draft's linear layers (int4 needs torchao); "
+                        "q4_0 / iq4_nl requantize a GGUF draft on the native backend to a lean 4-bit file (once, "
+                        "cached); none runs it as loaded; auto (default): the variant measured fastest for this pair "
+                        "on this machine (cached; see `arborspec profile --pair`); a method's +int8 / +q4_0 / "
+                        "+noquant ... lever overrides it")
     add_backend_arguments(p)
 
 

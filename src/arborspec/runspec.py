@@ -11,8 +11,9 @@ A run spec is one decoding method with everything that shapes it, written as
   commas); `verifier=NAME` picks the verification rule, e.g. `chain(verifier=asps)`;
 - `@BUDGET`: drafted tokens per step, mapped to the policy's own size option (`chain@5` is k = 5, `static@16` four
   layers of 4; see `options_for`);
-- levers on the draft this method uses (arborspec.tuning.draft_levers; the output stays exact): `+int8`, `+int4`
-  (quantized draft), `+noquant` (the draft as loaded, whatever the run's --draft-quant says), `+vocab32768` or
+- levers on the draft this method uses (tuning/draft_levers.py; the output stays exact): `+int8`, `+int4`
+  (a quantized PyTorch draft), `+q4_0`, `+iq4_nl` (a GGUF draft on the native backend, requantized to a lean 4-bit
+  file: tuning/gguf_requant.py), `+noquant` (the draft as loaded, whatever the run's --draft-quant says), `+vocab32768` or
   `+vocab32k` (a head over the most frequent tokens), `+ngram` / `+ngram3` (prompt-lookup branches grafted onto
   every tree), `+suffix` / `+suffix8` (suffix-tree branches), `+lookahead` / `+lookahead4` / `+lookahead4x3`
   (lookahead branches: a Jacobi window 4 guesses wide building 3-grams; drafting/grafts/lookahead.py). On `ar` these
@@ -135,7 +136,7 @@ METHODS: dict[str, RunSpec] = {m.name: m for m in [
 
 # ---- parsing -----------------------------------------------------------------------------------------------------
 _NAME = re.compile(r"^(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(?P<budget>\d+))?"
-                   r"(?P<levers>(?:\+[a-z0-9]+)*)$")
+                   r"(?P<levers>(?:\+[a-z0-9_]+)*)$")
 
 
 def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool = False) -> RunSpec:
@@ -203,7 +204,7 @@ def _with_options(spec: RunSpec, text: str) -> RunSpec:
     return replace(spec, options=tuple(options))
 
 
-QUANT_LEVERS = {"int8": "int8", "int4": "int4", "noquant": "none"}
+QUANT_LEVERS = {"int8": "int8", "int4": "int4", "q4_0": "q4_0", "iq4_nl": "iq4_nl", "noquant": "none"}
 
 
 def _with_lever(spec: RunSpec, lever: str) -> RunSpec:

@@ -25,9 +25,9 @@ from arborspec.backends.ssm_scan import (
     tree_ssd,
 )
 from arborspec.core.tree import TokenTree
-from tests.conftest import noisy_copy, tiny_model
 from tests.backends.test_hf import random_tree, reference_logits
 from tests.backends.tiny_ssm import ssm_model
+from tests.conftest import noisy_copy, tiny_model
 
 KINDS = ["mamba2", "bamba", "nemotron_h"]
 SHAPES = [dict(heads=4, head_dim=8, state=8, groups=1), dict(heads=4, head_dim=8, state=8, groups=2),

@@ -1,5 +1,5 @@
 """auto's start for a new pair: the greedy predictor's c_1 is the pair's measured top-1 agreement
-(profile.pair_agreement), not the generic prior, so `uses_draft` judges a pair it has not run yet by the evidence of
+(tuning/agreement.py), not the generic prior, so `uses_draft` judges a pair it has not run yet by the evidence of
 one teacher-forced pass over reference text; a pair with a saved calibration keeps it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from arborspec import SpeculativeDecoder
 from arborspec.backends import make_session
 from arborspec.core.tree import TokenTree
 from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS
-from arborspec.tuning import costs
+from arborspec.tuning.agreement import measure_agreement, pair_agreement
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py: profiles and records in a temp dir
@@ -39,8 +39,8 @@ def by_hand(target, draft, ids: list[int]) -> float:
 def test_agreement_is_the_share_of_positions_where_the_argmaxes_agree(pair):
     target, draft, tok = pair
     ids = tok("def fib(n):\n    return n", add_special_tokens=False)["input_ids"]
-    assert costs.measure_agreement(target, target, [ids]) == 1.0
-    measured = costs.measure_agreement(target, draft, [ids])
+    assert measure_agreement(target, target, [ids]).top1 == 1.0
+    measured = measure_agreement(target, draft, [ids]).top1
     assert 0.0 < measured < 1.0  # a noisy draft: some positions disagree
     assert measured == pytest.approx(by_hand(target, draft, ids), abs=1.5 / len(ids))  # one fp32 near-tie at most
 
@@ -48,7 +48,7 @@ def test_agreement_is_the_share_of_positions_where_the_argmaxes_agree(pair):
 def test_a_new_pair_starts_from_its_agreement_and_a_known_pair_from_its_calibration(pair):
     target, draft, tok = pair
     dec = SpeculativeDecoder(target, draft, tokenizer=tok)
-    agreement, source = costs.pair_agreement(target, draft, tok)
+    agreement, source = pair_agreement(target, draft, tok)
     assert source == "cache"  # the decoder measured it once; this call read it back
     assert dec.policy.child_probs[True][0] == pytest.approx(agreement)
     assert agreement != DEFAULT_CHILD_PROBS[0]

@@ -2,8 +2,8 @@
 table left out), times them, and its whole-model table adds the groups up and divides by the right rooflines."""
 import pytest
 
-from tests.conftest import load_benchmark
 from tests.backends.tiny_gguf import write_tiny_gguf
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")

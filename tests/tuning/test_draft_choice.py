@@ -3,6 +3,7 @@ import pytest
 
 from arborspec.loading.model import LoadedModel
 from arborspec.tuning import draft_choice
+from arborspec.tuning.agreement import measure_agreement
 from arborspec.tuning.costs import CostCurve
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
@@ -22,16 +23,17 @@ def test_chain_score_finds_the_known_best_depth():
 def test_agreement_against_the_target():
     target = tiny_model("llama", seed=0)
     texts = [[3, 9, 14, 2, 7, 30, 11, 5], [4, 4, 8]]
-    assert draft_choice.agreement(target, target, texts) == (1.0, 1.0)
-    top1, top4 = draft_choice.agreement(target, noisy_copy(target, 3.0), texts)
-    assert top1 <= top4 <= 1.0 and top1 < 1.0
-    with pytest.raises(ValueError, match="empty"):
-        draft_choice.agreement(target, target, [[1]])
+    same = measure_agreement(target, target, texts)
+    assert (same.top1, same.cover, same.positions) == (1.0, 1.0, 9)
+    noisy = measure_agreement(target, noisy_copy(target, 3.0), texts)
+    assert noisy.top1 <= noisy.cover <= 1.0 and noisy.top1 < 1.0
+    with pytest.raises(ValueError, match="no text"):
+        measure_agreement(target, target, [[1]])
 
 
 def test_the_choice_is_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(draft_choice, "available_variants", lambda: ["none", "int8"])
+    monkeypatch.setattr(draft_choice, "available_variants", lambda native=False: ["none", "int8"])
     tok = char_tokenizer()
     target = tiny_model("llama", seed=0)
     pair = LoadedModel(target, tok, "t", "memory"), LoadedModel(noisy_copy(target, 0.1), tok, "d", "memory")

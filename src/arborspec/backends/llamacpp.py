@@ -67,7 +67,7 @@ def available() -> bool:
     return True
 
 
-def _bindings():
+def bindings():
     """The llama_cpp module, its logging routed through `_on_log` (once), and the backend initialised."""
     try:
         import llama_cpp
@@ -90,7 +90,7 @@ def _on_log(level: int, text: bytes, user_data) -> None:
         print(message, end="", file=sys.stderr, flush=True)
 
 
-def _llama_error(default: str) -> str:
+def llama_error(default: str) -> str:
     """The most telling error line llama.cpp logged since the last call (or `default`)."""
     errors, _log.errors[:] = list(_log.errors), []
     for line in errors:
@@ -181,7 +181,7 @@ class LlamaCppModel:
     """
 
     def __init__(self, path: Path, handle, info: GgufInfo, settings: LlamaCppSettings):
-        self.lib = _bindings()
+        self.lib = bindings()
         self.path, self.handle, self.settings = path, handle, settings
         self.n_ctx, self.n_batch, self.n_seq_max = settings.n_ctx, settings.n_batch, settings.n_seq_max
         self.n_threads = settings.n_threads
@@ -237,7 +237,7 @@ class LlamaCppModel:
         ctx = self.lib.llama_init_from_model(self.handle, params)
         if not ctx:
             raise ValueError(f"llama.cpp could not create a context for {self.path}: "
-                             f"{_llama_error('llama_init_from_model failed')}")
+                             f"{llama_error('llama_init_from_model failed')}")
         if not self.lib.llama_get_memory(ctx):
             self.lib.llama_free(ctx)
             raise ValueError(f"{self.path}: llama.cpp gives this model no KV cache; not a causal LM")
@@ -307,11 +307,11 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     if trained and n_ctx > trained:
         raise ValueError(f"n_ctx {n_ctx} is larger than {path.name}'s trained context ({trained} tokens)")
     settings = LlamaCppSettings(n_ctx, n_batch, n_seq_max, n_threads, n_threads_batch, bool(flash_attn), kv_type)
-    lib = _bindings()
+    lib = bindings()
     _log.errors.clear()
     handle = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
     if not handle:
-        raise ValueError(f"llama.cpp could not load {path}: {_llama_error('llama_model_load_from_file failed')}")
+        raise ValueError(f"llama.cpp could not load {path}: {llama_error('llama_model_load_from_file failed')}")
     for check, what in ((lib.llama_model_has_encoder, "has an encoder"), (lib.llama_model_is_recurrent, "is recurrent"),
                         (lib.llama_model_is_hybrid, "is a recurrent hybrid"),
                         (lib.llama_model_is_diffusion, "is a diffusion model")):
@@ -524,7 +524,7 @@ class LlamaCppSession(TreeRegion):
             raise RuntimeError(f"{self.role} KV cache is full ({self.model.n_ctx} + {self.model.n_batch} cells): "
                                "the tree does not fit at the end of the context window")
         if rc != 0:
-            raise RuntimeError(f"{self.role} llama_decode failed ({rc}): {_llama_error('no message')}")
+            raise RuntimeError(f"{self.role} llama_decode failed ({rc}): {llama_error('no message')}")
         self.forwards += 1
         if n_out:
             ptr = self.lib.llama_get_logits(self.ctx)

@@ -11,25 +11,18 @@ import torch
 from ..backends.native import is_native
 from ..tuning import draft_levers
 from ..tuning.draft_choice import choose_draft_quant
+from ..tuning.gguf_requant import LEAN_TYPES
 from .model import DEFAULT_DTYPE_NAME, check_tokenizers_compatible
 from .plan import load_planned, plan_backends
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-
-
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-
-
 DEFAULT_DTYPE = DEFAULT_DTYPE_NAME  # "bf16", defined once in loading/model.py (2-3x faster than fp32 on this CPU)
-
-
 DEFAULT_DRAFT_QUANT = "auto"
-
-
 DEFAULT_BACKEND = "auto"  # GGUF: native or llama.cpp, measured (loading/backend_choice.py); else torch
-
-
-DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES)
+# the draft variants: PyTorch drafts quantized by torch (int8, int4), native GGUF drafts requantized to a lean 4-bit
+# file (q4_0, iq4_nl: tuning/gguf_requant.py); "auto" measures which is fastest for the pair here (cached)
+DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES, *LEAN_TYPES)
 
 
 def is_torch_model(loaded) -> bool:
@@ -39,16 +32,22 @@ def is_torch_model(loaded) -> bool:
 
 
 def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
-    """The draft quantization to run: `quant`, or for "auto" the variant measured fastest for this pair on this
-    machine (tuning/draft_choice.py; measured once, then cached). A GGUF draft on llama.cpp or the native backend runs
-    its GGUF as it is ("none")."""
-    if not is_torch_model(draft) or not is_torch_model(target):
+    """The draft variant to run: `quant`, or for "auto" the variant measured fastest for this pair on this machine
+    (tuning/draft_choice.py; measured once, then cached). int8 / int4 apply to PyTorch drafts, q4_0 / iq4_nl to GGUF
+    drafts on the native backend; a GGUF draft on llama.cpp runs its file as it is ("none")."""
+    if is_native(draft.model):
+        if quant in draft_levers.QUANT_MODES[1:]:
+            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on the native "
+                             f"backend takes a lean 4-bit file instead ({', '.join(LEAN_TYPES)}) or runs as it is")
+    elif quant in LEAN_TYPES:
+        raise ValueError(f"draft variant {quant!r} is a requantized GGUF for the native backend; this draft runs on "
+                         "another backend (use --backend native, or int8 / int4 for a PyTorch draft)")
+    elif not is_torch_model(draft) or not is_torch_model(target):
         if quant in ("auto", "none"):
             return "none"
         if not is_torch_model(draft):
-            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp or "
-                             "the native backend runs its GGUF's own quantization (use --draft-backend torch for an "
-                             "int8/int4 draft)")
+            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp "
+                             "runs its GGUF's own quantization (use --draft-backend torch for an int8/int4 draft)")
     if quant != "auto":
         return quant
     quant, record, source = choose_draft_quant(target, draft, progress=progress)
@@ -66,10 +65,15 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
     quant = resolve_quant(target, draft, quant, progress)
     if quant == "none" and not vocab:
         return draft, quant
-    if is_native(draft.model):  # a native GGUF draft: its head pruned, every other weight shared (never copied)
-        if progress:
-            print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...", file=sys.stderr)
-        return draft_levers.prune_native_draft(draft, vocab, progress=progress), quant
+    if is_native(draft.model):  # a native GGUF draft: its lean file, then its head pruned (other weights shared)
+        if quant != "none":
+            draft = draft_levers.lean_native_draft(draft, quant, progress=progress)
+        if vocab:
+            if progress:
+                print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...",
+                      file=sys.stderr)
+            draft = draft_levers.prune_native_draft(draft, vocab, progress=progress)
+        return draft, quant
     if not is_torch_model(draft):
         raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts, "
                          "not to GGUF drafts on llama.cpp")

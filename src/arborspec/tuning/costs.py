@@ -29,7 +29,6 @@ from ..core.disk_cache import machine_id, model_fingerprint, read_record, record
 from ..core.isotonic import pool_adjacent_violators
 from ..core.tree import TokenTree
 from ..viz.canvas import pyplot, save_figure
-from .reference_texts import reference_texts
 from .runtime_model import RuntimeModel, required_tau_ratio
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -116,43 +115,8 @@ def profile_key(model) -> dict:
             "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
 
 
-def measure_agreement(target, draft, texts: list[list[int]]) -> float:
-    """Greedy top-1 agreement of `draft` with `target`, teacher-forced: the fraction of positions of `texts` (token
-    id lists) where the draft's argmax is the target's, from one chain forward of each model over each text through
-    its own sessions (any backend)."""
-    hits = total = 0
-    room = min(context_window(target), context_window(draft), 4096)
-    for ids in texts:
-        ids = list(ids[:room])  # a text past a model's context window is cut
-        if len(ids) < 2:
-            continue
-        chain = TokenTree.from_parents(ids, [-1] + list(range(len(ids) - 1)))
-        tops = []
-        for model in (target, draft):
-            logits = make_session(model, "target").forward(list(ids[:1]), chain, list(range(len(ids))))
-            tops.append(logits[:-1].argmax(-1))  # (positions,): the next token after each prefix
-        hits += int((tops[0] == tops[1]).sum())
-        total += len(ids) - 1
-    if not total:
-        raise ValueError("no text to measure agreement on")
-    return hits / total
 
 
-def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
-    """(agreement, source): `measure_agreement` on the reference texts (tuning/corpus.py), cached per pair like the
-    cost profiles ('cache' or 'measured')."""
-    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
-    cached = None if refresh else read_record("agreement", key)
-    if cached is not None and isinstance(cached.get("agreement"), float):
-        return cached["agreement"], "cache"
-    texts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
-    with torch.inference_mode():
-        agreement = measure_agreement(target, draft, texts)
-    try:
-        write_record("agreement", key, {"agreement": agreement, "positions": sum(len(t) - 1 for t in texts)})
-    except OSError:
-        pass  # a read-only cache must not stop generation
-    return agreement, "measured"
 
 
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,

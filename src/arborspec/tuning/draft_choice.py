@@ -1,12 +1,13 @@
 """Which draft variant to run (`--draft-quant auto`, the CLI default): chosen by measurement on this machine.
 
 A quantized draft is cheaper per call but agrees less often with the target; which wins depends on the CPU, the
-thread count and the pair, so arborspec measures instead of guessing. For every variant (bf16 as loaded, int8, and
-int4 when torchao is installed) it measures
+thread count and the pair, so arborspec measures instead of guessing. For every variant (a PyTorch draft: bf16 as
+loaded, int8, and int4 when torchao is installed; a GGUF draft on the native backend: its file as it is and the lean
+4-bit copies of tuning/gguf_requant.py the kernels here run) it measures
 
 - the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
-  (reference_texts.reference_texts(): a reference file and the default prompts; one forward of each model, no generation),
+  (tuning/agreement.py: one chain forward of each model through its sessions, no generation),
 
 and scores it by the best chain it would allow. With per-position agreement a (treated as independent), a chain of
 depth k commits 1 + a + a^2 + ... + a^k tokens per step and costs k draft calls plus one target forward over k + 1
@@ -26,37 +27,15 @@ import time
 
 import torch
 
+from ..backends.native import is_native
 from ..core.disk_cache import read_record, write_record
 from ..viz.canvas import pyplot, save_figure
+from .agreement import agreement_with, fitting, reference_ids, target_choices
 from .costs import profile_key, profile_model
-from .draft_levers import QUANT_MODES, TORCHAO_HINT, prepare_draft
-from .reference_texts import reference_texts
+from .draft_levers import QUANT_MODES, TORCHAO_HINT, lean_native_draft, prepare_draft
+from .gguf_requant import lean_types
 
 MAX_CHAIN = 16
-
-
-def reference_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
-
-
-@torch.inference_mode()
-def agreement(target, draft, texts: list[list[int]], k: int = 4) -> tuple[float, float]:
-    """(top-1 agreement, top-k coverage) of `draft` against `target`'s argmax, teacher-forced on token-id lists."""
-    hits = cover = total = 0
-    for ids in texts:
-        if len(ids) < 2:
-            continue
-        x = torch.tensor([ids])
-        t_logits, d_logits = target(input_ids=x).logits[0, :-1], draft(input_ids=x).logits[0, :-1]
-        vocab = min(t_logits.shape[-1], d_logits.shape[-1])  # padding rows past the tokenizer may differ
-        want = t_logits[:, :vocab].float().argmax(-1)  # (positions,)
-        top = d_logits[:, :vocab].float().topk(k, dim=-1).indices  # (positions, k)
-        hits += int((top[:, 0] == want).sum())
-        cover += int((top == want[:, None]).any(-1).sum())
-        total += len(want)
-    if not total:
-        raise ValueError("the agreement reference text is empty")
-    return hits / total, cover / total
 
 
 def chain_score(a: float, d1: float, t) -> tuple[float, int]:
@@ -68,9 +47,12 @@ def chain_score(a: float, d1: float, t) -> tuple[float, int]:
     return best
 
 
-def available_variants() -> list[str]:
-    """The quantization modes this installation can run: int4 needs the optional torchao (imported only here and
-    in `draft_levers.quantize`: it is slow to import and may be absent)."""
+def available_variants(native: bool = False) -> list[str]:
+    """The variants this installation can run. A native GGUF draft: as it is, and each lean type the kernels cover.
+    A PyTorch draft: int4 needs the optional torchao (imported only here and in `draft_levers.quantize`: it is slow
+    to import and may be absent)."""
+    if native:
+        return ["none", *lean_types()]
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -80,45 +62,59 @@ def available_variants() -> list[str]:
 
 def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
-    `profile_kw` (sizes, prefix, repeats) goes to `profile.profile_model`."""
+    `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model`."""
+    native = is_native(draft.model)
     t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
-    texts = reference_ids(target.tokenizer)
+    texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
+    with torch.inference_mode():
+        choices = target_choices(target.model, texts)
     variants = {}
-    for quant in available_variants():
+    for quant in available_variants(native):
         if progress:
             print(f"[arborspec] measuring the {quant} draft ...", file=sys.stderr, flush=True)
         try:
-            variants[quant] = _measure_variant(target, draft, quant, t_curve, texts, progress, refresh, profile_kw)
+            variants[quant] = _measure_variant(draft, quant, t_curve, choices, texts, progress, refresh, profile_kw)
         except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
             if quant == "none":
                 raise
             variants[quant] = dict(unavailable=f"{type(err).__name__}: {err}")
-    if "int4" not in variants:
+    if not native and "int4" not in variants:
         variants["int4"] = dict(unavailable=TORCHAO_HINT)
     choice = max((q for q in variants if "score" in variants[q]), key=lambda q: variants[q]["score"])
     return dict(choice=choice, variants=variants, target_sizes=list(t_curve.sizes),
                 target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
 
 
-def _measure_variant(target, draft, quant, t_curve, texts, progress, refresh, profile_kw) -> dict:
+def variant(draft, quant: str, progress: bool = True):
+    """`draft` (LoadedModel) as variant `quant`, `draft` itself untouched: a quantized copy of a PyTorch draft, or
+    the lean requantized file of a native one (sharing nothing with it)."""
+    if quant == "none":
+        return draft
+    if is_native(draft.model):
+        return lean_native_draft(draft, quant, progress=progress)
+    return prepare_draft(copy.deepcopy(draft), quant, progress=progress)
+
+
+def _measure_variant(draft, quant, t_curve, choices, texts, progress, refresh, profile_kw) -> dict:
     start = time.perf_counter()
-    prepared = prepare_draft(copy.deepcopy(draft), quant, progress=progress).model if quant != "none" else draft.model
+    prepared = variant(draft, quant, progress).model
     prep = time.perf_counter() - start
     d_curve, _ = profile_model(prepared, refresh=refresh, progress=progress, **profile_kw)
-    top1, top4 = agreement(target.model, prepared, texts)
-    score, depth = chain_score(top1, d_curve(1), t_curve)
-    return dict(draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times), agreement=top1, coverage4=top4,
-                score=score, best_chain=depth, prepare_seconds=prep)
+    with torch.inference_mode():
+        measured = agreement_with(choices, prepared, texts)
+    score, depth = chain_score(measured.top1, d_curve(1), t_curve)
+    return dict(draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times), agreement=measured.top1,
+                coverage4=measured.cover, score=score, best_chain=depth, prepare_seconds=prep)
 
 
 def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = False,
                        **profile_kw) -> tuple[str, dict, str]:
     """(quant, record, source): the measured best variant for this pair on this machine, from the cache when the
     pair, dtype, thread count, machine and library versions are unchanged ('cache'), else measured ('measured')."""
-    key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
-           "variants": available_variants()}
+    variants = available_variants(is_native(draft.model))
+    key = {"target": profile_key(target.model), "draft": profile_key(draft.model), "variants": variants}
     record = None if refresh else read_record("draft-quant", key)
-    if record is not None and record.get("choice") in QUANT_MODES:
+    if record is not None and record.get("choice") in variants:
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
     write_record("draft-quant", key, record)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..core.disk_cache import cache_dir, library_versions, model_fingerprint, sha256_key
 from .corpus import sharegpt_turns
+from .gguf_requant import requantized
 
 QUANT_MODES = ("none", "int8", "int4")
 TORCHAO_HINT = "int4 needs torchao: .venv/bin/pip install --no-deps torchao==0.18.0 (its wheel does not pin torch)"
@@ -132,6 +133,16 @@ def prune_native_draft(loaded, vocab: int, progress: bool = True):
 
     from ..backends.native import with_pruned_head
     return replace(loaded, model=with_pruned_head(loaded.model, pruned_vocabulary(loaded, vocab, progress)))
+
+
+def lean_native_draft(loaded, kind: str, progress: bool = True):
+    """A native GGUF draft's lean copy (`kind` "q4_0" or "iq4_nl": tuning/gguf_requant.py), loaded on the native
+    backend with `loaded`'s tokenizer: a new LoadedModel; `loaded` stays as it is."""
+    from dataclasses import replace
+
+    from ..backends.native import load_native
+    path = requantized(loaded.source, kind, progress)
+    return replace(loaded, model=load_native(path), source=str(path))
 
 
 def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = True, cache: bool = True):

@@ -28,6 +28,7 @@ from ...core.disk_cache import model_fingerprint, read_record, write_record
 from ...core.sampling import SamplingConfig
 from ...core.tree import DrawRule, TokenTree
 from ...tuning import costs as forward_costs
+from ...tuning.agreement import pair_agreement
 from ..base import DraftContext, Policy
 from .calibration import Calibrator
 from .guard import Guard
@@ -124,7 +125,7 @@ class AutoPolicy(Policy):
 
     def seed_from_agreement(self, target, draft, tokenizer) -> None:
         """Start c_1 of the greedy predictor (the draft's top child, tree_builder.py) at the pair's greedy top-1
-        agreement with the target, teacher-forced on reference text (profile.pair_agreement: ~1 s, cached).
+        agreement with the target, teacher-forced on reference text (tuning/agreement.py: ~1 s, cached).
 
         Why: without evidence the predictor starts at DEFAULT_CHILD_PROBS (c_1 = 0.6), and `uses_draft` judges a
         pair by it before the first step. For the default pair that prior was 0.3 below the truth (agreement 0.90)
@@ -132,7 +133,7 @@ class AutoPolicy(Policy):
         gathered the evidence that would have corrected it. The sampled predictor keeps its prior: agreement with
         the target's argmax says little about acceptance at T > 0."""
         try:
-            agreement, source = forward_costs.pair_agreement(target, draft, tokenizer)
+            agreement, source = pair_agreement(target, draft, tokenizer)
         except Exception as err:  # a backend whose sessions cannot run a long chain: keep the prior
             self.source["agreement"] = f"unavailable ({type(err).__name__})"
             return

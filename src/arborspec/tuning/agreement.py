@@ -1,0 +1,87 @@
+"""How often the draft's greedy choice is the target's: top-1 agreement and top-k coverage, teacher-forced.
+
+One chain forward of each model over each reference text, through its own sessions (so any backend: transformers,
+llama.cpp, native, lean variants), compares the draft's ranking with the target's argmax at every position. The
+auto policy starts from it (a pair's first tree is judged by this evidence, not a generic prior) and the draft
+variant choice scores every variant by it (tuning/draft_choice.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import make_session
+from ..backends.model_info import context_window
+from ..core.disk_cache import read_record, write_record
+from ..core.tree import TokenTree
+from .costs import profile_key
+from .reference_texts import reference_texts
+
+
+@dataclass(frozen=True)
+class Agreement:
+    top1: float  # fraction of positions where the draft's argmax is the target's
+    cover: float  # fraction where the target's argmax is among the draft's `k` most likely tokens
+    positions: int
+
+
+def reference_ids(tokenizer) -> list[list[int]]:
+    """The reference texts (reference_texts.py) as token-id lists."""
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in reference_texts()]
+
+
+def next_token_logits(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids) - 1, vocab): the model's logits for the token after each proper prefix of `ids` (one chain
+    forward through a fresh session of its own backend)."""
+    chain = TokenTree.from_parents(ids, [-1] + list(range(len(ids) - 1)))
+    return make_session(model, "target").forward(list(ids[:1]), chain, list(range(len(ids))))[:-1]
+
+
+def fitting(texts: list[list[int]], *models) -> list[list[int]]:
+    """`texts` cut to the smallest context window of `models` (at most 4096 tokens), those of 2+ tokens only."""
+    room = min([4096, *(context_window(m) for m in models)])
+    return [list(ids[:room]) for ids in texts if len(ids[:room]) >= 2]
+
+
+def target_choices(target, texts: list[list[int]]) -> list[torch.Tensor]:
+    """The target's argmax after each prefix of each text: [(positions,)] (computed once, compared with many
+    drafts by `agreement_with`)."""
+    return [next_token_logits(target, ids).float().argmax(-1) for ids in texts]
+
+
+def agreement_with(choices: list[torch.Tensor], draft, texts: list[list[int]], k: int = 4) -> Agreement:
+    """`draft`'s agreement with the target `choices` (target_choices of the same `texts`)."""
+    hits = cover = total = 0
+    for want, ids in zip(choices, texts):
+        logits = next_token_logits(draft, ids).float()  # (positions, vocab)
+        top = logits.topk(k, dim=-1).indices  # (positions, k)
+        hits += int((top[:, 0] == want).sum())
+        cover += int((top == want[:, None]).any(-1).sum())
+        total += len(want)
+    if not total:
+        raise ValueError("no text to measure agreement on")
+    return Agreement(hits / total, cover / total, total)
+
+
+def measure_agreement(target, draft, texts: list[list[int]], k: int = 4) -> Agreement:
+    """Greedy agreement of `draft` with `target` on `texts` (token-id lists), teacher-forced."""
+    texts = fitting(texts, target, draft)
+    return agreement_with(target_choices(target, texts), draft, texts, k)
+
+
+def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
+    """(agreement, source): `measure_agreement` on the reference texts (reference_texts.py), cached per pair like the
+    cost profiles ('cache' or 'measured')."""
+    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
+    cached = None if refresh else read_record("agreement", key)
+    if cached is not None and isinstance(cached.get("agreement"), float):
+        return cached["agreement"], "cache"
+    with torch.inference_mode():
+        measured = measure_agreement(target, draft, reference_ids(tokenizer))
+    agreement = measured.top1
+    try:
+        write_record("agreement", key, {"agreement": agreement, "positions": measured.positions})
+    except OSError:
+        pass  # a read-only cache must not stop generation
+    return agreement, "measured"

@@ -1,0 +1,91 @@
+"""Lean GGUF drafts (tuning/gguf_requant.py): the requantized file, the variant levers, greedy identity, and `auto`
+measuring the lean variants of a native draft."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from arborspec import SpeculativeDecoder, runspec
+from arborspec.loading import load_model
+from arborspec.loading import pair as pair_loader
+from arborspec.loading.model import LoadedModel
+from arborspec.tuning import draft_choice, gguf_requant
+from tests.backends.tiny_gguf import write_tiny_gguf
+from tests.conftest import char_tokenizer, tiny_model
+
+pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
+LEAN = {"q4_0": QT.Q4_0, "iq4_nl": QT.IQ4_NL}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean")
+    return {"target": write_tiny_gguf(root / "target.gguf", dtype="q8_0"),
+            "draft": write_tiny_gguf(root / "draft.gguf", dtype="q8_0", noise=0.3)}
+
+
+def matrices(path) -> dict:
+    return {t.name: t for t in GGUFReader(path).tensors if len(t.shape) == 2}
+
+
+@pytest.mark.parametrize("kind", list(LEAN))
+def test_the_lean_file_holds_every_matrix_in_its_type_close_to_the_source(files, kind):
+    path = gguf_requant.requantized(files["draft"], kind, progress=False)
+    lean, source = matrices(path), matrices(files["draft"])
+    assert set(lean) == set(source)
+    for name, tensor in lean.items():
+        want = QT.Q8_0 if name == "token_embd.weight" else LEAN[kind]  # looked up, never read whole: kept
+        assert tensor.tensor_type == want, name
+        a = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        b = dequantize(source[name].data, source[name].tensor_type).astype(np.float32)
+        assert np.linalg.norm(a - b) < 0.2 * np.linalg.norm(b), name  # 4-bit blocks: a real requantization
+
+
+def test_the_lean_file_is_built_once(files, monkeypatch):
+    first = gguf_requant.requantized(files["draft"], "q4_0", progress=False)
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_model_quantize", lambda *a: pytest.fail("quantized twice"))
+    assert gguf_requant.requantized(files["draft"], "q4_0", progress=False) == first
+    with pytest.raises(ValueError, match="unknown lean draft type"):
+        gguf_requant.requantized(files["draft"], "q3_x")
+
+
+def test_the_levers_name_the_lean_variants_and_refuse_the_wrong_backend(files):
+    assert runspec.parse("chain+q4_0").quant == "q4_0" and runspec.parse("auto+iq4_nl").quant == "iq4_nl"
+    native = load_model(str(files["draft"]), backend="native", progress=False)
+    with pytest.raises(ValueError, match="PyTorch drafts"):
+        pair_loader.resolve_quant(native, native, "int8", progress=False)
+    tok = char_tokenizer()
+    dense = LoadedModel(tiny_model("llama", seed=0), tok, "d", "memory")
+    with pytest.raises(ValueError, match="native backend"):
+        pair_loader.resolve_quant(dense, dense, "q4_0", progress=False)
+
+
+@pytest.mark.parametrize("kind", gguf_requant.lean_types())
+def test_a_lean_draft_keeps_greedy_decoding_identical(files, kind):
+    target = load_model(str(files["target"]), backend="native", progress=False)
+    draft = load_model(str(files["draft"]), backend="native", progress=False)
+    lean, quant = pair_loader.prepare_draft(target, draft, kind, vocab=0, progress=False)
+    assert quant == kind and lean.model is not draft.model and lean.source.endswith(".gguf")
+    prompt = [5, 17, 42, 9]
+    plain = SpeculativeDecoder(target, None, method="ar").generate(prompt, max_new_tokens=24, seed=0).token_ids
+    for method in ("chain", "dyspec"):
+        out = SpeculativeDecoder(target, lean, method=method).generate(prompt, max_new_tokens=24, seed=0)
+        assert out.token_ids == plain, method
+        assert out.stats.mean_accepted > 0  # the lean draft was used, not bypassed
+
+
+def test_auto_measures_each_lean_variant_of_a_native_draft_once(files):
+    target = load_model(str(files["target"]), backend="native", progress=False)
+    draft = load_model(str(files["draft"]), backend="native", progress=False)
+    kw = dict(sizes=(1, 2, 4), prefix=8, repeats=1, progress=False)
+    quant, record, source = draft_choice.choose_draft_quant(target, draft, **kw)
+    variants = record["variants"]
+    assert source == "measured" and set(variants) == {"none", *gguf_requant.lean_types()}
+    assert quant == max((q for q in variants if "score" in variants[q]), key=lambda q: variants[q]["score"])
+    assert all(0 <= v["agreement"] <= v["coverage4"] <= 1 for v in variants.values() if "score" in v)
+    assert draft_choice.choose_draft_quant(target, draft, **kw)[2] == "cache"
+    assert pair_loader.resolve_quant(target, draft, "auto", progress=False) == quant
