@@ -1,6 +1,9 @@
 """The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code;
 what a method name and the flags mean (and every default) is arborspec/runspec.py, shared with `arborspec bench` and the
 Python API.
+
+Over 400 lines: one short function per subcommand plus the parser that names them; the flags shared with other front
+ends are in flags.py.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from arborspec.core.isotonic import pool_adjacent_violators
 from arborspec.core.sampling import SamplingConfig, make_generator
 from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES, DraftContext
-from arborspec.drafting.auto.calibration import Calibrator
+from arborspec.drafting.auto.acceptance import Calibrator
 from arborspec.drafting.auto.guard import Guard
 from arborspec.drafting.auto.objective import CostModel, best_prefix, tree_rate
 from arborspec.drafting.auto.tree_builder import draw_new

@@ -27,6 +27,10 @@ back from branches that earlier forwards left behind (see LlamaCppSession).
 llama-cpp-python is an optional dependency (pinned 0.3.36, llama.cpp 0c1e570); its import is deferred to the first
 load so arborspec runs without it. llama.cpp's log output is silenced unless ARBORSPEC_LLAMA_LOG=1; its error lines
 are kept and quoted when a load or a decode fails.
+
+Over 400 lines: one backend behind one ctypes seam. The session (tree batches over sequence-id sets, commit, fork),
+the loader and the error translation all speak the same raw llama.cpp C API and share its state (the model, the
+context, the log); split apart they would pass that state around instead of holding it.
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ extra tensors, Llama 3.1's rope_freqs) is refused with `NotNative` instead of ru
 on another backend. llama.cpp's converter stores the llama architecture's attn_q / attn_k rows permuted for its rope
 layout (pairs of adjacent dimensions); transformers rotates halves, so those rows are put back in order here, a
 permutation of whole rows of blocks (each row is independent).
+
+Over 400 lines: the GGUF reader, the QuantLinear / QuantEmbedding / pruned-head modules and the loader that builds the
+transformers skeleton around them are one translation of a file into a model; the forward itself lives in
+native_step.py (C++) and native_forward.py (the Python reference).
 """
 from __future__ import annotations
 

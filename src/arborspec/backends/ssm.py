@@ -32,6 +32,9 @@ causal sequence in a batch, each with its own copy of the state, so shared prefi
 Numerics follow transformers' chunked Mamba2 path: the scan runs in float32, dt = clamp(softplus(dt + dt_bias),
 *time_step_limit) (the single-token path skips the clamp, which only matters for a non-default limit such as
 NemotronH's), D skip, silu(z) gating inside the grouped RMSNorm.
+
+Over 400 lines: STree's session is one algorithm (packed tree scan, activation replay on commit, the attention layers
+of hybrids beside the mixers); the scan kernel itself is in ssm_scan.py.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ command that produces it. Nothing in the tables is written by hand.
 The papers' claims are data (SECTIONS at the bottom: a title, the claim, the experiment it is checked on); one
 helper, `render_section`, lays every section out the same way, and each section's `body` holds only its own table
 and verdicts.
+
+Over 400 lines: one section per paper, each a short function with its own claim and criterion; they share the table
+and file helpers at the top, and a reader looks up one paper at a time.
 """
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ carries a quantization lever), `sources` (per source of drafted nodes -- the dra
 the environment.
 
 What a method name means is arborspec/runspec.py, the same for `generate`, the bench and the Python API.
+
+Over 400 lines: the interleaved loop, the warm-ups and the incremental results.json are one protocol whose parts must
+agree (what is timed, what is written when); the method catalogue is bench/methods.py, the metrics bench/metrics.py.
 """
 from __future__ import annotations
 

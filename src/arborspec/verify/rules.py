@@ -8,6 +8,9 @@ draw their random numbers against these; the tests enumerate them exactly.
 Conventions: distributions are 1-D (vocab,) or 2-D (positions, vocab) torch tensors (numpy arrays work too); results
 are float64 torch tensors. The arithmetic runs in numpy float64: for the small vectors of tests and small vocabularies
 it is several times faster than torch, and for a real vocabulary the two cost the same.
+
+Over 400 lines: every acceptance rule's mathematics on one page, so the rules can be compared line by line and the
+exact-enumeration tests cover them from one import; the verifier files beside it are thin.
 """
 from __future__ import annotations
 

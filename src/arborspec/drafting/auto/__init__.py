@@ -6,7 +6,7 @@ One file per idea, in reading order:
 
 - objective.py: the rate R = E[tokens] / T[seconds] of a step under the measured cost profiles, and why growing stops
   at the first layer that does not pay;
-- calibration.py: a(score), how often a drafted node with a given score is accepted, learned online;
+- acceptance.py: a(score), how often a drafted node with a given score is accepted, learned online;
 - tree_builder.py: one step's tree, layer by layer (whether to call the draft, which children to add), and why the
   trees stay exact;
 - guard.py: the fallback to plain decoding while speculation is measured slower;

@@ -10,7 +10,7 @@ and commits, in expectation (linearity over the nodes; the bonus token always co
 
     E(S) = 1 + sum_{u in S} a(score_u),      a(score) = P(node u is on the accepted path | its score)
 
-(a(.) is learned online: calibration.py). The objective is the rate R(S) = E(S) / T(S), tokens per second (STree's
+(a(.) is learned online: acceptance.py). The objective is the rate R(S) = E(S) / T(S), tokens per second (STree's
 t/tau, eqs. 7-8, with tau = E). Plain decoding is the root-only tree: R_0 = 1 / (t(1) + c).
 
 Why growing stops at the first layer that does not pay: adding a layer of gain g and cost D_l turns R = E/T into

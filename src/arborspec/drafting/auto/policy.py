@@ -30,7 +30,7 @@ from ...core.tree import DrawRule, TokenTree
 from ...tuning import costs as forward_costs
 from ...tuning.agreement import pair_agreement
 from ..base import DraftContext, Policy
-from .calibration import Calibrator
+from .acceptance import Calibrator
 from .guard import Guard
 from .objective import CostModel, ceiling_rate, expected_ceiling
 from .options import AutoOptions

@@ -7,7 +7,7 @@ the children of u are its top draft tokens. At temperature > 0 children are draw
 the residual R_j (the draft's q with the earlier draws removed) and its score is its *expected* path probability
 x_u * sum_y R_j(y) q(y), known before the token is drawn; the drawn child's own path probability x_u * q(y_j)
 scores its children. A node's expected accepted tokens (its gain) is a(score), the calibrated acceptance
-(calibration.py).
+(acceptance.py).
 
 Growing the tree, one draft call per layer; F = the newest layer (the frontier), best score first:
 
@@ -39,7 +39,7 @@ import torch
 
 from ...core.tree import DrawRule, TokenTree
 from ..base import DraftContext
-from .calibration import Calibrator
+from .acceptance import Calibrator
 from .objective import CostModel, best_prefix
 from .options import AutoOptions
 
