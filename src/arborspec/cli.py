@@ -1,6 +1,6 @@
 """The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code;
-what a method name and the flags mean (and every default) is arborspec/runspec.py, shared with `arborspec bench` and the
-Python API.
+what a method name means is arborspec/runspec.py, the shared flags and defaults flags.py and loading/pair.py, the
+same for `arborspec bench`, `serve` and the Python API.
 
 Over 400 lines: one short function per subcommand plus the parser that names them; the flags shared with other front
 ends are in flags.py.
@@ -25,6 +25,7 @@ for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 from . import loading
+from .backends.native import is_native
 from .bench.args import add_bench_arguments, add_report_arguments
 from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
 from .bench.concurrency import bench_from_args
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_arguments(prof)
     prof.add_argument("--refresh", action="store_true", help="with --pair: measure even if a cached profile exists")
     prof.add_argument("--no-variants", action="store_true",
-                      help="with --pair: skip the draft variants (bf16 / int8 / int4: cost curves and agreement)")
+                      help="with --pair: skip the draft variants (a PyTorch draft: bf16 / int8 / int4; a native GGUF "
+                           "draft: as it is / q4_0 / iq4_nl: cost curves and agreement)")
     prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
     prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")
@@ -400,8 +402,8 @@ def _profile_pair(args, sizes: list[int]) -> int:
               f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
     if args.out:
         print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
-    if args.no_variants or not is_torch_model(draft_loaded):  # quantized variants exist for PyTorch drafts only
-        return 0
+    if args.no_variants or not (is_torch_model(draft_loaded) or is_native(draft_loaded.model)):
+        return 0  # variants exist for PyTorch drafts (int8, int4) and native GGUF drafts (lean 4-bit files)
     quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
                                                prefix=args.prefix, repeats=args.repeats)
     print(f"\ndraft variants ({source}; agreement over {record['positions']} teacher-forced positions; est. tok/s = "
