@@ -6,6 +6,7 @@ import torch
 from arborspec import runspec
 from arborspec.bench import records, runner
 from arborspec.bench.runner import BenchSettings, run_bench
+from arborspec.loading import pair
 
 
 def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkeypatch):
@@ -142,7 +143,7 @@ def test_methods_take_the_runs_draft_quant_measured_once(loaded_pair, tmp_path, 
         calls.append(draft)
         return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "measured"
 
-    monkeypatch.setattr(runspec, "choose_draft_quant", measured)
+    monkeypatch.setattr(pair, "choose_draft_quant", measured)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f(x):"}\n')
     settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
