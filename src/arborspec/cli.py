@@ -32,12 +32,16 @@ from .bench.concurrency import bench_from_args
 from .bench.report import report_from_args
 from .core.options import option_parser, parse_int_list
 from .drafting import POLICIES
-from .flags import add_backend_arguments, add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
+from .flags import (
+    add_backend_arguments,
+    add_method_arguments,
+    add_pair_arguments,
+    add_sampling_arguments,
+    add_tree_layout_arguments,
+)
 from .loading import aliases
 from .loading.pair import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, is_torch_model, llama_options, load_pair
 from .runspec import (
-    DEFAULT_METHOD,
-    GRAMMAR,
     NGRAM_LEN,
     RunSpec,
     build_decoder,
@@ -88,11 +92,7 @@ def _argtype(parse_value):
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     add_pair_arguments(p)
-    p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"{GRAMMAR}, e.g. dynatree(adapt=false)@32+int8 (default {DEFAULT_METHOD}; see "
-                        f"docs/benchmarks.md); policies: {', '.join(POLICIES)}")
-    p.add_argument("--verifier", default=None, help=f"verification rule (default: the method's): {', '.join(VERIFIERS)}")
-    p.add_argument("--allow-lossy", action="store_true", help="permit a verifier that changes the output distribution")
+    add_method_arguments(p)
     add_sampling_arguments(p)
     add_tree_layout_arguments(p)
     levers = p.add_argument_group("cheaper drafting (any method; the output stays exact; --draft-quant above)")
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")
     prof.add_argument("--prefix", type=int, default=200, help="committed tokens before the tree")
     prof.add_argument("--repeats", type=int, default=3, help="timed forwards per size (median)")
-    prof.add_argument("--ssm-tree", default="packed", choices=["packed", "unrolled"])
+    add_tree_layout_arguments(prof)
     prof.add_argument("--out", default=None, help="PNG plot of the fit and the tau-ratio rule")
 
     add_bench_arguments(sub.add_parser("bench", help="benchmark methods on prompt sets: results.json, report.md, plots"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .drafting import POLICIES
 from .loading.model import BACKENDS
 from .loading.pair import (
     DEFAULT_BACKEND,
@@ -14,6 +15,8 @@ from .loading.pair import (
     DEFAULT_TARGET,
     DRAFT_QUANTS,
 )
+from .runspec import DEFAULT_METHOD, GRAMMAR
+from .verify import VERIFIERS
 
 
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,3 +71,14 @@ def add_tree_layout_arguments(p) -> None:
                    help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
 
 
+
+
+def add_method_arguments(p, example: str = "dynatree(adapt=false)@32+int8") -> None:
+    """--method, --verifier and --allow-lossy (`generate`, `trees`, `serve`; the bench takes a list: --methods)."""
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"{GRAMMAR}, e.g. {example} (default {DEFAULT_METHOD}; see docs/benchmarks.md); policies: "
+                        f"{', '.join(POLICIES)}")
+    p.add_argument("--verifier", default=None,
+                   help=f"verification rule (default: the method's): {', '.join(VERIFIERS)}")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="permit a verifier that changes the output distribution (e.g. wetap-lossy)")

@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import uvicorn
 
-from ..flags import add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
+from ..flags import add_method_arguments, add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
 from ..loading.model import ModelLoadError
-from ..runspec import DEFAULT_METHOD, GRAMMAR, RunSpec, check_lossy, check_verifier, parse
+from ..runspec import RunSpec, check_lossy, check_verifier, parse
 from .build import build_server, describe, listen, rounds, url_host
 from .protocol import sampling_problem
 from .scheduler import Scheduler
@@ -43,11 +43,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     if isinstance(p, argparse.ArgumentParser):
         p.formatter_class = ServeHelp
     add_pair_arguments(p)
-    p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"{GRAMMAR}, e.g. 'static(depth=4,branch=2)' or chain@6+ngram (default {DEFAULT_METHOD}); a "
-                        "request may pick its own in its `arborspec` field")
-    p.add_argument("--verifier", default=None, help="verification rule (default: the method's)")
-    p.add_argument("--allow-lossy", action="store_true", help="permit a lossy verifier in the server's own method")
+    add_method_arguments(p, "'static(depth=4,branch=2)' or chain@6+ngram (a request may pick its own in its "
+                            "`arborspec` field)")
     add_tree_layout_arguments(p)
     add_sampling_arguments(p.add_argument_group("sampling defaults (for requests that leave the field out; "
                                                 "--draft-temperature: every request's)"))
