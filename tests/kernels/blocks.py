@@ -10,10 +10,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-KINDS = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0)
+KINDS = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
 
 # the largest |integer weight x integer scale| a block can hold, to turn a wanted magnitude into a super-scale
-_SPAN = {QT.Q4_K: 15 * 63, QT.Q6_K: 32 * 127, QT.Q5_0: 16, QT.Q8_0: 127}
+_SPAN = {QT.Q4_K: 15 * 63, QT.Q6_K: 32 * 127, QT.Q5_0: 16, QT.Q8_0: 127, QT.Q4_0: 8, QT.IQ4_NL: 127}
 
 
 def random_blocks(qtype, n: int, k: int, rng: np.random.Generator, magnitude: float = 1.0) -> np.ndarray:
@@ -30,6 +30,6 @@ def random_blocks(qtype, n: int, k: int, rng: np.random.Generator, magnitude: fl
         raw[:, 2:4] = (scale * np.float16(0.5)).view(np.uint8).reshape(count, 2)
     elif qtype == QT.Q6_K:  # ql[128], qh[64], scales[16] (int8), d (float16) last
         raw[:, 208:210] = halves
-    else:  # Q5_0, Q8_0: d (float16) first
+    else:  # Q5_0, Q8_0, Q4_0, IQ4_NL: d (float16) first
         raw[:, 0:2] = halves
     return raw.reshape(n, k // block * nbytes)

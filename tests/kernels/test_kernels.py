@@ -172,9 +172,9 @@ def test_embedding_rows_equal_the_dequantized_matrix():
 
 def test_bad_input_gets_a_clear_error():
     rng = np.random.default_rng(4)
-    assert not supported(QT.F16) and not supported(QT.Q4_0)
-    with pytest.raises(ValueError, match="no kernel for GGUF type Q4_0"):
-        QuantMatrix(np.zeros((2, 18), np.uint8), QT.Q4_0, 2, 32)
+    assert not supported(QT.F16) and not supported(QT.Q5_1)
+    with pytest.raises(ValueError, match="no kernel for GGUF type Q5_1"):
+        QuantMatrix(np.zeros((2, 24), np.uint8), QT.Q5_1, 2, 32)
     with pytest.raises(ValueError, match="not a multiple of Q4_K's block of 256"):
         QuantMatrix(np.zeros((2, 144), np.uint8), QT.Q4_K, 2, 128)
     matrix = QuantMatrix(random_blocks(QT.Q8_0, 4, 64, rng), QT.Q8_0, 4, 64)

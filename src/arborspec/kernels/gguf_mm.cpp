@@ -4,7 +4,7 @@
 // every row of X before the next block, so m rows cost one pass over the weights (memory time) plus m times the
 // integer dot products (compute time), instead of m passes. Activations are quantized to 8 bits per block first, as
 // llama.cpp does for these types (256-value blocks with a float scale and per-16 sums for the K-quants, 32-value
-// blocks with a float16 scale for Q5_0 / Q8_0), so results agree with its numerics; the dot products are exact
+// blocks with a float16 scale for the 32-blocks), so results agree with its numerics; the dot products are exact
 // integers and only the per-block scales are float.
 //
 // Block layouts (bytes), as GGUF files store them:
@@ -14,6 +14,9 @@
 //        w = d * scale[g] * (q - 32).
 //   Q5_0 (32 weights, 22 B): d f16, 4 B of 5th bits, 16 B of 4-bit values; w = d * (q - 16).
 //   Q8_0 (32 weights, 34 B): d f16, 32 int8; w = d * q.
+//   Q4_0 (32 weights, 18 B): d f16, 16 B of 4-bit values (low nibbles: weights 0..15, high: 16..31); w = d * (q - 8).
+//   IQ4_NL (32 weights, 18 B): Q4_0's bytes, but each 4-bit value indexes a fixed non-linear table of 16 int8
+//        (kIQ4NL below, llama.cpp's); w = d * table[q]. The lean draft's 4-bit types (docs/kernels.md).
 //
 // Two implementations of each: AVX2 (256-bit integer multiply-adds) and a portable scalar one, which is also the
 // fallback on CPUs without AVX2. Output columns are split across torch's thread pool.
@@ -61,6 +64,8 @@
 
 namespace {
 
+using arborspec::IQ4_NL;
+using arborspec::Q4_0;
 using arborspec::Q4_K;
 using arborspec::Q5_0;
 using arborspec::Q6_K;
@@ -82,7 +87,8 @@ struct ActK {
 struct Act32 {
   float d;
   int32_t sum;
-  int32_t offset16, offset128;  // -16 and -128 x sum: where the x16 kernels' dot products start (Q5_0, Q8_0)
+  int32_t offset8, offset16, offset128;  // -8, -16, -128 x sum: where the x16 kernels' dot products start (Q4_0,
+                                         // Q5_0, Q8_0 and IQ4_NL)
   int8_t qs[32];
 };
 
@@ -162,6 +168,7 @@ void quantize_32(const float* x, Act32* out) {
   int sum = 0;
   for (int i = 0; i < 32; ++i) sum += out->qs[i];
   out->sum = sum;
+  out->offset8 = -8 * sum;
   out->offset16 = -16 * sum;
   out->offset128 = -128 * sum;
   out->d = static_cast<float>(c10::Half(d));
@@ -169,12 +176,25 @@ void quantize_32(const float* x, Act32* out) {
 
 bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
 
+// the GGUF types the kernels cover
+bool covered(int64_t qtype) {
+  return qtype == Q4_K || qtype == Q6_K || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_0 || qtype == IQ4_NL;
+}
+
+// the 4-bit 32-blocks (Q4_0, IQ4_NL): d f16, then the 32 4-bit values as nibbles
+bool nibbles_only(int64_t qtype) { return qtype == Q4_0 || qtype == IQ4_NL; }
+
+// IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl; gguf-py's IQ4_NL.kvalues), indexed by the 4-bit value
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case Q4_K: return 144;
     case Q6_K: return 210;
     case Q5_0: return 22;
     case Q8_0: return 34;
+    case Q4_0: return 18;
+    case IQ4_NL: return 18;
   }
   return 0;
 }
@@ -270,10 +290,23 @@ void q6k_scalar(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
   }
 }
 
-// Q5_0 and Q8_0: 32-blocks with one float16 scale; `q` gets the block's integer weights (signed)
+// A Q4_0 / IQ4_NL block's 32 4-bit values in order (weights 0..15 in the low nibbles, 16..31 in the high).
+void nibbles_32(const uint8_t* blk, int* u) {
+  for (int l = 0; l < 16; ++l) {
+    u[l] = blk[2 + l] & 0x0F;
+    u[l + 16] = blk[2 + l] >> 4;
+  }
+}
+
+// The 32-blocks (Q5_0, Q8_0, Q4_0, IQ4_NL), one float16 scale; `q` gets the block's integer weights (signed)
 void unpack_32(int64_t qtype, const uint8_t* blk, int* q) {
   if (qtype == Q8_0) {
     for (int l = 0; l < 32; ++l) q[l] = static_cast<int8_t>(blk[2 + l]);
+    return;
+  }
+  if (nibbles_only(qtype)) {
+    nibbles_32(blk, q);
+    for (int l = 0; l < 32; ++l) q[l] = qtype == Q4_0 ? q[l] - 8 : kIQ4NL[q[l]];
     return;
   }
   uint32_t qh;
@@ -441,9 +474,18 @@ __m256i expand_bits(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-// A Q5_0 or Q8_0 block as signed bytes (Q5_0: the 4 low bits, the 5th from its bit field, minus 16).
+// A 32-block as signed bytes (Q5_0: the 4 low bits, the 5th from its bit field, minus 16; Q4_0: the 4 bits minus 8;
+// IQ4_NL: the table's value, by a byte shuffle of the 4 bits).
 inline __m256i signed_32(int64_t qtype, const uint8_t* blk) {
   if (qtype == Q8_0) return load(blk + 2);
+  if (nibbles_only(qtype)) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m256i nib = _mm256_setr_m128i(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+    if (qtype == Q4_0) return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
+    return _mm256_shuffle_epi8(table, nib);
+  }
   uint32_t qh;
   std::memcpy(&qh, blk + 2, 4);
   const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -453,7 +495,7 @@ inline __m256i signed_32(int64_t qtype, const uint8_t* blk) {
   return _mm256_sub_epi8(w, _mm256_set1_epi8(16));
 }
 
-// Q5_0 and Q8_0 for R rows of X: one 32-block is one register, and R accumulators (two per row, for alternate
+// The 32-blocks for R rows of X: one 32-block is one register, and R accumulators (two per row, for alternate
 // blocks, so consecutive blocks do not wait on each other's multiply-add) stay in registers for the whole column.
 // u8 x s8 multiply-adds need an unsigned side: |w| times sign(w) x a.
 template <int R>
@@ -619,8 +661,8 @@ void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 // `vpdpbusd` multiplies them by 4 activation bytes broadcast to every lane, widens and accumulates: 64 weights a row
 // of X per instruction (AVX2 needs two multiplies for 32), and each sub-block's scales are applied to its sums once,
 // for all 16 rows, by one integer multiply. The weights enter as unsigned bytes (the instruction is u8 x s8): a
-// type whose integers are signed is stored with an offset (Q6_K +32, Q5_0 +16, Q8_0 +128) removed through the
-// activation blocks' sums, so every path computes the same exact integer dot products. The column-interleaved
+// type whose integers are signed is stored with an offset (Q6_K +32, Q5_0 +16, Q8_0 +128, Q4_0 +8; IQ4_NL's table
+// values +128, looked up by a byte shuffle of the stored 4-bit indices) removed through the activation blocks' sums, so every path computes the same exact integer dot products. The column-interleaved
 // prototype of this design ran the whole 1.5B's volume at the memory floor for M = 1 and t(4) = 1.11 t(1) on Zen 4.
 //
 // A chunk j of a block is weights 4j..4j+3 of each of the 16 rows: 64 values, value 4c + i <- row c, weight 4j + i.
@@ -633,6 +675,9 @@ void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 //        then per chunk its bit-4 and bit-5 masks (16 B). Weights 0..63 (+32).
 //   Q5_0 (32-block, 352 B): d[16] f16, 8 chunks of nibbles, per chunk its bit-4 mask (8 B). Weights 0..31 (+16).
 //   Q8_0 (32-block, 544 B): d[16] f16, 8 chunks of bytes q + 128 (q ^ 0x80).
+//   Q4_0 (32-block, 288 B): d[16] f16, 8 chunks of nibbles, the file's 4-bit values (0..15, the +8 offset).
+//   IQ4_NL (32-block, 288 B): d[16] f16, 8 chunks of nibbles, the file's 4-bit table indices; the kernel's weights
+//        are table[index] + 128 (1..241).
 constexpr int kRows16 = 16;
 constexpr int kLayout16 = 2000;  // layout = kLayout16 + GGUF type (gguf_mm.h)
 
@@ -649,11 +694,14 @@ X16 x16_format(int64_t qtype) {
     case Q4_K: return {2368, 256, 320, 0, 0};
     case Q6_K: return {3360, 256, 288, 2336, 32};
     case Q5_0: return {352, 32, 32, 288, 16};
+    case Q4_0: return {288, 32, 32, 0, 8};
+    case IQ4_NL: return {288, 32, 32, 0, 128};
     default: return {544, 32, 32, 0, 128};  // Q8_0
   }
 }
 
-// The unsigned integer of row c, weight w (0 .. weights - 1) of one x16 block, and its inverse.
+// The stored unsigned integer of row c, weight w (0 .. weights - 1) of one x16 block, and its inverse. For IQ4_NL
+// that is the 4-bit table index; x16_value gives the weight the kernels multiply by (+ the offset) for every type.
 int x16_get(int64_t qtype, const uint8_t* blk, int c, int w) {
   const X16 f = x16_format(qtype);
   const int j = w / 4, at = 4 * c + w % 4;
@@ -682,6 +730,8 @@ void x16_set(int64_t qtype, uint8_t* blk, int c, int w, int u) {  // `blk` zeroe
     blk[f.masks + 16 * j + 8 + at / 8] |= (uint8_t)(((u >> 5) & 1) << (at % 8));
   }
 }
+
+int x16_value(int64_t qtype, int u) { return qtype == IQ4_NL ? kIQ4NL[u] + 128 : u; }
 
 // A Q6_K block's 256 values 0..63 in order (the file stores 4 low bits and 2 high bits apart), and the inverse.
 void unpack_q6k(const uint8_t* blk, int* q) {
@@ -736,6 +786,9 @@ void repack_x16_block(int64_t qtype, const uint8_t* src, int64_t row_bytes, int6
       unpack_q6k(blk, u);
       std::memcpy(out + 2 * c, blk + 208, 2);
       for (int g = 0; g < 16; ++g) out[32 + 16 * g + c] = blk[192 + g];
+    } else if (nibbles_only(qtype)) {
+      nibbles_32(blk, u);  // stored as they are (Q4_0: already q + 8; IQ4_NL: the table indices)
+      std::memcpy(out + 2 * c, blk, 2);
     } else {
       unpack_32(qtype, blk, u);
       for (int w = 0; w < 32; ++w) u[w] += f.offset;
@@ -770,6 +823,9 @@ void unpack_x16_block(int64_t qtype, const uint8_t* in, uint8_t* dst, int64_t ro
     } else if (qtype == Q8_0) {
       std::memcpy(blk, in + 2 * c, 2);
       for (int w = 0; w < 32; ++w) blk[2 + w] = (uint8_t)(u[w] ^ 0x80);
+    } else if (nibbles_only(qtype)) {
+      std::memcpy(blk, in + 2 * c, 2);
+      for (int l = 0; l < 16; ++l) blk[2 + l] = (uint8_t)(u[l] | (u[l + 16] << 4));
     } else {  // Q5_0
       std::memcpy(blk, in + 2 * c, 2);
       uint32_t qh = 0;
@@ -792,7 +848,7 @@ void x16_scalar(int64_t qtype, const Job& j, int64_t g, int64_t r0, int64_t r1) 
     for (int c = 0; c < kRows16; ++c) {
       const float d = half(blk + 2 * c);
       int u[256];
-      for (int w = 0; w < f.weights; ++w) u[w] = x16_get(qtype, blk, c, w);
+      for (int w = 0; w < f.weights; ++w) u[w] = x16_value(qtype, x16_get(qtype, blk, c, w));
       for (int64_t r = r0; r < r1; ++r) {
         float& out = acc[r - r0][c];
         if (qtype == Q4_K) {
@@ -973,13 +1029,22 @@ void q6k16_vnni(const Job& j, int64_t g, int64_t r0) {
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(j.y + (r0 + r) * j.n + g * kRows16, acc[r]);
 }
 
-// Q5_0 / Q8_0 x16: a 32-block of 16 rows is 8 weight registers; per row the dot starts at -offset x the block's
-// activation sum, 8 dot instructions, and the float scales (16 rows x the row's) multiply once.
+// IQ4_NL's table + 128 (unsigned, 1..241) in each 128-bit lane, for the byte shuffle that looks weights up
+inline __m512i iq4nl_table128() {
+  alignas(64) uint8_t t[64];
+  for (int i = 0; i < 64; ++i) t[i] = (uint8_t)(kIQ4NL[i % 16] + 128);
+  return _mm512_load_si512(t);
+}
+
+// The 32-blocks x16: a 32-block of 16 rows is 8 weight registers (Q5_0: nibbles and the 5th bit by a masked add;
+// Q4_0: the nibbles; IQ4_NL: the nibbles' table values, one byte shuffle each); per row the dot starts at -offset x
+// the block's activation sum, 8 dot instructions, and the float scales (16 rows x the row's) multiply once.
 template <int64_t qtype, int R>
 void q32x16_vnni(const Job& j, int64_t g, int64_t r0) {
   const Act32* act = static_cast<const Act32*>(j.act) + r0 * j.blocks;
   const X16 f = x16_format(qtype);
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(16);
+  const __m512i table = qtype == IQ4_NL ? iq4nl_table128() : _mm512_setzero_si512();
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.blocks; ++b) {
@@ -994,12 +1059,16 @@ void q32x16_vnni(const Job& j, int64_t g, int64_t r0) {
         w[2 * p] = _mm512_and_si512(v, low4);
         w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      for (int t = 0; t < 8; ++t) w[t] = _mm512_mask_add_epi8(w[t], mask_at(blk + 288 + 8 * t), w[t], bit4);
+      if constexpr (qtype == Q5_0)
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_mask_add_epi8(w[t], mask_at(blk + 288 + 8 * t), w[t], bit4);
+      if constexpr (qtype == IQ4_NL)
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
     }
     const __m512 d = halves16(blk);
     for (int r = 0; r < R; ++r) {
       const Act32& a = act[r * j.blocks + b];
-      __m512i dot = _mm512_set1_epi32(qtype == Q8_0 ? a.offset128 : a.offset16);  // a broadcast from memory
+      const int32_t start = qtype == Q5_0 ? a.offset16 : qtype == Q4_0 ? a.offset8 : a.offset128;
+      __m512i dot = _mm512_set1_epi32(start);  // a broadcast from memory
       for (int t = 0; t < 8; ++t) dot = _mm512_dpbusd_epi32(dot, w[t], bcast4(a.qs, 4 * t));
       acc[r] = _mm512_fmadd_ps(to_float(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[r]);
     }
@@ -1013,6 +1082,8 @@ void x16_vnni_rows(int64_t qtype, const Job& j, int64_t g, int64_t r0) {
     case Q4_K: return q4k16_vnni<R>(j, g, r0);
     case Q6_K: return q6k16_vnni<R>(j, g, r0);
     case Q5_0: return q32x16_vnni<Q5_0, R>(j, g, r0);
+    case Q4_0: return q32x16_vnni<Q4_0, R>(j, g, r0);
+    case IQ4_NL: return q32x16_vnni<IQ4_NL, R>(j, g, r0);
     default: return q32x16_vnni<Q8_0, R>(j, g, r0);
   }
 }
@@ -1055,7 +1126,7 @@ void run_tile(int64_t qtype, bool scalar, const Job& j, int64_t c0, int64_t c1, 
 }
 
 void check_args(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& x) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K || qtype == Q5_0 || qtype == Q8_0, "no kernel for GGUF type ", qtype);
+  TORCH_CHECK(covered(qtype), "no kernel for GGUF type ", qtype);
   const int64_t block = k_quant(qtype) ? 256 : 32;
   TORCH_CHECK(k > 0 && k % block == 0, "row length ", k, " is not a multiple of the block of ", block);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "weights: contiguous uint8 (n, row_bytes)");
@@ -1189,7 +1260,7 @@ at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x,
 
 int64_t x16_qtype(int64_t layout) {
   const int64_t qtype = layout - kLayout16;
-  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K || qtype == Q5_0 || qtype == Q8_0, "no x16 layout numbered ", layout);
+  TORCH_CHECK(covered(qtype), "no x16 layout numbered ", layout);
   return qtype;
 }
 
@@ -1381,7 +1452,8 @@ std::string isa() {
 
 at::Tensor layouts() {  // the layout numbers matrix.py uses, in the order of its names (build.py's LAYOUTS)
   using namespace arborspec;
-  return at::tensor(std::vector<int64_t>{kQ4KByRows8, kQ4KByRows16, kQ6KByRows16, kQ5_0ByRows16, kQ8_0ByRows16},
+  return at::tensor(std::vector<int64_t>{kQ4KByRows8, kQ4KByRows16, kQ6KByRows16, kQ5_0ByRows16, kQ8_0ByRows16,
+                                        kQ4_0ByRows16, kIQ4NLByRows16},
                     at::kLong);
 }
 

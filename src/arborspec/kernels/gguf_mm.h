@@ -13,7 +13,7 @@
 namespace arborspec {
 
 // GGUF block types the kernels cover (their GGUF type numbers)
-enum QType : int64_t { Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, IQ4_NL = 20 };
 
 // Packed layouts: the same bits as the file's blocks, rearranged for the products (see gguf_mm.cpp)
 enum Layout : int64_t {
@@ -23,6 +23,8 @@ enum Layout : int64_t {
   kQ8_0ByRows16 = 2000 + Q8_0,
   kQ4KByRows16 = 2000 + Q4_K,
   kQ6KByRows16 = 2000 + Q6_K,
+  kQ4_0ByRows16 = 2000 + Q4_0,
+  kIQ4NLByRows16 = 2000 + IQ4_NL,
 };
 
 // y (m, n) float32 = x (m, k) float32 · Wᵀ, W (n, k) held as `w` in `layout`: the best path this build runs.

@@ -6,7 +6,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0)
+SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
 
 
 def supported(qtype) -> bool:
@@ -47,7 +47,8 @@ class QuantMatrix:
         self.data = self.kernels.ops.repack(data, self.layout, k) if self.packed else data
 
     def _layout(self, pack: bool, isa: str) -> int:
-        names = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q5_0: "q5_0", QT.Q8_0: "q8_0"}
+        names = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q5_0: "q5_0", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0",
+                 QT.IQ4_NL: "iq4_nl"}
         if pack and isa == "avx512vnni" and self.n % 16 == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows16"]
         if pack and self.qtype == QT.Q4_K and self.n % 8 == 0:

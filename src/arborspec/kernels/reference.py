@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 # which 8-bit activation format each weight type is paired with (as in llama.cpp): K-quants use 256-value blocks with
 # a float32 scale, the 32-block types a 32-value block with a float16 scale
-ACTIVATION_BLOCK = {QT.Q4_K: 256, QT.Q6_K: 256, QT.Q5_0: 32, QT.Q8_0: 32}
+ACTIVATION_BLOCK = {QT.Q4_K: 256, QT.Q6_K: 256, QT.Q5_0: 32, QT.Q8_0: 32, QT.Q4_0: 32, QT.IQ4_NL: 32}
 
 
 def quantize_activations(x: torch.Tensor, qtype) -> torch.Tensor:
