@@ -41,3 +41,20 @@ def test_speculation_on_the_step_is_plain_greedy_decoding(pair, method, options)
                                                                                    ignore_eos=True)
         assert res.token_ids == ref.token_ids
         assert res.stats.tokens_per_step > 1.5  # the real draft is accepted most of the time
+
+
+@pytest.mark.parametrize("kind,vocab", [("q4_0", 0), ("iq4_nl", 32768)])
+def test_a_lean_draft_on_the_step_is_plain_greedy_decoding(pair, kind, vocab):
+    """The draft requantized to a lean 4-bit file (tuning/gguf_requant.py; built once, cached), with and without a
+    pruned head: a different draft, the same output."""
+    from arborspec.loading.pair import prepare_draft
+
+    target, draft = pair
+    lean, quant = prepare_draft(target, draft, kind, vocab=vocab, progress=False)
+    assert quant == kind and lean.source.endswith(".gguf") and kind in lean.source
+    for prompt in PROMPTS:
+        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+        res = SpeculativeDecoder(target, lean, method="dyspec", budget=16).generate(prompt, max_new_tokens=N_TOKENS,
+                                                                                    ignore_eos=True)
+        assert res.token_ids == ref.token_ids
+        assert res.stats.tokens_per_step > 1.5  # the lean draft still agrees with the target most of the time

@@ -8,9 +8,10 @@ target fell only from 0.906 to 0.891 (Q4_0) on the reference texts (measured wit
 
 The quantizer is llama.cpp's (`llama_cpp.llama_model_quantize`, the package the llama.cpp backend already uses): it
 writes every tensor of the new type, keeps the file's metadata and vocabulary, and copies what it cannot quantize.
-The token embedding stays Q8_0 (rows are looked up, never read whole, so its size costs nothing a step). The result
-is written under `cache_dir()/drafts/`, keyed by the source file (path, size, mtime), the type and llama.cpp's
-version; a second run loads it at once.
+Every matrix gets the type (llama.cpp's `pure`), but the token embedding stays Q8_0 (rows are looked up, never read
+whole, so its size costs nothing a step).
+The result is written under `cache_dir()/drafts/`, keyed by the source file (path, size, mtime), the type and
+llama.cpp's version; a second run loads it at once.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def requantized_path(source: Path, kind: str) -> Path:
     import llama_cpp
 
     stat = source.stat()
-    key = dict(path=str(source.resolve()), size=stat.st_size, mtime=int(stat.st_mtime), kind=kind,
+    key = dict(path=str(source.resolve()), size=stat.st_size, mtime=int(stat.st_mtime), kind=kind, pure=True,
                llama_cpp=llama_cpp.__version__)
     return cache_dir() / "drafts" / f"{source.stem}-{kind}-{sha256_key(key)}.gguf"
 
@@ -65,6 +66,7 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
         params.ftype, params.output_tensor_type = LEAN_TYPES[kind]
         params.token_embedding_type = EMBEDDING_TYPE
         params.allow_requantize = True  # the source is already quantized (Q5_0 / Q8_0 / Q6_K)
+        params.pure = True  # every matrix in `kind`: left to itself llama.cpp gives IQ4_NL files Q5_1 / Q5_K tensors
         params.nthread = os.cpu_count() or 1
         rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0 or not tmp.exists():
