@@ -163,9 +163,12 @@ def test_results_do_not_depend_on_the_thread_count():
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
-def test_embedding_rows_equal_the_dequantized_matrix():
-    raw = random_blocks(QT.Q6_K, 12, 256, np.random.default_rng(3))
-    matrix = QuantMatrix(raw, QT.Q6_K, 12, 256)
+@pytest.mark.parametrize("qtype", KINDS)
+def test_embedding_rows_equal_the_dequantized_matrix(qtype):
+    """The C++ row lookup (what the native step's embedding runs) against gguf's dequantizer, every type."""
+    k = ACTIVATION_BLOCK[qtype] * 2
+    raw = random_blocks(qtype, 12, k, np.random.default_rng(3))
+    matrix = QuantMatrix(raw, qtype, 12, k)
     index = torch.tensor([[3, 0], [11, 3]])
     assert torch.equal(matrix.rows(index), matrix.dequantize()[index])
 
