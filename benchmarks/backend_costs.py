@@ -9,7 +9,10 @@ forward's time goes: the kernels, and everything else (attention, norms, rotary,
 
 Usage: python benchmarks/backend_costs.py [--model ALIAS|PATH.gguf] [--sizes 1,2,...] [--rounds 3]
            [--out results/native/costs.json] [--figure docs/figures/native_costs.png]
-Prints a markdown table: t(n) in ms, t(n)/t(1) per backend, and native's t(n) over llama.cpp's t(1).
+Prints a markdown table: t(n) in ms, t(n)/t(1) per backend, and native's t(n) over llama.cpp's t(1); then the time
+outside the kernels per extra verified row (the least-squares slope of native - kernels over n) and native's t(1)
+over its kernels' (issue 33's goals: <= 0.5 ms a row for the target, <= 1.15x for the draft). Both are also stored
+in the JSON ("outside_ms_per_row", "t1_over_kernels").
 """
 from __future__ import annotations
 
@@ -45,8 +48,20 @@ def measure(model_name: str, sizes: list[int], rounds: int) -> dict:
         for name, timer in timers.items():
             time.sleep(0.5)  # the previous timer's threads (torch's or llama.cpp's pool) stop spinning first
             runs[name].append(timer())
-    return {"model": model_name, "sizes": sizes, "rounds": rounds, "cpu": cpu_model(), "isa": library().isa, "threads": torch.get_num_threads(),
-            "ms": {b: [1e3 * statistics.median(r[i] for r in runs[b]) for i in range(len(sizes))] for b in runs}}
+    result = {"model": model_name, "sizes": sizes, "rounds": rounds, "cpu": cpu_model(), "isa": library().isa,
+              "threads": torch.get_num_threads(),
+              "ms": {b: [1e3 * statistics.median(r[i] for r in runs[b]) for i in range(len(sizes))] for b in runs}}
+    return {**result, **summary(result)}
+
+
+def summary(result: dict) -> dict:
+    """Time outside the kernels per extra row (least-squares slope over the sizes, ms) and t(1) / kernels' t(1)."""
+    sizes, ms = result["sizes"], result["ms"]
+    outside = [nat - kern for nat, kern in zip(ms["native"], ms["kernels"])]
+    mean_n, mean_o = statistics.fmean(sizes), statistics.fmean(outside)
+    var = sum((n - mean_n) ** 2 for n in sizes)
+    slope = sum((n - mean_n) * (o - mean_o) for n, o in zip(sizes, outside)) / var if var else float("nan")
+    return {"outside_ms_per_row": slope, "t1_over_kernels": ms["native"][0] / ms["kernels"][0]}
 
 
 def kernel_seconds(model, m: int, repeats: int = 3) -> float:
@@ -74,6 +89,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {n} | {nat:.1f} | {nat / ms['native'][0]:.2f} | {kern:.1f} | {nat - kern:.1f} | "
                      f"{ms['native-python'][i]:.1f} | {ms['llamacpp'][i]:.1f} | {ms['llamacpp'][i] / base:.2f} | "
                      f"{nat / base:.2f} |")
+    lines.append(f"\noutside the kernels per extra row: {result['outside_ms_per_row']:.2f} ms (least squares over n); "
+                 f"native t({sizes[0]}) / kernels t({sizes[0]}): {result['t1_over_kernels']:.2f}")
     return "\n".join(lines) + "\n"
 
 

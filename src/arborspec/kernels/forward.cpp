@@ -299,8 +299,13 @@ inline void mix16(const float* p, int64_t stride, const float* const* v, int64_t
 }
 #endif
 
-// The tiles: scores kHeads heads x kKeys keys at a time, outputs kHeads heads x kChunks vector chunks at a time (the
-// accumulators fit the 16 AVX2 / 32 AVX-512 registers); a smaller tile for what is left.
+// The tiles: scores for up to 2 (AVX2) / 4 (AVX-512) heads x 2 / 4 keys at a time, outputs for as many heads x 32 / 64
+// lanes (the accumulators fit the 16 AVX2 / 32 AVX-512 registers); a group's heads split into tiles of equal size
+// (7 heads: 4 + 3 in 16 lanes, 2 + 2 + 2 + 1 in 8), a smaller key tile for what is left.
+inline int64_t head_tiles(bool wide, int64_t G) { return (G + (wide ? 3 : 1)) / (wide ? 4 : 2); }
+inline int64_t tile_start(int64_t tile, int64_t tiles, int64_t G) {  // the first head of tile `tile`
+  return tile * (G / tiles) + std::min(tile, G % tiles);
+}
 #ifdef ARB_STEP_AVX2
 template <int NK>
 inline void dots_heads(bool wide, int64_t nh, const float* q, const float* const* k, int64_t d, float scale, float* s,
@@ -310,7 +315,8 @@ inline void dots_heads(bool wide, int64_t nh, const float* q, const float* const
     switch (nh) {
       case 1: return dots16<1, NK>(q, k, d, scale, s, stride);
       case 2: return dots16<2, NK>(q, k, d, scale, s, stride);
-      default: return dots16<3, NK>(q, k, d, scale, s, stride);
+      case 3: return dots16<3, NK>(q, k, d, scale, s, stride);
+      default: return dots16<4, NK>(q, k, d, scale, s, stride);
     }
   }
 #endif
@@ -322,11 +328,11 @@ inline void dots_heads(bool wide, int64_t nh, const float* q, const float* const
 // scores (G, stride): s[h * stride + j] = q_h · k_j * scale for the `count` keys k[0..count)
 void scores(bool wide, const float* q, int64_t G, const float* const* k, int64_t count, int64_t d, float scale,
             float* s, int64_t stride) {
-  const int64_t tile_heads = wide ? 3 : 2, tile_keys = wide ? 4 : 2;
+  const int64_t tiles = head_tiles(wide, G), tile_keys = wide ? 4 : 2;
   for (int64_t j0 = 0; j0 < count; j0 += tile_keys) {  // a key tile stays in L1 while every head reads it
     const int64_t nk = std::min(tile_keys, count - j0);
-    for (int64_t h0 = 0; h0 < G; h0 += tile_heads) {
-      const int64_t nh = std::min(tile_heads, G - h0);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t h0 = tile_start(tile, tiles, G), nh = tile_start(tile + 1, tiles, G) - h0;
       const float* qh = q + h0 * d;
       float* sh = s + h0 * stride + j0;
       switch (nk) {
@@ -357,14 +363,17 @@ inline void mix_chunks(bool wide, const float* p, int64_t stride, const float* c
 // o (G, d): o_h = (sum_j p[h * stride + j] v_j) * inv[h] over the `count` values v[0..count)
 void mix(bool wide, const float* p, int64_t G, int64_t stride, const float* const* v, int64_t count, int64_t d,
          const float* inv, float* o) {
-  const int64_t tile = wide ? 3 : 2;
-  for (int64_t h0 = 0; h0 < G; h0 += tile) {
-    const int64_t nh = std::min(tile, G - h0);
+  const int64_t tiles = head_tiles(wide, G);
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t h0 = tile_start(tile, tiles, G), nh = tile_start(tile + 1, tiles, G) - h0;
     const float *ph = p + h0 * stride, *ih = inv + h0;
     float* oh = o + h0 * d;
-    if (nh == 1) mix_chunks<1>(wide, ph, stride, v, count, d, ih, oh);
-    else if (nh == 2) mix_chunks<2>(wide, ph, stride, v, count, d, ih, oh);
-    else mix_chunks<3>(wide, ph, stride, v, count, d, ih, oh);
+    switch (nh) {
+      case 1: mix_chunks<1>(wide, ph, stride, v, count, d, ih, oh); break;
+      case 2: mix_chunks<2>(wide, ph, stride, v, count, d, ih, oh); break;
+      case 3: mix_chunks<3>(wide, ph, stride, v, count, d, ih, oh); break;
+      default: mix_chunks<4>(wide, ph, stride, v, count, d, ih, oh); break;
+    }
   }
 }
 #else
