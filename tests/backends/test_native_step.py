@@ -24,7 +24,9 @@ from arborspec.core.tree import TokenTree
 from arborspec.drafting import POLICIES
 from arborspec.loading import load_model
 
-from .test_llamacpp import random_tree
+from arborspec.kernels.build import KernelBuildError, emulated_library
+
+from .test_llamacpp import chain_logits, random_tree
 from .test_native import EXACT, K_QUANT, STEP, row_errors
 from .tiny_gguf import VOCAB, write_tiny_gguf
 
@@ -37,6 +39,10 @@ FILES = {
     "tied": {"dtype": "q4_k", **K_QUANT, "tied": True},
     "short": {"dtype": "q5_0", "context": 24},  # a 24-token context window
     "draft": {"dtype": "q4_k", **K_QUANT, "noise": 0.2},  # a noisy copy of q4_k
+    # the attention tiles' other cases: 6 and 7 query heads per kv head (the 1.5B target's and the 0.5B draft's
+    # groups), head sizes 24 (a last 8-float block) and 32
+    "g6": {"dtype": "q8_0", "hidden": 288, "ffn": 128, "heads": 12, "kv_heads": 2},
+    "g7": {"dtype": "q5_0", "hidden": 224, "ffn": 128, "heads": 7, "kv_heads": 1},
 }
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
@@ -84,6 +90,49 @@ def test_the_step_equals_the_python_forward(native, name):
     assert errors.max() < STEP  # at most one activation step apart (see the module docstring)
     assert (errors < EXACT).float().mean() >= 0.8
     assert same_top.float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("name", ["g6", "g7", "mixed"])
+def test_attention_in_16_lanes_gives_the_bits_of_the_8_lane_code(native, name, monkeypatch):
+    """forward.cpp's AVX-512 attention against its AVX2 attention, in one build: the native one where the CPU has
+    AVX-512, else the emulated one (SIMDe), so hosts without AVX-512 still prove the 16-lane code."""
+    model = native(name).model
+    step = model.forward.step
+    if step.cpp.lanes() != 16:
+        try:
+            emulated_library()
+        except KernelBuildError as err:
+            pytest.skip(str(err))
+        step = native_step.Step(model.forward, ops="arborspec_kernels_emulated")
+        monkeypatch.setattr(model.forward, "step", step)
+    rng = random.Random(5)
+    context = [rng.randrange(VOCAB) for _ in range(23)]
+    tree = random_tree(rng, context[-1], 11)
+    logits = {}
+    try:
+        for lanes in (16, 8):
+            step.cpp.set_lanes(lanes)
+            logits[lanes] = forward_tree(make_session(model), context, tree, prefilled=17, layers=2)
+    finally:
+        step.cpp.set_lanes(16)
+    assert torch.equal(logits[16], logits[8]), (logits[16] - logits[8]).abs().max()
+    assert (logits[16][1:] - logits[16][0]).abs().amax() > 1.0  # the rows really differ
+    with pytest.raises(RuntimeError, match="8 or 16 lanes"):
+        step.cpp.set_lanes(4)
+
+
+@pytest.mark.parametrize("name", ["g6", "g7"])
+def test_a_tree_row_has_the_bits_of_its_token_decoded_after_its_path(native, name):
+    """Exactness for the head layouts the default files lack (test_native.py (d) has the rest): a node's logits
+    equal those of its token decoded as a chain, bit for bit."""
+    model = native(name).model
+    rng = random.Random(8)
+    context = [rng.randrange(VOCAB) for _ in range(19)]
+    tree = random_tree(rng, context[-1], 14)
+    logits = forward_tree(make_session(model), context, tree, prefilled=12, layers=3)
+    chains = torch.stack([chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
+                          for node in range(len(tree))])
+    assert torch.equal(logits, chains), row_errors(logits, chains).max()
 
 
 @pytest.mark.parametrize("method", [name for name in POLICIES if name != "ar"])

@@ -50,9 +50,10 @@ VOCAB = len(TOKENS)  # 261
 EOS = VOCAB - 1
 
 
-def _shapes(layers: int, hidden: int, ffn: int, biases: bool) -> dict[str, tuple[int, ...]]:
+def _shapes(layers: int, hidden: int, ffn: int, biases: bool, heads: int = HEADS,
+            kv_heads: int = KV_HEADS) -> dict[str, tuple[int, ...]]:
     """Every tensor's (rows, cols) in file order; q/k/v biases only where the architecture has them (Qwen2)."""
-    kv = KV_HEADS * hidden // HEADS
+    kv = kv_heads * hidden // heads
     shapes = {"token_embd.weight": (VOCAB, hidden)}
     for i in range(layers):
         b = f"blk.{i}."
@@ -75,12 +76,12 @@ def _shapes(layers: int, hidden: int, ffn: int, biases: bool) -> dict[str, tuple
 
 
 def _weights(seed: int, layers: int, noise: float, noise_seed: int, hidden: int = HIDDEN, ffn: int = FFN,
-             biases: bool = True) -> dict[str, np.ndarray]:
+             biases: bool = True, heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict[str, np.ndarray]:
     """Random weights scaled so activations stay O(1) and the output distribution is sharp (no greedy near-ties).
     `noise` > 0 adds Gaussian noise of that relative size: a draft that mostly agrees with the seed's model."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in _shapes(layers, hidden, ffn, biases).items():
+    for name, shape in _shapes(layers, hidden, ffn, biases, heads, kv_heads).items():
         if name.endswith("norm.weight"):
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith(".bias"):
@@ -142,13 +143,13 @@ def quant_blocks(qtype: QT, shape: tuple[int, int], rng: np.random.Generator, st
 
 
 def _quant_weights(dtype: str, seed: int, layers: int, noise: float, noise_seed: int, hidden: int, ffn: int,
-                   biases: bool) -> dict[str, tuple[np.ndarray, QT | None]]:
+                   biases: bool, heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict[str, tuple[np.ndarray, QT | None]]:
     """name -> (data, GGUF type or None for float32): 1-D tensors as `_weights` draws them, 2-D as random blocks.
     `noise` > 0 re-draws a noise² / 2 fraction of every matrix's blocks (from `noise_seed`): a re-drawn weight differs
     from the old by sqrt(2) of the spread, so the relative noise is `noise`, as for the float dtypes."""
-    floats = _weights(seed, layers, noise, noise_seed, hidden, ffn, biases)
+    floats = _weights(seed, layers, noise, noise_seed, hidden, ffn, biases, heads, kv_heads)
     out = {}
-    for i, (name, shape) in enumerate(_shapes(layers, hidden, ffn, biases).items()):
+    for i, (name, shape) in enumerate(_shapes(layers, hidden, ffn, biases, heads, kv_heads).items()):
         if len(shape) == 1:
             out[name] = (floats[name], None)
             continue
@@ -168,7 +169,8 @@ def _quant_weights(dtype: str, seed: int, layers: int, noise: float, noise_seed:
 
 def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context: int = 256, dtype: str = "f32",
                     noise: float = 0.0, noise_seed: int = 1, skip: tuple[str, ...] = (), pooling: int | None = None,
-                    arch: str = "qwen2", hidden: int = HIDDEN, ffn: int = FFN, tied: bool = False) -> Path:
+                    arch: str = "qwen2", hidden: int = HIDDEN, ffn: int = FFN, tied: bool = False,
+                    heads: int = HEADS, kv_heads: int = KV_HEADS) -> Path:
     """Write a tiny random Qwen2 GGUF to `path`; return the path.
 
     dtype: how 2-D weights are stored, "f32", "f16" or "q8_0" (quantized with gguf.quants), or one of QUANT_DTYPES
@@ -176,7 +178,7 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
     names left out (a broken file). `pooling`: write `<arch>.pooling_type` and non-causal attention, as an embedding
     model's GGUF carries. `arch`: the general.architecture written (hyper-parameter keys follow it); "llama" has no
     q/k/v biases. `hidden`, `ffn`: embedding and feed-forward widths. `tied`: no output.weight (the head is the
-    token embedding, as in small Qwen2.5 models).
+    token embedding, as in small Qwen2.5 models). `heads`, `kv_heads`: attention heads (head size hidden / heads).
     """
     import gguf
 
@@ -187,8 +189,8 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(ffn)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     if pooling is not None:
@@ -203,7 +205,8 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
     writer.add_add_bos_token(False)
     if tied:
         skip = (*skip, "output.weight")
-    for name, (data, qtype) in _tensors(dtype, seed, layers, noise, noise_seed, hidden, ffn, arch != "llama").items():
+    for name, (data, qtype) in _tensors(dtype, seed, layers, noise, noise_seed, hidden, ffn, arch != "llama", heads,
+                                        kv_heads).items():
         if name in skip:
             continue
         if qtype is None:
@@ -218,14 +221,14 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
 
 
 def _tensors(dtype: str, seed: int, layers: int, noise: float, noise_seed: int, hidden: int, ffn: int,
-             biases: bool) -> dict[str, tuple[np.ndarray, QT | None]]:
+             biases: bool, heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict[str, tuple[np.ndarray, QT | None]]:
     """name -> (data as written, GGUF type of raw block data, or None for a float32 array); 1-D tensors stay F32
     whatever the weight type, as llama.cpp's converter writes them."""
     if dtype in QUANT_DTYPES:
-        return _quant_weights(dtype, seed, layers, noise, noise_seed, hidden, ffn, biases)
+        return _quant_weights(dtype, seed, layers, noise, noise_seed, hidden, ffn, biases, heads, kv_heads)
     qtype = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0}[dtype]
     out = {}
-    for name, w in _weights(seed, layers, noise, noise_seed, hidden, ffn, biases).items():
+    for name, w in _weights(seed, layers, noise, noise_seed, hidden, ffn, biases, heads, kv_heads).items():
         if w.ndim == 1 or qtype == QT.F32:
             out[name] = (w, None)
         else:

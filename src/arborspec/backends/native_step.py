@@ -59,14 +59,15 @@ class StepCall:
 class Step:
     """A native model's weights handed to the C++ operator once (the blocks are shared, not copied)."""
 
-    def __init__(self, fast: FastForward):
+    def __init__(self, fast: FastForward, ops: str = "arborspec_kernels"):
+        """`ops`: the kernels' torch namespace (the tests also run "arborspec_kernels_emulated", kernels/build.py)."""
         layer0 = fast.layers[0]
         self.layers, self.kv_heads, self.head_dim = len(fast.layers), layer0.kv_heads, layer0.head_dim
         self.vocab = fast.embed.matrix.n
         self.context = context_window(fast.model)
         self.rotary = fast.rotary
         self.expand = getattr(fast.head, "expand", None)  # a pruned head's logits -> the whole vocabulary
-        self.cpp = torch.classes.arborspec_kernels.Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
+        self.cpp = getattr(torch.classes, ops).Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
                                                         float(layer0.eps), float(fast.norm.variance_epsilon))
         for index, layer in enumerate(fast.layers):
             self.cpp.add_layer(layer.norm1, layer.norm2)

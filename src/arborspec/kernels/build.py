@@ -50,8 +50,10 @@ def library() -> "Kernels":
 def emulated_library() -> "Kernels":
     """The same source's AVX-512 VNNI code compiled for any x86-64 CPU with AVX2 (`-march=x86-64-v3`), the AVX-512
     intrinsics implemented in portable code by SIMDe (Debian: libsimde-dev, header-only): so the tests prove the VNNI
-    kernels exact on hosts without VNNI. Slow (never time it); loaded beside the native build under its own operator
-    namespace (torch.ops.arborspec_kernels_emulated) and C++ namespace, since one process holds both."""
+    kernels exact, and the step's 16-lane attention equal to its 8-lane code (forward.cpp), on hosts without them.
+    Slow (never time it); loaded beside the native build under its own operator namespace
+    (torch.ops.arborspec_kernels_emulated, torch.classes.arborspec_kernels_emulated) and C++ namespace, since one
+    process holds both."""
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
@@ -66,7 +68,7 @@ def emulated_library() -> "Kernels":
     directory.mkdir(parents=True, exist_ok=True)
     try:
         from torch.utils import cpp_extension
-        cpp_extension.load(name="arborspec_kernels_emulated", sources=[str(HERE / "gguf_mm.cpp")],
+        cpp_extension.load(name="arborspec_kernels_emulated", sources=[str(s) for s in SOURCES],
                            build_directory=str(directory),
                            extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp", "-DARB_SIMDE",
                                          "-DARB_OPS=arborspec_kernels_emulated", "-Darborspec=arborspec_emulated"],
