@@ -150,16 +150,16 @@ def test_build_decoder_runs_the_spec_exactly(models):
     with pytest.raises(ValueError, match="is a baseline"):
         runspec.build_decoder(runspec.parse("hf-assisted"), target, draft)
     dec = runspec.build_decoder(runspec.parse("ar+lookahead3x2+suffix4"), target)
-    assert (dec.lookahead, dec.suffix, dec.draft) == ((3, 2, 3), 4, None)
+    assert (dec.free.lookahead, dec.free.suffix, dec.draft) == ((3, 2, 3), 4, None)
     assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
     # auto's default branches: on every tree at T = 0; at T > 0 only on bare trees, those verified by naive
     for temperature, bare, verifier in ((0.0, False, "greedy"), (1.0, True, "traversal+naive")):
         for dec in (runspec.build_decoder(runspec.parse("auto"), target, draft, temperature=temperature),
                     SpeculativeDecoder(target, draft, temperature=temperature)):  # the API's default too
-            assert (dec.suffix, dec.bare_grafts, dec.verifier_name) == (AUTO_SUFFIX, bare, verifier)
+            assert (dec.free.suffix, dec.bare_grafts, dec.verifier_name) == (AUTO_SUFFIX, bare, verifier)
     asked = runspec.build_decoder(runspec.parse("auto+suffix4"), target, draft, temperature=1.0)  # asked for: every tree
-    assert (asked.suffix, asked.bare_grafts, asked.verifier_name) == (4, False, "naive")
-    assert runspec.build_decoder(runspec.parse("auto+suffix0"), target, draft).suffix == 0
+    assert (asked.free.suffix, asked.bare_grafts, asked.verifier_name) == (4, False, "naive")
+    assert runspec.build_decoder(runspec.parse("auto+suffix0"), target, draft).free.suffix == 0
 
 
 def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models, monkeypatch, tmp_path):
