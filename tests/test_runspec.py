@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from arborspec import SpeculativeDecoder
+from arborspec import DecoderConfig, SpeculativeDecoder
 from arborspec import runspec
 from arborspec.bench import runner
 from arborspec.cli import build_parser, run_spec
@@ -95,7 +95,7 @@ def test_generate_bench_and_the_python_api_run_the_same_default():
     bench = {c.method: c.spec for c in runner._configs(settings, [])}
     assert runspec.DEFAULT_METHOD in bench and bench[runspec.DEFAULT_METHOD] == generate
     assert generate == runspec.parse("auto") and (generate.policy, generate.quant) == ("auto", "auto")
-    assert inspect.signature(SpeculativeDecoder).parameters["method"].default == generate.policy
+    assert DecoderConfig.of().method == generate.policy  # SpeculativeDecoder(target, draft)'s method
     assert inspect.signature(pair_loader.load_pair).parameters["draft_quant"].default == generate.quant
     trees = run_spec(build_parser().parse_args(["trees"]))
     assert trees == generate

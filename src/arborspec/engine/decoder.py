@@ -46,6 +46,8 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, config: DecoderConfig | None = None, tokenizer=None, **options):
         """`config` (default: DecoderConfig's defaults) with the keyword `options` on top: DecoderConfig's fields,
         temperature / top_k / top_p, and the policy's options (DecoderConfig.of)."""
+        if isinstance(draft, DecoderConfig):
+            raise TypeError("got a DecoderConfig as the draft model; pass it as config=... (draft=None: no draft)")
         if config is not None and not isinstance(config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}; name the method by "
                             "keyword (method=...)")
