@@ -254,8 +254,10 @@ def test_a_config_runs_what_the_same_keywords_run():
     draft = noisy_copy(target, 0.3)
     kw = dict(method="static", depth=2, branch=2, temperature=0.8, top_k=5, ngram=3, token_order="dfs")
     config = DecoderConfig.of(**kw)
-    assert (config.sampling, config.method_options, config.ngram) == (SamplingConfig(0.8, 5), {"depth": 2, "branch": 2}, 3)
-    assert config.draft_sampling == SamplingConfig(0.8, 5) and replace(config, draft_temperature=0.0).draft_sampling.greedy
+    assert (config.sampling, config.method_options, config.ngram) == (SamplingConfig(0.8, 5),
+                                                                      {"depth": 2, "branch": 2}, 3)
+    assert config.draft_sampling == SamplingConfig(0.8, 5)
+    assert replace(config, draft_temperature=0.0).draft_sampling.greedy
     by_keywords = SpeculativeDecoder(target, draft, **kw)
     by_config = SpeculativeDecoder(target, draft, config)
     assert by_config.config == by_keywords.config == by_keywords.fork().config

@@ -13,4 +13,5 @@ from .loading import load_model, load_pair
 
 __version__ = "0.1.0"
 
-__all__ = ["SpeculativeDecoder", "DecoderConfig", "GenerationResult", "TokenTree", "DrawRule", "load_model", "load_pair", "__version__"]
+__all__ = ["SpeculativeDecoder", "DecoderConfig", "GenerationResult", "TokenTree", "DrawRule", "load_model", "load_pair",
+           "__version__"]
