@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from arborspec import SpeculativeDecoder
 from arborspec.bench.datasets import load_prompts, prompt_ids
+from arborspec.engine.verifier_choice import pick_verifier
 from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import Verifier, target_probs
@@ -73,7 +74,8 @@ def measure(target, draft, family: str, temperature: float, prompts: list, max_n
     method, options, candidates = FAMILIES[family]
     dec = SpeculativeDecoder(target, draft, method=method, temperature=temperature, top_k=0, top_p=1.0, **options)
     for name in candidates:  # the engine's own check: refuses a rule that is not exact for these trees
-        dec._pick_verifier(name, allow_lossy=False, free=dec.grafts and not dec.bare_grafts)
+        pick_verifier(dec.policy, dec.sampling, dec.draft_sampling, name, allow_lossy=False,
+                      free=bool(dec.free) and not dec.bare_grafts)
     recorder = SameTrees(dec.verifier, candidates)
     dec.verifier = recorder
     per_prompt = []

@@ -239,3 +239,66 @@ def test_a_suffix_only_run_credits_everything_to_suffix():
     assert total["suffix"]["proposed"] == sum(s.tree_size for s in res.stats.steps)
     plain = SpeculativeDecoder(target, method="ar").generate(repeating_prompt(1), max_new_tokens=8, ignore_eos=True)
     assert plain.stats.sources == {} and plain.stats.to_dict()["sources"] == {}
+
+
+# ---- the decoder's settings as one value ---------------------------------------------------------------------------
+def test_a_config_runs_what_the_same_keywords_run():
+    """DecoderConfig.of reads SpeculativeDecoder's keywords: sampling into `sampling`, its fields by name, the rest as
+    the policy's options; a decoder made from that config (or forked) commits the same tokens from the same seed."""
+    from dataclasses import replace
+
+    from arborspec import DecoderConfig
+    from arborspec.core.sampling import SamplingConfig
+
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.3)
+    kw = dict(method="static", depth=2, branch=2, temperature=0.8, top_k=5, ngram=3, token_order="dfs")
+    config = DecoderConfig.of(**kw)
+    assert (config.sampling, config.method_options, config.ngram) == (SamplingConfig(0.8, 5),
+                                                                      {"depth": 2, "branch": 2}, 3)
+    assert config.draft_sampling == SamplingConfig(0.8, 5)
+    assert replace(config, draft_temperature=0.0).draft_sampling.greedy
+    by_keywords = SpeculativeDecoder(target, draft, **kw)
+    by_config = SpeculativeDecoder(target, draft, config)
+    assert by_config.config == by_keywords.config == by_keywords.fork().config
+    runs = [d.generate([3, 4, 5, 3, 4, 5, 3], max_new_tokens=16, seed=2, ignore_eos=True).token_ids
+            for d in (by_keywords, by_config, by_keywords.fork())]
+    assert runs[0] == runs[1] == runs[2]
+    # keywords on top of a config: the config's settings stay, the keyword wins
+    greedy = SpeculativeDecoder(target, draft, config, temperature=0.0)
+    assert greedy.sampling.greedy and greedy.policy.options.depth == 2 and greedy.verifier.name == "greedy"
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        SpeculativeDecoder(target, draft, "chain")  # the old third positional argument, refused by name
+    with pytest.raises(TypeError, match="config="):
+        SpeculativeDecoder(target, config)  # a config in the draft's place
+    with pytest.raises(ValueError, match="unknown token order"):
+        DecoderConfig(token_order="random")
+
+
+def test_the_sampling_seed_is_the_default_seed_of_a_generation():
+    """SamplingConfig carries a request's seed (the server's one sampling type): a generation that names no seed
+    draws from it; one that names a seed draws from that."""
+    from arborspec import DecoderConfig
+    from arborspec.core.sampling import SamplingConfig
+
+    target = tiny_model("llama", seed=0)
+    prompt = [3, 4, 5]
+    want = [SpeculativeDecoder(target, method="ar", temperature=1.0).generate(prompt, max_new_tokens=12, seed=s,
+                                                                              ignore_eos=True).token_ids
+            for s in (7, 8)]
+    assert want[0] != want[1]  # the seed decides something here
+    seeded = SpeculativeDecoder(target, config=DecoderConfig(method="ar", sampling=SamplingConfig(1.0, seed=7)))
+    assert seeded.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == want[0]
+    assert seeded.generate(prompt, max_new_tokens=12, seed=8, ignore_eos=True).token_ids == want[1]
+
+
+def test_the_engine_reaches_free_branches_only_through_free_branches():
+    """The loop calls one FreeBranches object (drafting/grafts/branches.py); no engine module imports the n-gram,
+    suffix, lookahead or budget modules themselves."""
+    from tests.test_structure import find_modules, import_graph
+
+    graph = import_graph(find_modules())
+    grafts = "arborspec.drafting.grafts"
+    reached = {t for m, targets in graph.items() if m.startswith("arborspec.engine") for t in targets
+               if t.startswith(grafts)}
+    assert reached == {grafts}

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from arborspec import SpeculativeDecoder, runspec
+from arborspec import DecoderConfig, SpeculativeDecoder, runspec
 from arborspec.bench import runner
 from arborspec.cli import build_parser, run_spec
 from arborspec.drafting.grafts.suffix import AUTO_SUFFIX
@@ -94,7 +94,7 @@ def test_generate_bench_and_the_python_api_run_the_same_default():
     bench = {c.method: c.spec for c in runner._configs(settings, [])}
     assert runspec.DEFAULT_METHOD in bench and bench[runspec.DEFAULT_METHOD] == generate
     assert generate == runspec.parse("auto") and (generate.policy, generate.quant) == ("auto", "auto")
-    assert inspect.signature(SpeculativeDecoder).parameters["method"].default == generate.policy
+    assert DecoderConfig.of().method == generate.policy  # SpeculativeDecoder(target, draft)'s method
     assert inspect.signature(pair_loader.load_pair).parameters["draft_quant"].default == generate.quant
     trees = run_spec(build_parser().parse_args(["trees"]))
     assert trees == generate
@@ -149,16 +149,16 @@ def test_build_decoder_runs_the_spec_exactly(models):
     with pytest.raises(ValueError, match="is a baseline"):
         runspec.build_decoder(runspec.parse("hf-assisted"), target, draft)
     dec = runspec.build_decoder(runspec.parse("ar+lookahead3x2+suffix4"), target)
-    assert (dec.lookahead, dec.suffix, dec.draft) == ((3, 2, 3), 4, None)
+    assert (dec.free.lookahead, dec.free.suffix, dec.draft) == ((3, 2, 3), 4, None)
     assert dec.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == ar.token_ids
     # auto's default branches: on every tree at T = 0; at T > 0 only on bare trees, those verified by naive
     for temperature, bare, verifier in ((0.0, False, "greedy"), (1.0, True, "traversal+naive")):
         for dec in (runspec.build_decoder(runspec.parse("auto"), target, draft, temperature=temperature),
                     SpeculativeDecoder(target, draft, temperature=temperature)):  # the API's default too
-            assert (dec.suffix, dec.bare_grafts, dec.verifier_name) == (AUTO_SUFFIX, bare, verifier)
+            assert (dec.free.suffix, dec.bare_grafts, dec.verifier_name) == (AUTO_SUFFIX, bare, verifier)
     asked = runspec.build_decoder(runspec.parse("auto+suffix4"), target, draft, temperature=1.0)  # asked for: every tree
-    assert (asked.suffix, asked.bare_grafts, asked.verifier_name) == (4, False, "naive")
-    assert runspec.build_decoder(runspec.parse("auto+suffix0"), target, draft).suffix == 0
+    assert (asked.free.suffix, asked.bare_grafts, asked.verifier_name) == (4, False, "naive")
+    assert runspec.build_decoder(runspec.parse("auto+suffix0"), target, draft).free.suffix == 0
 
 
 def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models, monkeypatch, tmp_path):

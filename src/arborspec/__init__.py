@@ -8,9 +8,10 @@
 A method by name, as `arborspec generate --method` and `arborspec bench --methods` take it: arborspec.runspec.
 """
 from .core.tree import DrawRule, TokenTree
-from .engine import GenerationResult, SpeculativeDecoder
+from .engine import DecoderConfig, GenerationResult, SpeculativeDecoder
 from .loading import load_model, load_pair
 
 __version__ = "0.1.0"
 
-__all__ = ["SpeculativeDecoder", "GenerationResult", "TokenTree", "DrawRule", "load_model", "load_pair", "__version__"]
+__all__ = ["SpeculativeDecoder", "DecoderConfig", "GenerationResult", "TokenTree", "DrawRule", "load_model", "load_pair",
+           "__version__"]

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from .core.options import option_parser
 from .drafting import POLICIES
-from .engine import SpeculativeDecoder
-from .engine.decoder import suffix_nodes
+from .drafting.grafts import suffix_nodes
+from .engine import DecoderConfig, SpeculativeDecoder
 from .loading.pair import DEFAULT_DRAFT_QUANT, DRAFT_QUANTS
 from .verify import VERIFIERS
 
@@ -86,7 +86,7 @@ class RunSpec:
 
     @property
     def suffix_nodes(self) -> int:
-        """The suffix-tree nodes a step may graft, as the engine resolves them (engine.suffix_nodes)."""
+        """The suffix-tree nodes a step may graft, as the engine resolves them (drafting.grafts.suffix_nodes)."""
         return suffix_nodes(self.policy, self.suffix)
 
     @property
@@ -305,17 +305,18 @@ def options_for(spec: RunSpec, budget: int | None = None) -> tuple[dict, str | N
 
 
 
-def build_decoder(spec: RunSpec, target, draft=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  draft_temperature: float | None = None, budget: int | None = None,
-                  **engine_options) -> SpeculativeDecoder:
+def build_decoder(spec: RunSpec, target, draft=None, config: DecoderConfig | None = None, budget: int | None = None,
+                  **settings) -> SpeculativeDecoder:
     """The decoder that runs `spec` on loaded models (the draft as `prepare_draft` made it), sized for `budget`
-    when the name pins none. `engine_options`: token_order, record_trees, ssm_tree."""
+    when the name pins none. `config`: the run's settings (sampling, draft temperature, token order, ...; default:
+    DecoderConfig's), with keyword `settings` on top (DecoderConfig.of: temperature=..., record_trees=...); the
+    spec names the method, its options, the verifier and the free branches."""
     if spec.policy is None:
         raise ValueError(f"{spec.name!r} is a baseline (transformers' or llama.cpp's own loop): `arborspec bench` runs "
                          "it, not the engine")
     options, _ = options_for(spec, budget)
-    return SpeculativeDecoder(
-        target, draft if spec.needs_draft else None, method=spec.policy, temperature=temperature, top_k=top_k,
-        top_p=top_p, draft_temperature=draft_temperature, verifier=spec.verifier, allow_lossy=spec.allow_lossy,
-        ngram=spec.ngram, ngram_len=spec.ngram_len, suffix=spec.suffix, lookahead=spec.lookahead,
-        lookahead_ngram=spec.lookahead_ngram, **engine_options, **options)
+    config = DecoderConfig.of(
+        config, method=spec.policy, verifier=spec.verifier, allow_lossy=spec.allow_lossy, ngram=spec.ngram,
+        ngram_len=spec.ngram_len, suffix=spec.suffix, lookahead=spec.lookahead, lookahead_ngram=spec.lookahead_ngram,
+        **settings, **options)
+    return SpeculativeDecoder(target, draft if spec.needs_draft else None, config)

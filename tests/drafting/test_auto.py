@@ -23,7 +23,7 @@ from arborspec.drafting.auto.tree_builder import draw_new
 from arborspec.drafting.grafts.suffix import graft_suffix_branches
 from arborspec.drafting.grafts.suffix_index import SuffixIndex
 from arborspec.engine import StepStats
-from arborspec.engine.decoder import with_free_branches
+from arborspec.engine.verifier_choice import with_free_branches
 from arborspec.tuning import costs as forward_costs
 from arborspec.tuning.costs import CostCurve
 from arborspec.verify.naive import NaiveVerifier
@@ -520,7 +520,7 @@ class LearningTableDecoder:
         self.rng = random.Random(seed)
         self.shapes: set[tuple[int, int]] = set()  # (depth, widest layer) of the trees drafted
         # with `suffix`: auto's default suffix branches at T > 0, as the engine grafts them (onto bare trees only,
-        # verified by naive: engine.with_free_branches); the index persists across samples, so trees vary
+        # verified by naive: engine.verifier_choice.with_free_branches); the index persists across samples, so trees vary
         self.index = SuffixIndex(8, 4) if suffix else None
         self.suffix = suffix
         self.grafted_accepted = 0  # accepted suffix nodes

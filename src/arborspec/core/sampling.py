@@ -17,6 +17,9 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    # a request's seed: a decoder's generate / steps draw from it when their call names none (None: torch's global
+    # generator); not part of the warp
+    seed: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:

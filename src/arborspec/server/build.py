@@ -11,10 +11,12 @@ from fastapi import FastAPI
 
 from ..backends.batching import can_batch
 from ..backends.native import is_native
+from ..core.sampling import SamplingConfig
+from ..engine import DecoderConfig
 from ..loading.pair import LoadedPair, load_pair_for
 from ..runspec import RunSpec
 from .app import create_app
-from .decoders import Decoders, Sampling
+from .decoders import Decoders
 from .metrics import Metrics
 from .protocol import Limits
 from .scheduler import Scheduler
@@ -78,9 +80,10 @@ def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
     backends and draft), keeping the draft's resolved quantization, which requests' method levers are checked
     against, and one warm-up generation, which also checks the sampling flags."""
     pair = load_pair_for(args, spec)
-    decoders = Decoders(spec, pair.target, pair.draft, pair.quant,
-                        Sampling(args.temperature, args.top_k, args.top_p, args.seed), args.draft_temperature,
-                        dict(token_order=args.token_order, ssm_tree=args.ssm_tree))
+    config = DecoderConfig(sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+                           draft_temperature=args.draft_temperature, token_order=args.token_order,
+                           ssm_tree=args.ssm_tree)
+    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, config)
     decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
     return decoders, pair
 

@@ -11,18 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..engine import SpeculativeDecoder
+from ..core.sampling import SamplingConfig
+from ..engine import DecoderConfig, SpeculativeDecoder
 from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """A request's sampling settings; the server's flags fill in what a request leaves out."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @dataclass
@@ -33,9 +24,12 @@ class Decoders:
     target: object  # LoadedModel
     draft: object | None  # LoadedModel prepared by spec.prepare_draft, or None when the server's method drafts nothing
     quant: str  # the draft's quantization, "auto" resolved
-    defaults: Sampling
-    draft_temperature: float | None = None
-    engine_options: dict | None = None  # token_order, ssm_tree
+    # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree
+    config: DecoderConfig
+
+    @property
+    def defaults(self) -> SamplingConfig:
+        return self.config.sampling
 
     def spec_for(self, method: str | None = None, verifier: str | None = None, budget: int | None = None,
                  allow_lossy: bool = False) -> RunSpec:
@@ -68,18 +62,16 @@ class Decoders:
                              '"allow_lossy": true in the request\'s "arborspec" field to use it anyway')
         return spec
 
-    def build(self, spec: RunSpec, sampling: Sampling) -> SpeculativeDecoder:
+    def build(self, spec: RunSpec, sampling: SamplingConfig) -> SpeculativeDecoder:
         """The decoder for one request (ValueError for settings it cannot run, e.g. top_p 0 or a chain-only
         verifier on a tree)."""
         # The bare draft model: the server checked once that it shares the target's tokenizer, and a LoadedModel
         # would have every request's decoder compare the two vocabularies again.
         draft = getattr(self.draft, "model", None)
-        return build_decoder(spec, self.target, draft, temperature=sampling.temperature, top_k=sampling.top_k,
-                             top_p=sampling.top_p, draft_temperature=self.draft_temperature,
-                             **(self.engine_options or {}))
+        return build_decoder(spec, self.target, draft, replace(self.config, sampling=sampling))
 
     def sampling(self, temperature: float | None, top_k: int | None, top_p: float | None,
-                 seed: int | None) -> Sampling:
-        d = self.defaults
-        return Sampling(d.temperature if temperature is None else temperature, d.top_k if top_k is None else top_k,
-                        d.top_p if top_p is None else top_p, d.seed if seed is None else seed)
+                 seed: int | None) -> SamplingConfig:
+        """A request's sampling: what it names, the server's flags for the rest (ValueError for a bad value)."""
+        asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return replace(self.defaults, **{k: v for k, v in asked.items() if v is not None})

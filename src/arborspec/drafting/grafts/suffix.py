@@ -36,8 +36,8 @@ def default_suffix_nodes(method: str | None) -> int:
     on a CPU whose draft model cannot (docs/suffix.md), and auto's budget cuts each branch to the prefix whose
     measured acceptance pays for its rows, so where they miss little is grafted (graft_budget.py). At T > 0 the
     engine grafts these default branches only onto the trees auto leaves bare, verified by naive, and keeps
-    traversal for the drafted ones (engine/decoder.py: `_grafts_bare_trees_only`); `+suffixN` there asks for naive on every
-    tree."""
+    traversal for the drafted ones (engine/verifier_choice.py: `grafts_bare_trees_only`); `+suffixN` there asks for
+    naive on every tree. Resolved in one place: branches.py, `suffix_nodes`."""
     return AUTO_SUFFIX if method == "auto" else 0
 
 

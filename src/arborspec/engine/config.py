@@ -1,0 +1,76 @@
+"""Everything a SpeculativeDecoder runs with but the models: one value that front ends build once and pass on.
+
+`SpeculativeDecoder(target, draft, method="static", temperature=0.7, depth=4)` reads its keywords through
+`DecoderConfig.of`: the sampling settings go into `sampling` (core/sampling.py: the one sampling type, seed
+included), the names below into their fields, and any other keyword is an option of the method's policy
+(`arborspec methods`), checked when the policy is made. runspec.build_decoder, the server (a base config from its
+flags, each request's sampling on top) and `fork()` (engine/batch.py) pass a config whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from ..core.sampling import SamplingConfig
+from ..core.tree import ORDERS
+from ..drafting import POLICIES
+from ..drafting.grafts import FreeBranches
+
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p")  # SpeculativeDecoder's keywords for `sampling`'s fields
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    method: str = "auto"  # a tree policy (drafting.POLICIES); auto sizes its trees from this machine's costs
+    sampling: SamplingConfig = SamplingConfig()  # the target's warp (temperature 0: greedy), and the default seed
+    draft_temperature: float | None = None  # the draft's own temperature (None: the target's; 0 when that is 0)
+    verifier: str | None = None  # None: the policy's default for the sampling settings (engine/verifier_choice.py)
+    allow_lossy: bool = False  # a verifier that does not preserve the target distribution may run
+    token_order: str = "bfs"  # how tree tokens are laid out in the target's forward (DySpec App. C)
+    record_trees: bool = False  # StepStats.tree: every step's tree (viz/trees.py draws them)
+    # per step at T > 0, the best first-token acceptance any exact verifier could reach on the tree (the bench's
+    # "distance to the optimum"); a sort of the vocabulary a step, so only on request, and its time is left out
+    measure_optimum: bool = False
+    ssm_tree: str = "packed"  # STree backend for Mamba2 / hybrid models: 'packed' tree or 'unrolled' paths
+    # free branches (drafting/grafts/branches.py): prompt lookup, suffix tree (None: the method's default), lookahead
+    ngram: int = 0
+    ngram_len: int = 8
+    suffix: int | None = None
+    suffix_store: int = 0
+    lookahead: int = 0
+    lookahead_ngram: int = 3
+    lookahead_guesses: int | None = None
+    method_options: dict = field(default_factory=dict)  # the policy's options, e.g. {"k": 4} for chain
+
+    def __post_init__(self):
+        if self.token_order not in ORDERS:
+            raise ValueError(f"unknown token order {self.token_order!r}; choose one of: {', '.join(ORDERS)}")
+        if self.ssm_tree not in ("packed", "unrolled"):
+            raise ValueError(f"unknown ssm_tree {self.ssm_tree!r}; choose 'packed' or 'unrolled'")
+        if self.method not in POLICIES:
+            raise ValueError(f"unknown method {self.method!r}; choose one of: {', '.join(sorted(POLICIES))}")
+
+    @classmethod
+    def of(cls, base: DecoderConfig | None = None, **options) -> DecoderConfig:
+        """`base` (default: the defaults) with SpeculativeDecoder's keywords on top: temperature, top_k and top_p
+        for `sampling`, this class's fields by name, and the rest as the policy's options."""
+        base = cls() if base is None else base
+        own = {f.name for f in fields(cls)}
+        settings = {k: options.pop(k) for k in list(options) if k in own}
+        warp = {k: options.pop(k) for k in SAMPLING_KEYWORDS if k in options}
+        if warp:
+            settings["sampling"] = replace(settings.get("sampling", base.sampling), **warp)
+        settings["method_options"] = {**base.method_options, **settings.get("method_options", {}), **options}
+        return replace(base, **settings)
+
+    @property
+    def draft_sampling(self) -> SamplingConfig:
+        """The draft's warp: its own temperature if given, else the target's; greedy when the target is."""
+        if self.sampling.greedy:
+            return SamplingConfig(0.0)
+        t = self.sampling.temperature if self.draft_temperature is None else self.draft_temperature
+        return SamplingConfig(t, self.sampling.top_k, self.sampling.top_p)
+
+    def free_branches(self) -> FreeBranches:
+        """The draft-free branches these settings ask for (ValueError for numbers out of range)."""
+        return FreeBranches(self.method, self.ngram, self.ngram_len, self.suffix, self.suffix_store, self.lookahead,
+                            self.lookahead_ngram, self.lookahead_guesses)

@@ -1,0 +1,65 @@
+"""One generation's bookkeeping, the same for the speculative loop and the plain one (engine/decoder.py): the
+committed context, the stopping rules (EOS, the token budget, the context window, stop strings), the statistics and
+their clocks, and the result after every step."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .stats import GenerationResult, GenerationStats, StepStats
+
+
+class Generation:
+    """A generation of up to `max_new_tokens` after the prompt `ids`; `commit` a step's tokens, then `record` it."""
+
+    def __init__(self, ids: list[int], max_new_tokens: int, stop: list[str] | None, eos: set[int], window: int,
+                 decode: Callable[[list[int]], str], stats: GenerationStats, generator, t_start: float):
+        self.context, self.new = list(ids), []  # prompt + committed tokens; committed tokens only
+        self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop, eos, window
+        self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.stats.finish_reason)
+
+    def room(self) -> int:
+        """Tokens a step's tree may add below its root: its bonus token must still fit the budget and the window."""
+        return max(min(self.max_new_tokens - len(self.new), self.window - len(self.context)) - 1, 0)
+
+    def commit(self, proposed: list[int]) -> list[int]:
+        """The tokens of `proposed` (a step's accepted tokens, then its bonus) kept under the stopping rules, added
+        to the context; `stats.finish_reason` says why the generation stops, if it does."""
+        kept, self.stats.finish_reason = self._cut(proposed)
+        self.context += kept
+        self.new += kept
+        return kept
+
+    def record(self, step: StepStats) -> GenerationResult:
+        """The result so far, with `step` counted; the clocks leave out measure_optimum's time (stats.t_measure)."""
+        stats = self.stats
+        stats.steps.append(step)
+        stats.new_tokens = len(self.new)
+        now = time.perf_counter() - self.t_start - stats.t_measure
+        if len(stats.steps) == 1:
+            stats.t_first_token = now
+        stats.t_total = now
+        return GenerationResult(self.decode(self.new), list(self.new), stats)
+
+    def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
+        """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""
+        kept = []
+        for tok in proposed:
+            kept.append(tok)
+            if tok in self.eos:
+                return kept, "eos"
+            if len(self.new) + len(kept) >= self.max_new_tokens:
+                return kept, "length"
+            if len(self.context) + len(kept) >= self.window:
+                return kept, "context"
+            if self.stop and self._hits_stop(self.new + kept):
+                return kept, "stop"
+        return kept, ""
+
+    def _hits_stop(self, tokens: list[int]) -> bool:
+        tail = self.decode(tokens[-32:])  # a stop string ends within the last few tokens
+        return any(s in tail for s in self.stop)

@@ -1,0 +1,157 @@
+"""What a generation reports: one StepStats per draft -> verify -> commit step, their sums and means
+(GenerationStats: the papers' tokens per step, acceptance by depth, throughput, TTFT), and the result around them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStats:
+    tree_size: int  # drafted nodes (root excluded)
+    depth: int
+    widths: list[int]  # nodes per depth, root layer included
+    accepted: int  # drafted tokens the target accepted
+    committed: int  # tokens committed this step (accepted + bonus, after stopping rules)
+    draft_calls: int
+    t_draft: float
+    t_verify: float
+    t_other: float
+    tree: dict | None = None  # with record_trees: tokens, parents, probs, accepted path (node indices), bonus
+    path: list[int] = field(default_factory=list)  # accepted node indices (as drafted), for policies that learn
+    # with measure_optimum at T > 0: the best rate at which any exact verifier accepts a first token of this tree
+    # (verify.base.root_optimum; None where the root's children were not sampled)
+    root_optimum: float | None = None
+    # who proposed the tree's nodes and the accepted ones: {source: {proposed, accepted, also_accepted}}, credited to
+    # the first source that proposed a node (core/tree.py: TokenTree.by_source); accepted adds up to `accepted`
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    verifier: str
+    lossy: bool
+    prompt_tokens: int
+    new_tokens: int = 0
+    finish_reason: str = ""
+    t_prefill: float = 0.0
+    t_first_token: float = 0.0  # TTFT: from the call to the first committed token
+    t_total: float = 0.0
+    t_measure: float = 0.0  # seconds spent on measure_optimum's statistics, left out of t_total and t_first_token
+    steps: list[StepStats] = field(default_factory=list)
+    policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration,
+    # guard); the speculative loop fills it in when the generation ends, not at every step
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per target forward (the papers' tau / M / MAT), bonus token included."""
+        return self.new_tokens / max(self.n_steps, 1)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean drafted tokens accepted per step (bonus excluded)."""
+        return sum(s.accepted for s in self.steps) / max(self.n_steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        drafted = sum(s.tree_size for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    @property
+    def accepted_at_depth(self) -> list[float]:
+        """Per-position acceptance: entry d-1 is the share of the steps whose tree reached depth d that accepted at
+        least d drafted tokens (how far into its trees the target follows the draft)."""
+        deepest = max((s.depth for s in self.steps), default=0)
+        shares = []
+        for d in range(1, deepest + 1):
+            reached = [s for s in self.steps if s.depth >= d]
+            shares.append(sum(s.accepted >= d for s in reached) / len(reached))
+        return shares
+
+    @property
+    def zero_accept_share(self) -> float:
+        """Among steps that drafted anything, the share whose drafted tokens were all rejected."""
+        drafted = [s for s in self.steps if s.tree_size > 0]
+        return sum(s.accepted == 0 for s in drafted) / len(drafted) if drafted else 0.0
+
+    @property
+    def root_acceptance(self) -> float | None:
+        """Over the steps with a root optimum (measure_optimum, T > 0, sampled root children): the share that
+        accepted a first drafted token. None without such steps."""
+        measured = [s for s in self.steps if s.root_optimum is not None]
+        return sum(s.accepted >= 1 for s in measured) / len(measured) if measured else None
+
+    @property
+    def root_optimum(self) -> float | None:
+        """The mean of the steps' root optimum: what root_acceptance would be under the best exact verifier for the
+        same trees (an upper bound where children were drawn without replacement; rules.py says how tight)."""
+        values = [s.root_optimum for s in self.steps if s.root_optimum is not None]
+        return sum(values) / len(values) if values else None
+
+    @property
+    def sources(self) -> dict[str, dict[str, int]]:
+        """The steps' per-source counts summed (StepStats.sources): which source supplied the accepted tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for step in self.steps:
+            for source, counts in step.sources.items():
+                total = out.setdefault(source, dict.fromkeys(counts, 0))
+                for key, n in counts.items():
+                    total[key] = total.get(key, 0) + n
+        return out
+
+    @property
+    def decode_time(self) -> float:
+        return self.t_total - self.t_prefill
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoding throughput: new tokens over the time after the prompt was prefilled."""
+        return self.new_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first one."""
+        return (self.t_total - self.t_first_token) / max(self.new_tokens - 1, 1)
+
+    def to_dict(self, per_step: bool = False) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "steps"}
+        out.update(
+            steps=self.n_steps,
+            tokens_per_step=self.tokens_per_step,
+            mean_accepted=self.mean_accepted,
+            acceptance_rate=self.acceptance_rate,
+            accepted_at_depth=self.accepted_at_depth,
+            zero_accept_share=self.zero_accept_share,
+            root_acceptance=self.root_acceptance,
+            root_optimum=self.root_optimum,
+            tokens_per_s=self.tokens_per_s,
+            tpot=self.tpot,
+            t_draft=sum(s.t_draft for s in self.steps),
+            t_verify=sum(s.t_verify for s in self.steps),
+            t_other=sum(s.t_other for s in self.steps),
+            mean_tree_size=sum(s.tree_size for s in self.steps) / max(self.n_steps, 1),
+            draft_calls=sum(s.draft_calls for s in self.steps),
+            sources=self.sources,
+        )
+        if per_step:
+            out["per_step"] = [asdict(s) for s in self.steps]
+        return out
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens only
+    stats: GenerationStats
+
+
+def tree_record(tree, path: list[int], bonus: int) -> dict:
+    """StepStats.tree with record_trees: the step's tree as drafted (tokens, parents, probs, who proposed each node),
+    the accepted path (node indices) and the bonus token; what viz/trees.py draws."""
+    return dict(tokens=list(tree.tokens), parents=list(tree.parents), probs=list(tree.probs), path=list(path),
+                bonus=int(bonus), sources=list(tree.sources))
