@@ -1,4 +1,4 @@
-"""Batching across requests on the native backend (backends/native_forward.py `many`, backends/batching.py, engine/batch.py,
+"""Batching across requests on the native backend (backends/native_forward.py `many`, backends/batching.py, engine/many_prompts.py,
 the server's scheduler), on tiny random GGUFs: several sequences' calls as one forward give each call the bits it
 gets alone, so batched decoding is token for token what each request decodes alone (greedy and seeded sampling,
 plain and speculative, requests joining and leaving between rounds), and a request that fails mid-round fails alone.

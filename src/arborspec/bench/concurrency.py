@@ -1,7 +1,7 @@
 """`arborspec bench --concurrency 1,2,4`: total throughput and per-request latency against requests decoded at once.
 
 For each method (at each temperature) and each concurrency C, the benchmark's prompts run through
-`SpeculativeDecoder.generate_batch(..., concurrency=C)` (arborspec/engine/batch.py): C requests at once, the next prompt
+`SpeculativeDecoder.generate_batch(..., concurrency=C)` (arborspec/engine/many_prompts.py): C requests at once, the next prompt
 joining when one finishes, a round = one step of each, and ONE target forward per round where the target batches
 (the native backend; elsewhere the steps of a round run one after another). This is what the server's scheduler
 runs, without HTTP in between (benchmarks/serve_load.py measures the live server).

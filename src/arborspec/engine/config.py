@@ -4,7 +4,7 @@
 `DecoderConfig.of`: the sampling settings go into `sampling` (core/sampling.py: the one sampling type, seed
 included), the names below into their fields, and any other keyword is an option of the method's policy
 (`arborspec methods`), checked when the policy is made. runspec.build_decoder, the server (a base config from its
-flags, each request's sampling on top) and `fork()` (engine/batch.py) pass a config whole.
+flags, each request's sampling on top) and `fork()` (engine/many_prompts.py) pass a config whole.
 """
 from __future__ import annotations
 

@@ -109,9 +109,9 @@ class SpeculativeDecoder:
                        concurrency: int | None = None) -> list[GenerationResult]:
         """Decode `prompts` at once (at most `concurrency` at a time), one GenerationResult each, in order: every
         round advances each active prompt by one step, with ONE target forward for all of them where the target
-        batches (the native backend; engine/batch.py). Each prompt decodes on its own `fork()` with its own seed
+        batches (the native backend; engine/many_prompts.py). Each prompt decodes on its own `fork()` with its own seed
         (`seeds[i]`), so its result is what it gets alone, token for token; `stats.t_total` runs from when it joined."""
-        from .batch import generate_batch
+        from .many_prompts import generate_batch
 
         return generate_batch(self, prompts, max_new_tokens, stop, seeds, ignore_eos, concurrency)
 
