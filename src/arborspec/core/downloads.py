@@ -14,7 +14,12 @@ from tqdm import tqdm
 
 
 class ModelLoadError(Exception):
-    """A model spec could not be resolved or loaded; the message says why in one line."""
+    """A model spec could not be resolved or loaded; the message says why in one line.
+
+    Defined here because a failed download raises it too; users import it from `arborspec.loading`, the name its
+    tracebacks show (a server replica's error line quotes it)."""
+
+    __module__ = "arborspec.loading"
 
 
 def _say(message: str, progress: bool) -> None:
