@@ -71,8 +71,6 @@ def add_tree_layout_arguments(p) -> None:
                    help="Mamba2/hybrid models (STree): one packed tree pass, or every path unrolled (the baseline)")
 
 
-
-
 def add_method_arguments(p, example: str = "dynatree(adapt=false)@32+int8") -> None:
     """--method, --verifier and --allow-lossy (`generate`, `trees`, `serve`; the bench takes a list: --methods)."""
     p.add_argument("--method", default=DEFAULT_METHOD,

@@ -284,25 +284,7 @@ def options_for(spec: RunSpec, budget: int | None = None) -> tuple[dict, str | N
 # ---- the flags every command that runs a method shares ------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
 # ---- models ------------------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
 
 
 def build_decoder(spec: RunSpec, target, draft=None, config: DecoderConfig | None = None, budget: int | None = None,

@@ -22,17 +22,17 @@ class ModelLoadError(Exception):
     __module__ = "arborspec.loading"
 
 
-def _say(message: str, progress: bool) -> None:
+def say(message: str, progress: bool) -> None:
     if progress:
         print(f"[arborspec] {message}", file=sys.stderr, flush=True)
 
 
-def _bar(total: int, desc: str, progress: bool):
+def progress_bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress, leave=False)
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock across processes, so two runs never download or convert the same alias at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

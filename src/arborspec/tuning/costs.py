@@ -115,10 +115,6 @@ def profile_key(model) -> dict:
             "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
 
 
-
-
-
-
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
                   measure=None, progress: bool = False) -> tuple[CostCurve, str]:
     """The model's cost curve t(n) from the cache, or measured now (and cached). Returns (curve, source), source

@@ -19,9 +19,12 @@ import ctypes
 import os
 from pathlib import Path
 
+from gguf import GGMLQuantizationType as QT
+
 from ..backends.llamacpp import bindings, llama_error
 from ..core.disk_cache import cache_dir, sha256_key
-from ..core.downloads import _file_lock, _say
+from ..core.downloads import file_lock, say
+from ..kernels.matrix import SUPPORTED_TYPES
 
 # variant name -> (llama.cpp file type LLAMA_FTYPE_MOSTLY_*, ggml tensor type GGML_TYPE_*), as llama.h numbers them
 LEAN_TYPES = {"q4_0": (2, 2), "iq4_nl": (25, 20)}
@@ -30,19 +33,14 @@ EMBEDDING_TYPE = 8  # GGML_TYPE_Q8_0
 
 def lean_types() -> tuple[str, ...]:
     """The lean variants the native kernels here can run (kernels/matrix.py: SUPPORTED_TYPES)."""
-    from gguf import GGMLQuantizationType as QT
-
-    from ..kernels.matrix import SUPPORTED_TYPES
     return tuple(name for name in LEAN_TYPES if QT[name.upper()] in SUPPORTED_TYPES)
 
 
-def requantized_path(source: Path, kind: str) -> Path:
-    """Where the `kind` copy of `source` is cached (it may not exist yet)."""
-    import llama_cpp
-
+def requantized_path(source: Path, kind: str, llama_version: str) -> Path:
+    """Where the `kind` copy of `source`, made by llama.cpp `llama_version`, is cached (it may not exist yet)."""
     stat = source.stat()
     key = dict(path=str(source.resolve()), size=stat.st_size, mtime=int(stat.st_mtime), kind=kind, pure=True,
-               llama_cpp=llama_cpp.__version__)
+               llama_cpp=llama_version)
     return cache_dir() / "drafts" / f"{source.stem}-{kind}-{sha256_key(key)}.gguf"
 
 
@@ -53,13 +51,13 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
         raise ValueError(f"unknown lean draft type {kind!r}; choose one of: {', '.join(LEAN_TYPES)}")
     llama_cpp = bindings()  # ValueError naming the package where it is missing; llama.cpp's log kept quiet
     source = Path(source)
-    out = requantized_path(source, kind)
+    out = requantized_path(source, kind, llama_cpp.__version__)
     if out.exists():
         return out
-    with _file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
+    with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
         if out.exists():
             return out
-        _say(f"requantizing the draft {source.name} to {kind} (once; cached in {out.parent})", progress)
+        say(f"requantizing the draft {source.name} to {kind} (once; cached in {out.parent})", progress)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
         params = llama_cpp.llama_model_quantize_default_params()
