@@ -15,12 +15,11 @@ from transformers import DynamicCache
 from arborspec.backends import batching
 from arborspec.backends.hf import TreeSession
 from arborspec.engine import SpeculativeDecoder
-from arborspec.loading import load_model
 from arborspec.server.metrics import Metrics
 from arborspec.server.scheduler import Job, Scheduler
 
 from .test_llamacpp import random_tree
-from .tiny_gguf import VOCAB, write_tiny_gguf
+from .tiny_gguf import VOCAB, native_models
 
 TIMEOUT = 120
 K_QUANT = {"hidden": 256, "ffn": 512}
@@ -34,15 +33,8 @@ pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native-batch")
-    loaded = {}
-
-    def get(name: str):
-        if name not in loaded:
-            path = write_tiny_gguf(root / f"{name}.gguf", **{**K_QUANT, **FILES[name]})
-            loaded[name] = load_model(str(path), backend="native", progress=False)
-        return loaded[name]
-    return get
+    files = {name: {**K_QUANT, **spec} for name, spec in FILES.items()}
+    return native_models(tmp_path_factory.mktemp("native-batch"), files)
 
 
 @pytest.fixture

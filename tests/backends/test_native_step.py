@@ -22,13 +22,11 @@ from arborspec.backends.hf import TreeSession
 from arborspec.backends.native_step import ContextOverflow, NativeSession
 from arborspec.core.tree import TokenTree
 from arborspec.drafting import POLICIES
-from arborspec.loading import load_model
-
 from arborspec.kernels.build import KernelBuildError, emulated_library
 
 from .test_llamacpp import chain_logits, random_tree
 from .test_native import EXACT, K_QUANT, STEP, row_errors
-from .tiny_gguf import VOCAB, write_tiny_gguf
+from .tiny_gguf import VOCAB, native_models
 
 FILES = {
     "q4_k": {"dtype": "q4_k", **K_QUANT},
@@ -50,15 +48,7 @@ pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native-step")
-    loaded = {}
-
-    def get(name: str):
-        if name not in loaded:
-            path = write_tiny_gguf(root / f"{name}.gguf", **FILES[name])
-            loaded[name] = load_model(str(path), backend="native", progress=False)
-        return loaded[name]
-    return get
+    return native_models(tmp_path_factory.mktemp("native-step"), FILES)
 
 
 def forward_tree(session, context: list[int], tree: TokenTree, prefilled: int, layers: int = 1) -> torch.Tensor:

@@ -234,3 +234,18 @@ def _tensors(dtype: str, seed: int, layers: int, noise: float, noise_seed: int, 
         else:
             out[name] = (quantize(w, qtype), qtype)
     return out
+
+
+def native_models(root: Path, files: dict[str, dict]):
+    """`get(name)`: the tiny GGUF `write_tiny_gguf(**files[name])`, written under `root` and loaded on the native
+    backend the first time it is asked for, the same loaded model afterwards (a module fixture's models)."""
+    from arborspec.loading import load_model
+
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            path = write_tiny_gguf(Path(root) / f"{name}.gguf", **files[name])
+            loaded[name] = load_model(str(path), backend="native", progress=False)
+        return loaded[name]
+    return get
