@@ -36,7 +36,7 @@ def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
     (tuning/draft_choice.py; measured once, then cached). int8 / int4 apply to PyTorch drafts, q4_0 / iq4_nl to GGUF
     drafts on the native backend; a GGUF draft on llama.cpp runs its file as it is ("none")."""
     if is_native(draft.model):
-        if quant in draft_levers.QUANT_MODES[1:]:
+        if quant in draft_levers.QUANT_MODES and quant != "none":  # int8, int4
             raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on the native "
                              f"backend takes a lean 4-bit file instead ({', '.join(LEAN_TYPES)}) or runs as it is")
     elif quant in LEAN_TYPES:
