@@ -168,13 +168,13 @@ def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models
 
     def measured(t, d, progress=True):
         calls.append(d)
-        return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "cache"
+        return "int8", {"variants": {"int8": {"quant": "int8", "vocab": 0, "agreement": 0.9, "draft_times": [0.01]}}}, "cache"
 
     monkeypatch.setattr(pair_loader, "choose_draft_quant", measured)
-    same, quant = pair_loader.prepare_draft(target, draft, "none")
-    assert same is draft and quant == "none" and not calls
-    prepared, quant = pair_loader.prepare_draft(target, draft, "auto", copy_first=True, progress=False)
-    assert quant == "int8" and calls == [draft] and prepared is not draft
+    same, quant, vocab = pair_loader.prepare_draft(target, draft, "none")
+    assert same is draft and (quant, vocab) == ("none", 0) and not calls
+    prepared, quant, vocab = pair_loader.prepare_draft(target, draft, "auto", copy_first=True, progress=False)
+    assert (quant, vocab) == ("int8", 0) and calls == [draft] and prepared is not draft
     assert type(draft.model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # the original is untouched
     assert type(prepared.model.model.layers[0].mlp.up_proj) is not torch.nn.Linear
 

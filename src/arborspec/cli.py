@@ -97,7 +97,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     add_tree_layout_arguments(p)
     levers = p.add_argument_group("cheaper drafting (any method; the output stays exact; --draft-quant above)")
     levers.add_argument("--draft-vocab", type=int, default=0,
-                        help="draft head over the K most frequent tokens only (0 = full vocabulary)")
+                        help="draft head over the K most frequent tokens only (0: the full vocabulary, or for a native "
+                             "draft under --draft-quant auto the head size measured fastest)")
     levers.add_argument("--ngram", type=int, default=0,
                         help="graft prompt-lookup branches matching up to N-token n-grams of the context (0 = off)")
     levers.add_argument("--ngram-len", type=int, default=NGRAM_LEN, help="tokens per prompt-lookup branch")

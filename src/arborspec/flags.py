@@ -28,8 +28,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                    help="the draft variant: int8 / int4 quantize a PyTorch draft's linear layers (int4 needs torchao); "
                         "q4_0 / iq4_nl requantize a GGUF draft on the native backend to a lean 4-bit file (once, "
                         "cached); none runs it as loaded; auto (default): the variant measured fastest for this pair "
-                        "on this machine (cached; see `arborspec profile --pair`); a method's +int8 / +q4_0 / "
-                        "+noquant ... lever overrides it")
+                        "on this machine (cached; see `arborspec profile --pair`), for a native draft with its head "
+                        "size too (unless --draft-vocab or +vocabK names one); a method's +int8 / +q4_0 / +noquant ... "
+                        "lever overrides it")
     add_backend_arguments(p)
 
 

@@ -50,7 +50,7 @@ def test_a_lean_draft_on_the_step_is_plain_greedy_decoding(pair, kind, vocab):
     from arborspec.loading.pair import prepare_draft
 
     target, draft = pair
-    lean, quant = prepare_draft(target, draft, kind, vocab=vocab, progress=False)
+    lean, quant, _ = prepare_draft(target, draft, kind, vocab=vocab, progress=False)
     assert quant == kind and lean.source.endswith(".gguf") and kind in lean.source
     for prompt in PROMPTS:
         ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)

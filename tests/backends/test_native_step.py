@@ -305,8 +305,8 @@ def test_the_vocab_lever_prunes_a_native_draft_from_corpus_frequencies(native, m
     counts = torch.arange(VOCAB, 0, -1)  # token id i is the i-th most frequent
     monkeypatch.setattr(draft_levers, "corpus_counts", lambda tokenizer, size, progress=True: counts[:size])
     target, draft = native("q4_k"), native("draft")
-    prepared, quant = pair.prepare_draft(target, draft, "auto", vocab=40, progress=False)
+    prepared, quant, vocab = pair.prepare_draft(target, draft, "auto", vocab=40, progress=False)
     keep = prepared.model.lm_head.keep.tolist()
-    assert quant == "none" and keep == sorted(set(range(40)) | {draft.tokenizer.eos_token_id})
+    assert (quant, vocab) == ("none", 40) and keep == sorted(set(range(40)) | {draft.tokenizer.eos_token_id})
     assert prepared.model is not draft.model and draft.model.lm_head.out_features == VOCAB
     assert prepared.model.fingerprint() != draft.model.fingerprint()  # its own cost profile

@@ -141,7 +141,8 @@ def test_methods_take_the_runs_draft_quant_measured_once(loaded_pair, tmp_path, 
 
     def measured(target, draft, progress=True):
         calls.append(draft)
-        return "int8", {"variants": {"int8": {"agreement": 0.9, "draft_times": [0.01]}}}, "measured"
+        return "int8", {"variants": {"int8": {"quant": "int8", "vocab": 0, "agreement": 0.9, "draft_times": [0.01]}}}, \
+            "measured"
 
     monkeypatch.setattr(pair, "choose_draft_quant", measured)
     prompts = tmp_path / "p.jsonl"

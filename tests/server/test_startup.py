@@ -66,3 +66,18 @@ def test_the_start_up_line_says_what_runs_and_why():
     assert line.endswith("native would batch concurrent requests (--backend native)")
     given = build.backend_line(LoadedPair(None, None, "none", ("native", None), ""), Scheduler(8, 8, None, batch=True))
     assert given == "target on native"
+
+
+def test_requests_run_the_servers_draft_as_auto_prepared_it():
+    """A server whose `auto` draft came with a pruned head (pair.vocab): a request's method that names no head size
+    runs that draft; one that names another head, or another quantization, is refused (the draft is prepared once)."""
+    from arborspec.engine import DecoderConfig
+    from arborspec.runspec import parse
+    from arborspec.server.decoders import Decoders
+
+    decoders = Decoders(parse("auto", draft_quant="q4_0"), None, object(), "q4_0", 32768, DecoderConfig())
+    spec = decoders.spec_for(method="chain")
+    assert (spec.quant, spec.vocab) == ("q4_0", 32768)
+    for method in ("chain+vocab1024", "chain+iq4_nl"):
+        with pytest.raises(ValueError, match="this server's draft has q4_0 and 32768"):
+            decoders.spec_for(method=method)

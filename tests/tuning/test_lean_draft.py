@@ -23,7 +23,7 @@ LEAN = {"q4_0": QT.Q4_0, "iq4_nl": QT.IQ4_NL}
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("lean")
     return {"target": write_tiny_gguf(root / "target.gguf", dtype="q8_0"),
-            "draft": write_tiny_gguf(root / "draft.gguf", dtype="q8_0", noise=0.3)}
+            "draft": write_tiny_gguf(root / "draft.gguf", dtype="q8_0", noise=0.05)}
 
 
 def matrices(path) -> dict:
@@ -57,19 +57,19 @@ def test_the_levers_name_the_lean_variants_and_refuse_the_wrong_backend(files):
     assert runspec.parse("chain+q4_0").quant == "q4_0" and runspec.parse("auto+iq4_nl").quant == "iq4_nl"
     native = load_model(str(files["draft"]), backend="native", progress=False)
     with pytest.raises(ValueError, match="PyTorch drafts"):
-        pair_loader.resolve_quant(native, native, "int8", progress=False)
+        pair_loader.resolve_draft(native, native, "int8", progress=False)
     tok = char_tokenizer()
     dense = LoadedModel(tiny_model("llama", seed=0), tok, "d", "memory")
     with pytest.raises(ValueError, match="native backend"):
-        pair_loader.resolve_quant(dense, dense, "q4_0", progress=False)
+        pair_loader.resolve_draft(dense, dense, "q4_0", progress=False)
 
 
 @pytest.mark.parametrize("kind", gguf_requant.lean_types())
 def test_a_lean_draft_keeps_greedy_decoding_identical(files, kind):
     target = load_model(str(files["target"]), backend="native", progress=False)
     draft = load_model(str(files["draft"]), backend="native", progress=False)
-    lean, quant = pair_loader.prepare_draft(target, draft, kind, vocab=0, progress=False)
-    assert quant == kind and lean.model is not draft.model and lean.source.endswith(".gguf")
+    lean, quant, vocab = pair_loader.prepare_draft(target, draft, kind, vocab=0, progress=False)
+    assert (quant, vocab) == (kind, 0) and lean.model is not draft.model and lean.source.endswith(".gguf")
     prompt = [5, 17, 42, 9]
     plain = SpeculativeDecoder(target, None, method="ar").generate(prompt, max_new_tokens=24, seed=0).token_ids
     for method in ("chain", "dyspec"):
@@ -78,14 +78,31 @@ def test_a_lean_draft_keeps_greedy_decoding_identical(files, kind):
         assert out.stats.mean_accepted > 0  # the lean draft was used, not bypassed
 
 
-def test_auto_measures_each_lean_variant_of_a_native_draft_once(files):
+def test_auto_measures_each_lean_variant_then_the_best_one_with_pruned_heads_once(files, monkeypatch):
+    """`auto` on a native draft: every quantization with the whole head, then the best of them with each pruned head
+    size (corpus counts faked: ShareGPT is a download); the choice is the best score of all, and a run resolves
+    "auto" to its quantization and head size, or to the best whole-head quantization when the run names a head."""
+    import torch
+
+    from arborspec.tuning import draft_levers
+    monkeypatch.setattr(draft_choice, "HEAD_SIZES", (96, 48, 200))  # 200: over half the 261-token vocabulary
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, size, progress=True: torch.arange(size, 0, -1))
     target = load_model(str(files["target"]), backend="native", progress=False)
     draft = load_model(str(files["draft"]), backend="native", progress=False)
     kw = dict(sizes=(1, 2, 4), prefix=8, repeats=1, progress=False)
-    quant, record, source = draft_choice.choose_draft_quant(target, draft, **kw)
+    choice, record, source = draft_choice.choose_draft_quant(target, draft, **kw)
     variants = record["variants"]
-    assert source == "measured" and set(variants) == {"none", *gguf_requant.lean_types()}
-    assert quant == max((q for q in variants if "score" in variants[q]), key=lambda q: variants[q]["score"])
-    assert all(0 <= v["agreement"] <= v["coverage4"] <= 1 for v in variants.values() if "score" in v)
+    types = {"none", *gguf_requant.lean_types()}
+    pruned = {name for name in variants if name not in types}
+    best_type = {variants[name]["quant"] for name in pruned}.pop()  # the quantization measured with pruned heads
+    assert source == "measured"
+    assert pruned == {draft_choice.label(best_type, k) for k in (96, 48)}
+    assert variants[best_type]["score"] == max(variants[q]["score"] for q in types)
+    assert variants[choice]["score"] == max(v["score"] for v in variants.values())
+    assert all(0 <= v["agreement"] <= v["coverage4"] <= 1 for v in variants.values())
+    pruned = variants[draft_choice.label(best_type, 48)]
+    assert (pruned["quant"], pruned["vocab"]) == (best_type, 48)
     assert draft_choice.choose_draft_quant(target, draft, **kw)[2] == "cache"
-    assert pair_loader.resolve_quant(target, draft, "auto", progress=False) == quant
+    resolved = pair_loader.resolve_draft(target, draft, "auto", progress=False)
+    assert resolved == (variants[choice]["quant"], variants[choice]["vocab"])
+    assert pair_loader.resolve_draft(target, draft, "auto", 64, progress=False) == (best_type, 64)

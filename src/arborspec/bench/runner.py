@@ -18,8 +18,8 @@ at each depth, zero-accept share and root acceptance vs that optimum, (draft pro
 node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time, TTFT, TPOT, tokens/s (new tokens over
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
 the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
-(`draft_quant`: the run's --draft-quant, "auto" resolved to the variant measured fastest, unless the method's name
-carries a quantization lever), `sources` (per source of drafted nodes -- the draft model, ngram, suffix, lookahead
+(`draft_quant` and `draft_vocab`: the run's --draft-quant, "auto" resolved to the variant measured fastest with its
+head size, unless the method's name carries a quantization or head lever), `sources` (per source of drafted nodes -- the draft model, ngram, suffix, lookahead
 -- the nodes it proposed, the accepted ones credited to it and those it proposed too; engine.StepStats.sources) and
 the environment.
 
@@ -48,7 +48,7 @@ from tqdm import tqdm
 from ..backends.model_info import eos_ids
 from ..core.options import parse_int_list
 from ..loading.aliases import ALIASES, alias_gguf
-from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_quant
+from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_draft
 from ..runspec import RunSpec, build_decoder, options_for, parse, split_methods
 from . import metrics, records
 from .args import DEFAULT_METHODS
@@ -176,25 +176,27 @@ class Bench:
         self.tokenizer = target.tokenizer
         self.eos = [] if settings.ignore_eos else sorted(eos_ids(target.model, self.tokenizer))
         self._ppl: dict[tuple, float | None] = {}
-        self.quants: dict[str, str] = {}  # asked ("auto", "int8", ...) -> the variant run
+        self.variants: dict[tuple, tuple] = {}  # asked (quant, vocab): ("auto", 0), ... -> the variant run
         self.drafts = {("none", 0): draft}  # (quant, vocab) -> prepared draft
 
-    def quant_for(self, spec: RunSpec) -> str:
-        """The draft variant this method runs with ("none" for a method without a draft); "auto" is measured once."""
+    def variant_for(self, spec: RunSpec) -> tuple[str, int]:
+        """(quantization, head size) of the draft this method runs with (("none", 0) for a method without a draft);
+        "auto" is measured once."""
         if not spec.needs_draft:
-            return "none"
-        if spec.quant not in self.quants:
-            self.quants[spec.quant] = resolve_quant(self.target, self.draft, spec.quant, progress=self.s.progress)
-        return self.quants[spec.quant]
+            return "none", 0
+        asked = (spec.quant, spec.vocab)
+        if asked not in self.variants:
+            self.variants[asked] = resolve_draft(self.target, self.draft, *asked, progress=self.s.progress)
+        return self.variants[asked]
 
     def draft_for(self, spec: RunSpec):
         """The draft this method runs with: the loaded one, or a copy of it with the method's levers applied."""
         if not spec.needs_draft:
             return None
-        key = (self.quant_for(spec), spec.vocab)
+        key = self.variant_for(spec)
         if key not in self.drafts:
-            self.drafts[key], _ = prepare_draft(self.target, self.draft, *key, copy_first=True,
-                                                progress=self.s.progress)
+            self.drafts[key], _, _ = prepare_draft(self.target, self.draft, *key, copy_first=True,
+                                                   progress=self.s.progress)
         return self.drafts[key]
 
     def target_gguf(self) -> Path:
@@ -256,7 +258,7 @@ class Bench:
                    lookahead=cfg.spec.lookahead, error=None)
         rss0 = current_rss_mb()
         try:
-            rec["draft_quant"] = self.quant_for(cfg.spec)  # "auto" resolved (measured once per benchmark)
+            rec["draft_quant"], rec["draft_vocab"] = self.variant_for(cfg.spec)  # "auto" resolved (measured once)
             out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
         except Exception as err:  # one method failing must not end the benchmark
             rec.update(error=f"{type(err).__name__}: {err}", peak_rss_mb=peak_rss_mb(), env=env)

@@ -10,7 +10,7 @@ import torch
 
 from ..backends.native import is_native
 from ..tuning import draft_levers
-from ..tuning.draft_choice import choose_draft_quant
+from ..tuning.draft_choice import best_variant, choose_draft_quant, label, variant
 from ..tuning.gguf_requant import LEAN_TYPES
 from .model import DEFAULT_DTYPE_NAME, check_tokenizers_compatible
 from .plan import load_planned, plan_backends
@@ -31,10 +31,11 @@ def is_torch_model(loaded) -> bool:
     return isinstance(loaded.model, torch.nn.Module) and not is_native(loaded.model)
 
 
-def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
-    """The draft variant to run: `quant`, or for "auto" the variant measured fastest for this pair on this machine
-    (tuning/draft_choice.py; measured once, then cached). int8 / int4 apply to PyTorch drafts, q4_0 / iq4_nl to GGUF
-    drafts on the native backend; a GGUF draft on llama.cpp runs its file as it is ("none")."""
+def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = True) -> tuple[str, int]:
+    """(quantization, head size) of the draft a run uses: `quant` and `vocab` as given, or for quant "auto" the
+    variant measured fastest for this pair on this machine (tuning/draft_choice.py; measured once, then cached). For
+    a native draft that includes its head size unless `vocab` names one. int8 / int4 apply to PyTorch drafts, q4_0 /
+    iq4_nl to GGUF drafts on the native backend; a GGUF draft on llama.cpp runs its file as it is ("none")."""
     if is_native(draft.model):
         if quant in draft_levers.QUANT_MODES and quant != "none":  # int8, int4
             raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on the native "
@@ -44,36 +45,36 @@ def resolve_quant(target, draft, quant: str, progress: bool = True) -> str:
                          "another backend (use --backend native, or int8 / int4 for a PyTorch draft)")
     elif not is_torch_model(draft) or not is_torch_model(target):
         if quant in ("auto", "none"):
-            return "none"
+            return "none", vocab
         if not is_torch_model(draft):
             raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp "
                              "runs its GGUF's own quantization (use --draft-backend torch for an int8/int4 draft)")
     if quant != "auto":
-        return quant
-    quant, record, source = choose_draft_quant(target, draft, progress=progress)
+        return quant, vocab
+    choice, record, source = choose_draft_quant(target, draft, progress=progress)
+    if vocab:  # the head size was asked for: the best quantization measured with the whole head
+        choice = best_variant(record["variants"], full_head=True)
+    best = record["variants"][choice]
     if progress:
-        best = record["variants"][quant]
-        print(f"[arborspec] draft: {quant} ({source}: top-1 agreement {best['agreement']:.2f}, "
-              f"{best['draft_times'][0] * 1e3:.0f} ms per draft token; --draft-quant to override)", file=sys.stderr)
-    return quant
+        print(f"[arborspec] draft: {label(best['quant'], vocab or best['vocab'])} ({source}: top-1 agreement "
+              f"{best['agreement']:.2f}, {best['draft_times'][0] * 1e3:.1f} ms per draft token; --draft-quant and "
+              "--draft-vocab to override)", file=sys.stderr)
+    return best["quant"], vocab or best["vocab"]
 
 
 def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 0, copy_first: bool = False,
                   progress: bool = True):
-    """(the draft a run uses, its quantization with "auto" resolved): `draft` (LoadedModel) quantized and its head
-    cut as asked. `copy_first` leaves `draft` itself untouched (the bench prepares several variants of one draft)."""
-    quant = resolve_quant(target, draft, quant, progress)
+    """(the draft a run uses, its quantization, its head size), "auto" resolved: `draft` (LoadedModel) quantized and
+    its head cut as asked or chosen. `copy_first` leaves `draft` itself untouched (the bench prepares several variants
+    of one draft)."""
+    quant, vocab = resolve_draft(target, draft, quant, vocab, progress)
     if quant == "none" and not vocab:
-        return draft, quant
+        return draft, quant, vocab
     if is_native(draft.model):  # a native GGUF draft: its lean file, then its head pruned (other weights shared)
-        if quant != "none":
-            draft = draft_levers.lean_native_draft(draft, quant, progress=progress)
-        if vocab:
-            if progress:
-                print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...",
-                      file=sys.stderr)
-            draft = draft_levers.prune_native_draft(draft, vocab, progress=progress)
-        return draft, quant
+        if progress and vocab:
+            print(f"[arborspec] preparing the draft (head over the {vocab} most frequent tokens) ...",
+                  file=sys.stderr)
+        return variant(draft, quant, vocab, progress=progress), quant, vocab
     if not is_torch_model(draft):
         raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts, "
                          "not to GGUF drafts on llama.cpp")
@@ -81,7 +82,7 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
         print(f"[arborspec] preparing the draft (quantization {quant}, vocabulary {vocab or 'full'}) ...",
               file=sys.stderr)
     prepared = copy.deepcopy(draft) if copy_first else draft
-    return draft_levers.prepare_draft(prepared, quant, vocab, progress=progress), quant
+    return draft_levers.prepare_draft(prepared, quant, vocab, progress=progress), quant, vocab
 
 
 @dataclass
@@ -93,6 +94,7 @@ class LoadedPair:
     quant: str = "none"  # the draft's quantization, "auto" resolved ("none" without a draft)
     backends: tuple = ()  # (target's backend, draft's backend or None): what each model runs on
     choice: str = ""  # why `--backend auto` chose the target's backend (empty when the backend was given)
+    vocab: int = 0  # the draft's head size, "auto" resolved (0: the whole vocabulary)
 
     def __iter__(self):
         return iter((self.target, self.draft))
@@ -118,8 +120,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     if draft is None:
         return LoadedPair(target_model, None, "none", (plan.target, None), plan.why)
     check_tokenizers_compatible(target_model, draft_model)
-    draft_model, quant = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
-    return LoadedPair(target_model, draft_model, quant, (plan.target, plan.draft), plan.why)
+    draft_model, quant, vocab = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress=progress)
+    return LoadedPair(target_model, draft_model, quant, (plan.target, plan.draft), plan.why, vocab)
 
 
 def load_pair_for(args, spec, progress: bool = True) -> LoadedPair:

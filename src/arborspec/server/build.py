@@ -55,7 +55,8 @@ def server_info(args, spec: RunSpec, decoders: Decoders, scheduler: Scheduler) -
     return {"method": spec.name, "target": args.target, "draft": args.draft if draft is not None else "",
             "backend": backend_of(decoders.target.model),
             "draft_backend": backend_of(draft.model) if draft is not None else "",
-            "draft_quant": decoders.quant, "batching": "true" if scheduler.batch else "false"}
+            "draft_quant": decoders.quant, "draft_vocab": str(decoders.vocab),
+            "batching": "true" if scheduler.batch else "false"}
 
 
 def backend_of(model) -> str:
@@ -83,7 +84,7 @@ def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
     config = DecoderConfig(sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
                            draft_temperature=args.draft_temperature, token_order=args.token_order,
                            ssm_tree=args.ssm_tree)
-    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, config)
+    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, pair.vocab, config)
     decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
     return decoders, pair
 

@@ -24,6 +24,7 @@ class Decoders:
     target: object  # LoadedModel
     draft: object | None  # LoadedModel prepared by spec.prepare_draft, or None when the server's method drafts nothing
     quant: str  # the draft's quantization, "auto" resolved
+    vocab: int  # the draft's head size, "auto" resolved (0: the whole vocabulary)
     # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree
     config: DecoderConfig
 
@@ -53,10 +54,12 @@ class Decoders:
         if spec.needs_draft and self.draft is None:
             raise ValueError(f"method {spec.name!r} needs a draft model, and this server runs without one (its "
                              f"method {self.spec.name!r} drafts nothing)")
-        if spec.needs_draft and (spec.quant, spec.vocab) != (self.quant, self.spec.vocab):
+        if spec.needs_draft and not spec.vocab:  # a request naming no head size runs the server's draft as it is
+            spec = replace(spec, vocab=self.vocab)
+        if spec.needs_draft and (spec.quant, spec.vocab) != (self.quant, self.vocab):
             raise ValueError(f"method {spec.name!r} needs a draft prepared with quantization {spec.quant} and "
                              f"vocabulary {spec.vocab or 'full'}; this server's draft has {self.quant} and "
-                             f"{self.spec.vocab or 'full'} (start the server with those levers)")
+                             f"{self.vocab or 'full'} (start the server with those levers)")
         if spec.lossy and not allow_lossy:
             raise ValueError(f"verifier {spec.verifier!r} does not preserve the target distribution; set "
                              '"allow_lossy": true in the request\'s "arborspec" field to use it anyway')

@@ -3,7 +3,8 @@
 A quantized draft is cheaper per call but agrees less often with the target; which wins depends on the CPU, the
 thread count and the pair, so arborspec measures instead of guessing. For every variant (a PyTorch draft: bf16 as
 loaded, int8, and int4 when torchao is installed; a GGUF draft on the native backend: its file as it is and the lean
-4-bit copies of tuning/gguf_requant.py the kernels here run) it measures
+4-bit copies of tuning/gguf_requant.py the kernels here run, then the best of those with its head pruned to the
+`HEAD_SIZES` most frequent tokens) it measures
 
 - the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
@@ -15,7 +16,8 @@ tokens, so
 
     score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
 
-with t(n) the target's profiled cost. The variant with the highest score is the default; the whole record (curves,
+with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0", "q4_0+vocab32768"); the one with the highest score is
+the default; the whole record (curves,
 agreement, scores, the choice) is cached beside the cost profiles under the pair's key, and `arborspec profile
 --pair` prints and plots it.
 """
@@ -32,10 +34,28 @@ from ..core.disk_cache import read_record, write_record
 from ..viz.canvas import pyplot, save_figure
 from .agreement import agreement_with, fitting, reference_ids, target_choices
 from .costs import profile_key, profile_model
-from .draft_levers import QUANT_MODES, TORCHAO_HINT, lean_native_draft, prepare_draft
+from .draft_levers import QUANT_MODES, TORCHAO_HINT, lean_native_draft, prepare_draft, prune_native_draft
 from .gguf_requant import lean_types
 
 MAX_CHAIN = 16
+# Head sizes a native draft is measured with (the types first, at the full head; then the best type with each of
+# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its q4_0 file reads a token: a 32768-row head
+# reads 17 MB and cost ~3 points of top-1 agreement on the reference text (0.865 against 0.89; 2026-11-25, Zen 4),
+# 65536 rows about half of that. Two sizes keep a first run's measurement near a minute; measured, never assumed.
+HEAD_SIZES = (65536, 32768)
+
+
+def label(quant: str, vocab: int = 0) -> str:
+    """A variant's name, in the method grammar's lever spelling: "q4_0", "q4_0+vocab32768", "vocab32768"."""
+    if not vocab:
+        return quant
+    return f"vocab{vocab}" if quant == "none" else f"{quant}+vocab{vocab}"
+
+
+def head_sizes(draft) -> list[int]:
+    """The pruned head sizes worth measuring for a native draft: those under half its vocabulary."""
+    vocab = draft.model.config.vocab_size
+    return [k for k in HEAD_SIZES if 2 * k <= vocab]
 
 
 def chain_score(a: float, d1: float, t) -> tuple[float, int]:
@@ -62,59 +82,75 @@ def available_variants(native: bool = False) -> list[str]:
 
 def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
+    A native draft's pruned heads are measured for its best quantization only (each variant costs seconds).
     `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model`."""
     native = is_native(draft.model)
     t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
     texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
     with torch.inference_mode():
         choices = target_choices(target.model, texts)
-    variants = {}
-    for quant in available_variants(native):
+
+    def measure(quant: str, vocab: int, prepare) -> dict:
         if progress:
-            print(f"[arborspec] measuring the {quant} draft ...", file=sys.stderr, flush=True)
+            print(f"[arborspec] measuring the {label(quant, vocab)} draft ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        prepared = prepare()
+        prep = time.perf_counter() - start
+        d_curve, _ = profile_model(prepared.model, refresh=refresh, progress=progress, **profile_kw)
+        with torch.inference_mode():
+            measured = agreement_with(choices, prepared.model, texts)
+        score, depth = chain_score(measured.top1, d_curve(1), t_curve)
+        return dict(quant=quant, vocab=vocab, draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times),
+                    agreement=measured.top1, coverage4=measured.cover, score=score, best_chain=depth,
+                    prepare_seconds=prep), prepared
+
+    variants, prepared = {}, {}
+    for quant in available_variants(native):
         try:
-            variants[quant] = _measure_variant(draft, quant, t_curve, choices, texts, progress, refresh, profile_kw)
+            variants[quant], prepared[quant] = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
         except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
             if quant == "none":
                 raise
-            variants[quant] = dict(unavailable=f"{type(err).__name__}: {err}")
+            variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
     if not native and "int4" not in variants:
-        variants["int4"] = dict(unavailable=TORCHAO_HINT)
-    choice = max((q for q in variants if "score" in variants[q]), key=lambda q: variants[q]["score"])
-    return dict(choice=choice, variants=variants, target_sizes=list(t_curve.sizes),
+        variants["int4"] = dict(quant="int4", vocab=0, unavailable=TORCHAO_HINT)
+    if native:  # the best quantization's file, its head pruned (sharing the lean file already loaded)
+        best = best_variant(variants)
+        for vocab in head_sizes(draft):
+            variants[label(best, vocab)], _ = measure(
+                best, vocab, lambda: prune_native_draft(prepared[best], vocab, progress=progress))
+    return dict(choice=best_variant(variants), variants=variants, target_sizes=list(t_curve.sizes),
                 target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
 
 
-def variant(draft, quant: str, progress: bool = True):
-    """`draft` (LoadedModel) as variant `quant`, `draft` itself untouched: a quantized copy of a PyTorch draft, or
-    the lean requantized file of a native one (sharing nothing with it)."""
-    if quant == "none":
-        return draft
+def best_variant(variants: dict, full_head: bool = False) -> str:
+    """The label of the measured variant with the best score (`full_head`: among those with the whole head)."""
+    scored = [name for name, v in variants.items() if "score" in v and not (full_head and v["vocab"])]
+    return max(scored, key=lambda name: variants[name]["score"])
+
+
+def variant(draft, quant: str, vocab: int = 0, progress: bool = True):
+    """`draft` (LoadedModel) as variant (`quant`, `vocab`), `draft` itself untouched: a quantized copy of a PyTorch
+    draft, or the lean requantized file of a native one (sharing nothing with it), its head then pruned to the
+    `vocab` most frequent tokens."""
     if is_native(draft.model):
-        return lean_native_draft(draft, quant, progress=progress)
-    return prepare_draft(copy.deepcopy(draft), quant, progress=progress)
-
-
-def _measure_variant(draft, quant, t_curve, choices, texts, progress, refresh, profile_kw) -> dict:
-    start = time.perf_counter()
-    prepared = variant(draft, quant, progress).model
-    prep = time.perf_counter() - start
-    d_curve, _ = profile_model(prepared, refresh=refresh, progress=progress, **profile_kw)
-    with torch.inference_mode():
-        measured = agreement_with(choices, prepared, texts)
-    score, depth = chain_score(measured.top1, d_curve(1), t_curve)
-    return dict(draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times), agreement=measured.top1,
-                coverage4=measured.cover, score=score, best_chain=depth, prepare_seconds=prep)
+        lean = draft if quant == "none" else lean_native_draft(draft, quant, progress=progress)
+        return prune_native_draft(lean, vocab, progress=progress) if vocab else lean
+    if quant == "none" and not vocab:
+        return draft
+    return prepare_draft(copy.deepcopy(draft), quant, vocab, progress=progress)
 
 
 def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = False,
                        **profile_kw) -> tuple[str, dict, str]:
-    """(quant, record, source): the measured best variant for this pair on this machine, from the cache when the
-    pair, dtype, thread count, machine and library versions are unchanged ('cache'), else measured ('measured')."""
-    variants = available_variants(is_native(draft.model))
-    key = {"target": profile_key(target.model), "draft": profile_key(draft.model), "variants": variants}
+    """(label, record, source): the measured best variant for this pair on this machine (its quantization and head
+    size: `record["variants"][label]["quant"]` / `["vocab"]`), from the cache when the pair, dtype, thread count,
+    machine and library versions are unchanged ('cache'), else measured ('measured')."""
+    native = is_native(draft.model)
+    key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
+           "variants": available_variants(native), "heads": head_sizes(draft) if native else []}
     record = None if refresh else read_record("draft-quant", key)
-    if record is not None and record.get("choice") in variants:
+    if record is not None and record.get("choice") in record.get("variants", {}):
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
     write_record("draft-quant", key, record)
@@ -123,16 +159,16 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
 
 def describe(record: dict) -> list[str]:
     """Table rows: one line per variant, side by side."""
-    rows = [f"{'variant':>8} {'d(1) ms':>8} {'d(8) ms':>8} {'d(32) ms':>9} {'top-1 agree':>11} {'top-4 cover':>11} "
+    rows = [f"{'variant':>16} {'d(1) ms':>8} {'d(8) ms':>8} {'d(32) ms':>9} {'top-1 agree':>11} {'top-4 cover':>11} "
             f"{'best chain':>10} {'est. tok/s':>10}"]
     for quant, v in record["variants"].items():
         if "unavailable" in v:
-            rows.append(f"{quant:>8}  unavailable: {v['unavailable']}")
+            rows.append(f"{quant:>16}  unavailable: {v['unavailable']}")
             continue
         d = dict(zip(v["draft_sizes"], v["draft_times"]))
         cell = lambda n: f"{d[n] * 1e3:.1f}" if n in d else "-"  # noqa: E731
         mark = "  <- default" if quant == record["choice"] else ""
-        rows.append(f"{quant:>8} {cell(1):>8} {cell(8):>8} {cell(32):>9} {v['agreement']:11.3f} "
+        rows.append(f"{quant:>16} {cell(1):>8} {cell(8):>8} {cell(32):>9} {v['agreement']:11.3f} "
                     f"{v['coverage4']:11.3f} {v['best_chain']:10d} {v['score']:10.2f}{mark}")
     return rows
 
