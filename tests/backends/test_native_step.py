@@ -260,6 +260,29 @@ def test_bad_input_is_refused_before_the_operator_and_by_it(native):
 # ------------------------------------------------------------------------------------------ a pruned draft head
 
 
+@pytest.mark.parametrize("kept", [260, 37])
+def test_a_pruned_head_gives_the_whole_heads_logits_on_its_ids_and_runs_packed(native, kept):
+    """A pruned head's matrix is padded to whole 16-row groups (so it runs a packed layout like the real draft's
+    whole head, not the file layout's slower code), and the padding never shows: the kept ids get the whole head's
+    logits, every other id the lowest finite logit."""
+    from arborspec.backends.native import with_pruned_head
+
+    draft = native("draft").model
+    keep = sorted(random.Random(kept).sample(range(VOCAB), kept))
+    pruned = with_pruned_head(draft, keep)
+    assert draft.lm_head.matrix.qtype.name == "Q4_K"  # packed by every vector build (x8 AVX2, x16 VNNI) ...
+    assert pruned.lm_head.matrix.n % 16 == 0 and pruned.lm_head.matrix.packed  # ... once its rows fill the groups
+    prompt = list(range(3, 11))
+    full = make_session(draft).forward(prompt, TokenTree.root(prompt[-1]), [0])
+    cut = make_session(pruned).forward(prompt, TokenTree.root(prompt[-1]), [0])
+    assert cut.shape == full.shape == (1, VOCAB)
+    # the same products in another layout's kernel (the tiny whole head, 261 rows, is not packed): equal up to the
+    # order of the float sums
+    assert torch.allclose(cut[:, keep], full[:, keep], rtol=1e-5, atol=1e-4), (cut[:, keep] - full[:, keep]).abs().max()
+    others = [i for i in range(VOCAB) if i not in set(keep)]
+    assert (cut[:, others] == torch.finfo(cut.dtype).min).all()
+
+
 def test_a_draft_with_a_pruned_head_keeps_greedy_and_sampled_output_exact(native):
     """A native draft whose head leaves out the target's most likely first token (so the draft can never propose
     it): greedy output is plain greedy decoding's, and at T = 1, top-k 3, the first two tokens of dyspec trees
