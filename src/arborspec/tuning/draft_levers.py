@@ -45,7 +45,8 @@ class PrunedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         small = self.proj(hidden)  # (..., K)
         out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
-        return out.index_copy_(-1, self.keep, small)  # (..., vocab)
+        # scatter_, not index_copy_ along the last dim (several times slower over several rows)
+        return out.scatter_(-1, self.keep.expand(*small.shape[:-1], -1), small)  # (..., vocab)
 
 
 def prune_head(model, keep: torch.Tensor):
