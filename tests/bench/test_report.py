@@ -42,3 +42,16 @@ def test_the_plot_is_drawn_only_when_a_method_drafted(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 1000
     plain = dict(results(), runs=[r for r in results()["runs"] if r["label"] in ("ar", "llamacpp-ar")])
     assert accepted_by_source_plot(plain, tmp_path / "b.png") is None and not (tmp_path / "b.png").exists()
+
+
+def test_the_time_table_splits_a_step_into_draft_verify_and_the_rest():
+    """Two runs of one method: prefill per run, per-step draft / verify / rest pooled over both, and their shares of
+    the time after the prefill; runs without step timings (llama.cpp's own loop) get no row."""
+    timed = [dict(run("auto", "humaneval", {}, [1, 1]), t_prefill=0.2, t_draft=0.3, t_verify=0.4, wall=1.0, steps=2),
+             dict(run("auto", "humaneval", {}, [1, 1]), t_prefill=0.4, t_draft=0.1, t_verify=0.6, wall=1.5, steps=2)]
+    plain = dict(run("llamacpp-ar", "humaneval", None, [0, 0]), t_prefill=None, t_draft=None, t_verify=None, steps=2)
+    res = dict(runs=[*timed, plain], settings={"methods": ["llamacpp-ar", "auto"]}, prompts=[])
+    section = render(res, []).split("## Where the time goes")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines() if line.startswith("| humaneval")]
+    # prefill 0.6 s over 2 runs; 4 steps: draft 0.4 s, verify 1.0 s, rest 2.5 - 0.6 - 0.4 - 1.0 = 0.5 s (of 1.9 s)
+    assert rows == [["humaneval", "0", "auto", "300.0", "100.00", "250.00", "125.00", "21", "53", "26"]]

@@ -7,7 +7,7 @@ results.json from another machine reported, at any time. Tables: one per dataset
 IQR, speed-up over `ar` and over `hf-assisted` from the same run (aggregate throughput on the prompts both completed),
 TTFT, TPOT, target perplexity of the output, memory. Per-category tables when a dataset has categories (MT-Bench).
 "Accepted by source": per method, which source (draft model, ngram, suffix, lookahead) proposed the drafted tokens
-and supplied the accepted ones.
+and supplied the accepted ones. "Where the time goes": per method, a step's drafting, verification and the rest.
 
 Plots (figures.py): throughput.png (tokens/s and speed-up bars), mat_vs_tree_size.png (DySpec Fig. 5, when a method
 ran with several budgets), acceptance_vs_draft_prob.png (DySpec Fig. 2: drafted nodes the verifier reached,
@@ -101,6 +101,26 @@ def source_lines(groups: dict) -> list[str]:
     return ["## Accepted by source", "", SOURCE_HEADER, *rows, ""] if rows else []
 
 
+TIME_HEADER = ("| dataset | T | method | prefill ms/run | draft ms/step | verify ms/step | rest ms/step | draft % | "
+               "verify % | rest % |\n" + "|---" * 10 + "|")
+
+
+def time_lines(groups: dict) -> list[str]:
+    """The "where the time goes" table: per method that ran arborspec's engine, a step's draft, verification and
+    the rest (tables.time_profile), so a speed-up that falls short says which part to work on."""
+    rows = []
+    for (dataset, temp), by_label in groups.items():
+        for label, s in by_label.items():
+            t = s.get("time")
+            if t is None:
+                continue
+            cells = [dataset, f"{temp:g}", label, fmt(t["prefill_ms"], 1), fmt(t["draft_ms"], 2), fmt(t["verify_ms"], 2),
+                     fmt(t["rest_ms"], 2), fmt(t["draft_share"], 0, 100), fmt(t["verify_share"], 0, 100),
+                     fmt(t["rest_share"], 0, 100)]
+            rows.append("| " + " | ".join(cells) + " |")
+    return ["## Where the time goes", "", TIME_HEADER, *rows, ""] if rows else []
+
+
 def render(results: dict, plots: list[str]) -> str:
     env, st = results.get("env", {}), results.get("settings", {})
     lines = ["# arborspec benchmark", "",
@@ -137,6 +157,7 @@ def render(results: dict, plots: list[str]) -> str:
                          f"| {fmt(s['speedup'].get('ar'))} |")
         lines.append("")
     lines += source_lines(groups)
+    lines += time_lines(groups)
     errors = [r for r in results["runs"] if r.get("error")]
     if errors:
         lines += ["## Failed runs", ""]

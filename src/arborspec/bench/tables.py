@@ -63,7 +63,27 @@ def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
         rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
         new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
         sources=source_profile(ok),
+        time=time_profile(ok),
     )
+
+
+def time_profile(runs: list[dict]) -> dict | None:
+    """Where the decoding time went, pooled over the runs that timed their steps (the engine's; not the peers'):
+    prefill per run, then per step the draft's calls, the target's verification and the rest (sampling, tree
+    building, bookkeeping: the wall time less the other three), each also as a share of the time after the prefill.
+    None where no run timed its steps."""
+    have = [r for r in runs if r.get("t_draft") is not None and r.get("t_verify") is not None and r.get("steps")]
+    if not have:
+        return None
+    total = lambda key: sum(r.get(key) or 0.0 for r in have)  # noqa: E731
+    prefill, draft, verify, wall = total("t_prefill"), total("t_draft"), total("t_verify"), total("wall")
+    steps = sum(r["steps"] for r in have)
+    rest = max(wall - prefill - draft - verify, 0.0)
+    decode = draft + verify + rest
+    share = lambda x: x / decode if decode > 0 else None  # noqa: E731
+    return dict(prefill_ms=1000 * prefill / len(have), draft_ms=1000 * draft / steps, verify_ms=1000 * verify / steps,
+                rest_ms=1000 * rest / steps, draft_share=share(draft), verify_share=share(verify),
+                rest_share=share(rest))
 
 
 def source_profile(runs: list[dict]) -> dict[str, dict] | None:
