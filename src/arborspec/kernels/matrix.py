@@ -7,6 +7,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
+# the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): the file's rows cost ~2.1x the memory
+# roofline on AVX2 already at M = 1, the x8 layout ~1.x (docs/kernels.md)
+ROWS8_TYPES = (QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
 
 
 def supported(qtype) -> bool:
@@ -51,8 +54,8 @@ class QuantMatrix:
                  QT.IQ4_NL: "iq4_nl"}
         if pack and isa == "avx512vnni" and self.n % 16 == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows16"]
-        if pack and self.qtype == QT.Q4_K and self.n % 8 == 0:
-            return self.kernels.layouts["q4k_rows8"]
+        if pack and self.n % 8 == 0 and (self.qtype == QT.Q4_K or (self.qtype in ROWS8_TYPES and isa != "scalar")):
+            return self.kernels.layouts[f"{names[self.qtype]}_rows8"]
         return int(self.qtype)
 
     @classmethod
