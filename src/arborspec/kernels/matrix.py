@@ -7,8 +7,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
-# the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): the file's rows cost ~2.1x the memory
-# roofline on AVX2 already at M = 1, the x8 layout ~1.x (docs/kernels.md)
+# the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): on an AVX2-only build the 0.5B draft's
+# Q4_0 products ran at ~2x the memory roofline at M = 1 in the file's rows, at ~1.0x in x8 (docs/kernels.md)
 ROWS8_TYPES = (QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
 
 
