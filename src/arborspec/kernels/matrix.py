@@ -26,8 +26,8 @@ class QuantMatrix:
     where it has AVX-512 VNNI, every type with a multiple of 16 rows into groups of 16 interleaved rows (one 32-bit
     lane of a 512-bit register per row); otherwise, with a multiple of 8 rows, Q4_K and (where the build has AVX2) the
     32-blocks into groups of 8 (x8: about half the multiply instructions per row of X for Q4_K, Q4_0 and Q5_0, and
-    the 32-blocks' float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding table, whose rows are
-    looked up one by one); `isa` picks the layouts of another path than the build's best (benchmarks: "avx2" on a
+    the 32-blocks' float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
+    table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best (benchmarks: "avx2" on a
     VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512 build).
     """
 
