@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import KernelBuildError, emulated_library, library
+from arborspec.kernels.matrix import ROWS8_TYPES
 from arborspec.kernels.reference import ACTIVATION_BLOCK, quantize_activations
 
 from .blocks import KINDS, random_blocks
@@ -30,8 +31,10 @@ def emulated():
 
 
 # (kernels, the layouts' isa): the native build with its best layouts, the native build with the VNNI layouts (run by
-# its scalar code where it has no VNNI), and the emulated VNNI build
-BUILDS = {"native": (library, None), "native-x16": (library, "avx512vnni"), "emulated": (emulated, None)}
+# its scalar code where it has no VNNI), the native build with the AVX2 layouts (x8: run by its AVX2 code, which every
+# build on an AVX2 CPU has, VNNI ones included), and the emulated VNNI build
+BUILDS = {"native": (library, None), "native-x16": (library, "avx512vnni"), "native-x8": (library, "avx2"),
+          "emulated": (emulated, None)}
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor, matrix: QuantMatrix, x: torch.Tensor) -> None:
@@ -89,6 +92,15 @@ def test_vnni_layouts_equal_the_reference(qtype, groups, blocks, m, seed, magnit
     check_against_reference(library(), "avx512vnni", qtype, 16 * groups, blocks, m, seed, magnitude)
 
 
+@settings(max_examples=20, deadline=None)
+@given(qtype=st.sampled_from(ROWS8_TYPES), groups=st.integers(1, 3), blocks=st.integers(1, 3), m=st.integers(1, 33),
+       seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([1e-3, 1.0, 40.0]))
+def test_avx2_layouts_equal_the_reference(qtype, groups, blocks, m, seed, magnitude):
+    """The 32-blocks' x8 layouts (8 rows interleaved) on the native build's code for them (AVX2, or their scalar code
+    on a CPU without it), M across the 16-row tile."""
+    check_against_reference(library(), "avx2", qtype, 8 * groups, blocks, m, seed, magnitude)
+
+
 @settings(max_examples=16, deadline=None)
 @given(qtype=st.sampled_from(KINDS), groups=st.integers(1, 2), blocks=st.integers(1, 2), m=st.integers(1, 33),
        seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([1e-3, 1.0, 40.0]))
@@ -114,15 +126,19 @@ def test_activation_quantization_equals_the_reference(qtype):
 @pytest.mark.parametrize("qtype", KINDS)
 @pytest.mark.parametrize("n", [8, 16, 13, 32])
 def test_packed_layouts_keep_every_bit(build, qtype, n):
-    """Matrices are repacked at load (Q4_K by 8 rows for AVX2, every type by 16 for VNNI); unpacking gives the file's
-    bytes back, and the packed matrix computes what the file's layout computes."""
+    """Matrices are repacked at load (by 8 rows for AVX2: Q4_K and the 32-blocks; every type by 16 for VNNI);
+    unpacking gives the file's bytes back, and the packed matrix computes what the file's layout computes."""
     make, isa = BUILDS[build]
     kernels = make()
+    isa = isa or kernels.isa
     k = 2 * ACTIVATION_BLOCK[qtype]
     raw = random_blocks(qtype, n, k, np.random.default_rng(n))
     matrix = QuantMatrix(raw, qtype, n, k, kernels=kernels, isa=isa)
-    x16 = (isa or kernels.isa) == "avx512vnni" and n % 16 == 0
-    assert matrix.packed == (x16 or (qtype == QT.Q4_K and n % 8 == 0))
+    x16 = isa == "avx512vnni" and n % 16 == 0
+    x8 = n % 8 == 0 and (qtype == QT.Q4_K or (qtype in ROWS8_TYPES and isa != "scalar"))
+    assert matrix.packed == (x16 or x8)
+    if x8 and not x16 and qtype != QT.Q4_K:
+        assert matrix.data.shape == (n // 8, 8 * matrix.row_bytes)  # the file's bytes, rearranged
     assert torch.equal(matrix.blocks(), torch.from_numpy(raw))
     plain = QuantMatrix(raw, qtype, n, k, pack=False, kernels=kernels)
     x = torch.randn(3, k)

@@ -658,6 +658,219 @@ void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 }
 #endif
 
+// ---- the 32-blocks interleaved by 8 rows ("x8"): Q4_0, IQ4_NL, Q5_0, Q8_0 on AVX2 ------------------------------
+// Why: the row layout's AVX2 code (q32_rows) pays, per 32 weights and row of X, a u8 x s8 multiply, a widening
+// multiply, an int -> float conversion and a float multiply-add with its own scale: compute-bound at ~2.1x the memory
+// roofline already at M = 1, so a 4-bit draft ran no faster than the shipped Q5_0 / Q8_0 one. With 8 rows of W side
+// by side, 4 consecutive weights of each row in one 32-bit lane, one broadcast of 4 activation bytes serves 8 rows,
+// and the float work (conversion, the 8 rows' scales x the row's, one multiply-add) is paid once per block for 8 rows.
+// The 4-bit and 5-bit types are kept unsigned (Q4_0 0..15, Q5_0 0..31: the file's own values, offset 8 / 16 removed
+// through the activation block's sum, as the x16 layouts do), so the 16-bit products of a whole block add up before
+// one widening (8 chunks x 2 x 15 x 127 = 30480, Q5_0 4 x 2 x 31 x 127 = 31496: under 32767): 9 (Q5_0 10) multiplies
+// per 8 rows x 32 weights and row instead of 16. IQ4_NL and Q8_0 are signed (up to |127|, |128|): a pair of 16-bit
+// products may reach 32512, so each chunk is widened alone and multiplied as |w| x (sign(w) x a), the row layout's
+// trick: the same 16 multiplies, but the float work and the loads of the activations shared by 8 rows. Measured on
+// the 0.5B draft's products (Zen 4, AVX2-only build, benchmarks/avx2_x8.py): Q4_0 1.98x / 2.63x faster than the row
+// layout at M = 1 / 4 (1.03x the memory floor at M = 1), Q5_0 1.90x / 2.67x, IQ4_NL 1.81x / 1.84x, Q8_0 1.06x / 1.92x.
+// A chunk t (0..7) of a block is weights 4t..4t+3 of the 8 rows: 32 bytes, byte 4c + i <- row c, weight 4t + i.
+// The bytes are the file's bits, rearranged (the same size, per 8 rows):
+//   Q4_0, IQ4_NL (144 B): d[8] f16, 4 x 32 B of nibbles: chunk 2p in the low nibbles of bytes 16 + 32p.., chunk
+//        2p + 1 in the high ones; the file's 4-bit values (Q4_0: q + 8; IQ4_NL: table indices).
+//   Q5_0 (176 B): d[8], the nibbles as Q4_0's (the low 4 bits of q + 16), then 32 B of 5th bits: bit t of byte
+//        144 + 4c + i is the 5th bit of row c's weight 4t + i (so one 16-bit shift and a mask give a chunk's).
+//   Q8_0 (272 B): d[8], 8 chunks of the file's int8.
+constexpr int kRows8 = 8;
+constexpr int kLayout8 = 1000;  // layout = kLayout8 + GGUF type (gguf_mm.h; Q4_K's is q4_K x8 above)
+// how far ahead the kernel prefetches (bytes): 4 blocks ahead (as x16) left M = 1 at ~1.2x the memory floor and the
+// 4864-wide rows' M = 4 1.8x the 896-wide ones' (same volume); 16 and 32 blocks ahead cut the whole draft's M = 1
+// by 15-20% and that gap to ~1.1x (Zen 4, AVX2-only build, benchmarks/avx2_x8.py)
+constexpr int64_t kAhead8 = 4096;
+
+constexpr int64_t x8_bytes(int64_t qtype) {
+  return qtype == Q8_0 ? 272 : qtype == Q5_0 ? 176 : 144;
+}
+
+// The file's unsigned integer of row c, weight w of one x8 block (Q4_0 / IQ4_NL: the 4-bit value; Q5_0: q + 16;
+// Q8_0: the byte), and its inverse (`blk` zeroed first).
+int x8_get(int64_t qtype, const uint8_t* blk, int c, int w) {
+  const int t = w / 4, at = 4 * c + w % 4;
+  if (qtype == Q8_0) return blk[16 + 32 * t + at];
+  const uint8_t byte = blk[16 + 32 * (t / 2) + at];
+  int u = t % 2 ? byte >> 4 : byte & 0x0F;
+  if (qtype == Q5_0) u |= ((blk[144 + at] >> t) & 1) << 4;
+  return u;
+}
+
+void x8_set(int64_t qtype, uint8_t* blk, int c, int w, int u) {
+  const int t = w / 4, at = 4 * c + w % 4;
+  if (qtype == Q8_0) {
+    blk[16 + 32 * t + at] = (uint8_t)u;
+    return;
+  }
+  blk[16 + 32 * (t / 2) + at] |= (uint8_t)((u & 0x0F) << (t % 2 ? 4 : 0));
+  if (qtype == Q5_0) blk[144 + at] |= (uint8_t)(((u >> 4) & 1) << t);
+}
+
+// the signed integer weight a stored value stands for
+int x8_weight(int64_t qtype, int u) {
+  switch (qtype) {
+    case Q4_0: return u - 8;
+    case IQ4_NL: return kIQ4NL[u];
+    case Q5_0: return u - 16;
+    default: return static_cast<int8_t>(u);  // Q8_0
+  }
+}
+
+// Block `b` of 8 file rows (src, row_bytes apart) -> one x8 block, and back.
+void repack_x8_block(int64_t qtype, const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+  std::memset(out, 0, x8_bytes(qtype));
+  for (int c = 0; c < kRows8; ++c) {
+    const uint8_t* blk = src + c * row_bytes + b * block_bytes(qtype);
+    std::memcpy(out + 2 * c, blk, 2);
+    int u[32];
+    if (nibbles_only(qtype)) {
+      nibbles_32(blk, u);
+    } else if (qtype == Q5_0) {
+      unpack_32(qtype, blk, u);
+      for (int w = 0; w < 32; ++w) u[w] += 16;
+    } else {
+      for (int w = 0; w < 32; ++w) u[w] = blk[2 + w];
+    }
+    for (int w = 0; w < 32; ++w) x8_set(qtype, out, c, w, u[w]);
+  }
+}
+
+void unpack_x8_block(int64_t qtype, const uint8_t* in, uint8_t* dst, int64_t row_bytes, int64_t b) {
+  for (int c = 0; c < kRows8; ++c) {
+    uint8_t* blk = dst + c * row_bytes + b * block_bytes(qtype);
+    std::memcpy(blk, in + 2 * c, 2);
+    int u[32];
+    for (int w = 0; w < 32; ++w) u[w] = x8_get(qtype, in, c, w);
+    if (qtype == Q8_0) {
+      for (int w = 0; w < 32; ++w) blk[2 + w] = (uint8_t)u[w];
+    } else if (nibbles_only(qtype)) {
+      for (int l = 0; l < 16; ++l) blk[2 + l] = (uint8_t)(u[l] | (u[l + 16] << 4));
+    } else {  // Q5_0
+      uint32_t qh = 0;
+      for (int l = 0; l < 16; ++l) {
+        blk[6 + l] = (uint8_t)((u[l] & 0x0F) | ((u[l + 16] & 0x0F) << 4));
+        qh |= (uint32_t)(u[l] >> 4) << l | (uint32_t)(u[l + 16] >> 4) << (l + 16);
+      }
+      std::memcpy(blk + 2, &qh, 4);
+    }
+  }
+}
+
+// Scalar form of the x8 kernel, reading the packed bytes (the reference the AVX2 code is held to, and what a build
+// without AVX2 runs on this layout): per block and row of W the integer dot product, times the two scales.
+void x8_scalar(int64_t qtype, const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const Act32* act = static_cast<const Act32*>(j.act);
+  const int64_t bytes = x8_bytes(qtype);
+  for (int64_t g = g0; g < g1; ++g) {
+    float acc[kTile][kRows8] = {{0}};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
+      for (int c = 0; c < kRows8; ++c) {
+        const float d = half(blk + 2 * c);
+        int q[32];
+        for (int w = 0; w < 32; ++w) q[w] = x8_weight(qtype, x8_get(qtype, blk, c, w));
+        for (int64_t r = r0; r < r1; ++r) {
+          const Act32& a = act[r * j.blocks + b];
+          int dot = 0;
+          for (int l = 0; l < 32; ++l) dot += q[l] * a.qs[l];
+          acc[r - r0][c] += a.d * d * (float)dot;
+        }
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int c = 0; c < kRows8; ++c) j.y[r * j.n + g * kRows8 + c] = acc[r - r0][c];
+  }
+}
+
+#ifdef ARB_AVX2
+// x8 for groups [g0, g1), rows [r0, r1) of X (at most kTile): per block the 8 chunk registers and the 8 rows'
+// scales are made once, then each row costs 8 broadcasts of 4 activation bytes, 8 u8 x s8 multiply-adds, their
+// widening (unsigned types: one for the block; signed: one per chunk), and one conversion and multiply-add in float.
+template <int64_t qtype>
+void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const Act32* act = static_cast<const Act32*>(j.act);
+  constexpr int64_t bytes = x8_bytes(qtype);
+  constexpr bool is_signed = qtype == IQ4_NL || qtype == Q8_0;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[kTile];
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
+      for (int64_t line = 0; line < bytes; line += 64) prefetch(blk + kAhead8 + line);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // (8 rows,)
+      __m256i w[8];  // unsigned types: the stored values; signed: |w|
+      __m256i s[8];  // signed types: w (its sign goes to the activations)
+      if constexpr (qtype == Q8_0) {
+        for (int t = 0; t < 8; ++t) {
+          s[t] = load(blk + 16 + 32 * t);
+          w[t] = _mm256_abs_epi8(s[t]);  // -128 -> 0x80, read as 128 unsigned
+        }
+      } else {
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = load(blk + 16 + 32 * p);
+          w[2 * p] = _mm256_and_si256(v, low4);
+          w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        if constexpr (qtype == Q5_0) {
+          const __m256i high = load(blk + 144);  // bit t of each byte: chunk t's 5th bit
+          for (int t = 0; t < 8; ++t) {
+            const __m256i at4 = t <= 4 ? _mm256_slli_epi16(high, 4 - t) : _mm256_srli_epi16(high, t - 4);
+            w[t] = _mm256_or_si256(w[t], _mm256_and_si256(at4, bit4));
+          }
+        }
+        if constexpr (qtype == IQ4_NL)
+          for (int t = 0; t < 8; ++t) {
+            s[t] = _mm256_shuffle_epi8(table, w[t]);
+            w[t] = _mm256_abs_epi8(s[t]);
+          }
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const Act32& a = act[r * j.blocks + b];
+        __m256i dot;  // (8 rows,) int32
+        if constexpr (is_signed) {
+          dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[0], _mm256_sign_epi8(bcast4(a.qs), s[0])), ones);
+          for (int t = 1; t < 8; ++t) {
+            const __m256i p = _mm256_maddubs_epi16(w[t], _mm256_sign_epi8(bcast4(a.qs + 4 * t), s[t]));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+          }
+        } else if constexpr (qtype == Q5_0) {
+          __m256i p[2];
+          for (int h = 0; h < 2; ++h) {
+            p[h] = _mm256_maddubs_epi16(w[4 * h], bcast4(a.qs + 16 * h));
+            for (int t = 1; t < 4; ++t)
+              p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(w[4 * h + t], bcast4(a.qs + 16 * h + 4 * t)));
+          }
+          dot = _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones));
+          dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.offset16));
+        } else {  // Q4_0
+          __m256i p = _mm256_maddubs_epi16(w[0], bcast4(a.qs));
+          for (int t = 1; t < 8; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[t], bcast4(a.qs + 4 * t)));
+          dot = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_set1_epi32(a.offset8));
+        }
+        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r - r0]);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
+  }
+}
+
+void x8_avx2(int64_t qtype, const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  switch (qtype) {
+    case Q4_0: return q32x8_avx2<Q4_0>(j, g0, g1, r0, r1);
+    case IQ4_NL: return q32x8_avx2<IQ4_NL>(j, g0, g1, r0, r1);
+    case Q5_0: return q32x8_avx2<Q5_0>(j, g0, g1, r0, r1);
+    default: return q32x8_avx2<Q8_0>(j, g0, g1, r0, r1);
+  }
+}
+#endif
+
 // ---- 16 rows interleaved ("x16"), every block type: the AVX-512 VNNI layouts ----------------------------------
 // Why: a 512-bit register holds 4 consecutive weights of each of 16 rows of W (one 32-bit lane per row), and one
 // `vpdpbusd` multiplies them by 4 activation bytes broadcast to every lane, widens and accumulates: 64 weights a row
@@ -1258,6 +1471,80 @@ at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x,
   });
   return y;
 }
+// ---- x8 layouts of the 32-blocks: repack, unpack, product --------------------------------------------------------
+
+int64_t x8_qtype(int64_t layout) {
+  const int64_t qtype = layout - kLayout8;
+  TORCH_CHECK(qtype == Q4_0 || qtype == IQ4_NL || qtype == Q5_0 || qtype == Q8_0, "no x8 layout numbered ", layout);
+  return qtype;
+}
+
+void check_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  TORCH_CHECK(k > 0 && k % 32 == 0, "row length ", k, " is not a multiple of the block of 32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == k / 32 * x8_bytes(qtype),
+              "x8 groups: contiguous uint8 (groups, ", k / 32 * x8_bytes(qtype), ")");
+}
+
+// W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes).
+at::Tensor repack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
+  const int64_t n = w.size(0), blocks = k / 32, bytes = x8_bytes(qtype);
+  TORCH_CHECK(n % kRows8 == 0, "x8 layout: ", n, " rows is not a multiple of ", kRows8);
+  at::Tensor out = at::empty({n / kRows8, blocks * bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kRows8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        repack_x8_block(qtype, src + g * kRows8 * w.size(1), w.size(1), b, dst + (g * blocks + b) * bytes);
+  });
+  return out;
+}
+
+at::Tensor unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  check_x8(packed, qtype, k);
+  const int64_t groups = packed.size(0), blocks = k / 32, bytes = x8_bytes(qtype);
+  const int64_t row_bytes = blocks * block_bytes(qtype);
+  at::Tensor out = at::empty({groups * kRows8, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        unpack_x8_block(qtype, src + (g * blocks + b) * bytes, dst + g * kRows8 * row_bytes, row_bytes, b);
+  });
+  return out;
+}
+
+// Y (m, 8 x groups) from x8 groups and X (m, k): the AVX2 kernel where the build has it, else the scalar one.
+at::Tensor matmul_x8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
+  check_x8(packed, qtype, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "activations: contiguous float32 (m, ", k, ")");
+  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kRows8;
+  const at::Tensor act = quantize_rows(x, qtype);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / 32, y.data_ptr<float>(), n};
+  const int64_t per_sweep = kColumns / kRows8, sweeps = (groups + per_sweep - 1) / per_sweep;
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
+        const int64_t r1 = std::min(m, r0 + kTile);
+#ifdef ARB_AVX2
+        if (!scalar) {
+          x8_avx2(qtype, job, g0, g1, r0, r1);
+          continue;
+        }
+#endif
+        x8_scalar(qtype, job, g0, g1, r0, r1);
+      }
+    }
+  });
+  return y;
+}
+
 // ---- x16 layouts: repack, unpack, product ------------------------------------------------------------------------
 
 int64_t x16_qtype(int64_t layout) {
@@ -1335,17 +1622,20 @@ at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const 
 
 at::Tensor repack(const at::Tensor& w, int64_t layout, int64_t k) {
   if (layout == arborspec::kQ4KByRows8) return repack_q4k8(w, k);
+  if (layout >= kLayout8 && layout < kLayout16) return repack_x8(w, x8_qtype(layout), k);
   return repack_x16(w, x16_qtype(layout), k);
 }
 
 at::Tensor unpack(const at::Tensor& packed, int64_t layout, int64_t k) {
   if (layout == arborspec::kQ4KByRows8) return unpack_q4k8(packed, k);
+  if (layout >= kLayout8 && layout < kLayout16) return unpack_x8(packed, x8_qtype(layout), k);
   return unpack_x16(packed, x16_qtype(layout), k);
 }
 
 // y = x · Wᵀ for W in `layout` (a GGUF type: the file's rows; or a packed layout); `scalar` runs the portable code.
 at::Tensor linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x, bool scalar) {
   if (layout == arborspec::kQ4KByRows8) return matmul_q4k8(w, k, x, scalar);
+  if (layout >= kLayout8 && layout < kLayout16) return matmul_x8(w, x8_qtype(layout), k, x, scalar);
   if (layout >= kLayout16) return matmul_x16(w, x16_qtype(layout), k, x, scalar);
   return matmul(w, layout, k, x, scalar);
 }
@@ -1455,7 +1745,8 @@ std::string isa() {
 at::Tensor layouts() {  // the layout numbers matrix.py uses, in the order of its names (build.py's LAYOUTS)
   using namespace arborspec;
   return at::tensor(std::vector<int64_t>{kQ4KByRows8, kQ4KByRows16, kQ6KByRows16, kQ5_0ByRows16, kQ8_0ByRows16,
-                                        kQ4_0ByRows16, kIQ4NLByRows16},
+                                        kQ4_0ByRows16, kIQ4NLByRows16, kQ4_0ByRows8, kIQ4NLByRows8, kQ5_0ByRows8,
+                                        kQ8_0ByRows8},
                     at::kLong);
 }
 

@@ -7,6 +7,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
+# the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): on an AVX2-only build the 0.5B draft's
+# Q4_0 products ran at ~2x the memory roofline at M = 1 in the file's rows, at ~1.0x in x8 (docs/kernels.md)
+ROWS8_TYPES = (QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
 
 
 def supported(qtype) -> bool:
@@ -21,9 +24,10 @@ class QuantMatrix:
 
     At load the blocks are repacked (the same bits, rearranged; see gguf_mm.cpp) for the best code the build runs:
     where it has AVX-512 VNNI, every type with a multiple of 16 rows into groups of 16 interleaved rows (one 32-bit
-    lane of a 512-bit register per row); otherwise Q4_K with a multiple of 8 rows into groups of 8 (AVX2: about half
-    the multiply instructions per row of X). `pack=False` keeps the file's layout (an embedding table, whose rows are
-    looked up one by one); `isa` picks the layouts of another path than the build's best (benchmarks: "avx2" on a
+    lane of a 512-bit register per row); otherwise, with a multiple of 8 rows, Q4_K and (where the build has AVX2) the
+    32-blocks into groups of 8 (x8: about half the multiply instructions per row of X for Q4_K, Q4_0 and Q5_0, and
+    the 32-blocks' float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
+    table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best (benchmarks: "avx2" on a
     VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512 build).
     """
 
@@ -51,8 +55,8 @@ class QuantMatrix:
                  QT.IQ4_NL: "iq4_nl"}
         if pack and isa == "avx512vnni" and self.n % 16 == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows16"]
-        if pack and self.qtype == QT.Q4_K and self.n % 8 == 0:
-            return self.kernels.layouts["q4k_rows8"]
+        if pack and self.n % 8 == 0 and (self.qtype == QT.Q4_K or (self.qtype in ROWS8_TYPES and isa != "scalar")):
+            return self.kernels.layouts[f"{names[self.qtype]}_rows8"]
         return int(self.qtype)
 
     @classmethod
