@@ -325,12 +325,17 @@ inline void dots_heads(bool wide, int64_t nh, const float* q, const float* const
   return dots8<2, NK>(q, k, d, scale, s, stride);
 }
 
-// scores (G, stride): s[h * stride + j] = q_h · k_j * scale for the `count` keys k[0..count)
-void scores(bool wide, const float* q, int64_t G, const float* const* k, int64_t count, int64_t d, float scale,
-            float* s, int64_t stride) {
+// scores (G, stride): s[h * stride + j] = q_h · k_j * scale for the `count` keys k[0..count); the values v[j] are
+// prefetched beside their keys, so the value rows stream from memory while the scores are computed (the cache is
+// read from memory at every step, the weights having passed through since: the 0.5B draft's attention at n = 1,
+// 200-400 cached tokens, took ~13% less time, Zen 4)
+void scores(bool wide, const float* q, int64_t G, const float* const* k, const float* const* v, int64_t count,
+            int64_t d, float scale, float* s, int64_t stride) {
   const int64_t tiles = head_tiles(wide, G), tile_keys = wide ? 4 : 2;
   for (int64_t j0 = 0; j0 < count; j0 += tile_keys) {  // a key tile stays in L1 while every head reads it
     const int64_t nk = std::min(tile_keys, count - j0);
+    for (int64_t j = j0; j < j0 + nk; ++j)
+      for (int64_t c = 0; c < d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(v[j] + c), _MM_HINT_T0);
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t h0 = tile_start(tile, tiles, G), nh = tile_start(tile + 1, tiles, G) - h0;
       const float* qh = q + h0 * d;
@@ -378,8 +383,8 @@ void mix(bool wide, const float* p, int64_t G, int64_t stride, const float* cons
 }
 #else
 // the portable reference: the same formulas, one value at a time
-void scores(bool, const float* q, int64_t G, const float* const* k, int64_t count, int64_t d, float scale, float* s,
-            int64_t stride) {
+void scores(bool, const float* q, int64_t G, const float* const* k, const float* const*, int64_t count, int64_t d,
+            float scale, float* s, int64_t stride) {
   for (int64_t h = 0; h < G; ++h)
     for (int64_t j = 0; j < count; ++j) {
       float sum = 0.f;
@@ -587,13 +592,16 @@ class Model : public torch::CustomClassHolder {
     float* po = out.data_ptr<float>();
     const float scale = 1.f / std::sqrt((float)d);
     // one task per row and kv head: its G query heads read each key once (GQA: 6 query heads a kv head in the
-    // 1.5B target, 7 in the 0.5B draft); every score and sum is computed exactly as for one head alone
+    // 1.5B target, 7 in the 0.5B draft); every score and sum is computed exactly as for one head alone. Tasks run
+    // kv head by kv head (t = g n + r), so a thread's rows share its heads' keys and values, read from memory once
+    // and then from its cache (row by row, each of 2 threads read both heads' caches: the 0.5B draft's attention
+    // at n = 4 took ~12% longer, Zen 4)
     const int64_t G = H / KV;
     at::parallel_for(0, n * KV, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> score, inv(G);
       std::vector<const float*> kp, vp;  // the visible keys and values, in cache order
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = t / KV, g = t % KV, count = rows.count(r), cap = keys[rows.seq[r]].size(2);
+        const int64_t g = t / n, r = t % n, count = rows.count(r), cap = keys[rows.seq[r]].size(2);
         const float* kh = keys[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
         const float* vh = values[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
         kp.resize(count);
@@ -603,7 +611,7 @@ class Model : public torch::CustomClassHolder {
           kp[j] = kh + (int64_t)rows.extra[e] * d, vp[j] = vh + (int64_t)rows.extra[e] * d;
         const float* q = pq + r * width + g * G * d;  // (G, d): the group's query heads
         score.resize(G * count);  // (G, count)
-        scores(wide_, q, G, kp.data(), count, d, scale, score.data(), count);
+        scores(wide_, q, G, kp.data(), vp.data(), count, d, scale, score.data(), count);
         for (int64_t h = 0; h < G; ++h) {
           float* sh = score.data() + h * count;
           float top = -INFINITY;

@@ -1251,6 +1251,14 @@ inline __m512i iq4nl_table128() {
   return _mm512_load_si512(t);
 }
 
+// How many 32-blocks ahead the 32-block kernels prefetch (4.5 KB of Q4_0 / IQ4_NL, as far as Q4_K's two blocks):
+// at 4 blocks (1.1 KB, ~40 ns of reading at M = 4) the loads came too late once the arithmetic of several rows
+// slowed the stream, and the 0.5B q4_0 draft's matrices took 1.21x their M = 1 time at M = 4 (the down products:
+// 1.5x, their 4864-wide rows' activations filling L1); at 16 blocks 1.03x, M = 1 unchanged (Zen 4, 2 threads;
+// 8 blocks 1.15x, 32 or 64 no better than 16). Calls of 5-8 rows read further ahead: at M = 8, 24 blocks gave
+// 1.13-1.14x the M = 1 time against 1.24-1.26x at 16 (M = 4 was 3% slower at 24, so it keeps 16).
+constexpr int64_t kAhead32 = 16, kAhead32Wide = 24;
+
 // The 32-blocks x16: a 32-block of 16 rows is 8 weight registers (Q5_0: nibbles and the 5th bit by a masked add;
 // Q4_0: the nibbles; IQ4_NL: the nibbles' table values, one byte shuffle each); per row the dot starts at -offset x
 // the block's activation sum, 8 dot instructions, and the float scales (16 rows x the row's) multiply once.
@@ -1264,7 +1272,7 @@ void q32x16_vnni(const Job& j, int64_t g, int64_t r0) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < j.blocks; ++b) {
     const uint8_t* blk = j.w + g * j.row_bytes + b * f.bytes;
-    prefetch_block(blk + 4 * f.bytes, f.bytes);
+    prefetch_block(blk + (R > 4 ? kAhead32Wide : kAhead32) * f.bytes, f.bytes);
     __m512i w[8];
     if constexpr (qtype == Q8_0) {
       for (int t = 0; t < 8; ++t) w[t] = load64(blk + 32 + 64 * t);
