@@ -40,7 +40,8 @@ from .flags import (
     add_tree_layout_arguments,
 )
 from .loading import aliases
-from .loading.pair import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, is_torch_model, llama_options, load_pair
+from .loading.pair import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, is_torch_model, llama_options, load_pair,
+                           load_pair_for)
 from .runspec import (
     NGRAM_LEN,
     RunSpec,
@@ -213,13 +214,6 @@ def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):
                          record_trees=record_trees, ssm_tree=args.ssm_tree)
 
 
-def _load_for(args, spec: RunSpec):
-    """(target, draft prepared for `spec`, or None when the method drafts nothing)."""
-    return load_pair(args.target, args.draft if spec.needs_draft else None, spec.quant, args.dtype, spec.vocab,
-                     backend=args.backend, draft_backend=args.draft_backend,
-                     llama=llama_options(args))
-
-
 # ---- commands -----------------------------------------------------------------------------------------------
 def _read_prompt(args) -> str:
     if args.prompt_file:
@@ -247,7 +241,7 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise CliError("the prompt is empty")
     spec = run_spec(args)
-    target, draft = _load_for(args, spec)
+    target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)
     if args.chat:
         prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -323,7 +317,7 @@ def cmd_trees(args) -> int:
         raise CliError("--num-trees and --max-new-tokens must be at least 1")
     prompt = _read_prompt(args)
     spec = run_spec(args)
-    target, draft = _load_for(args, spec)
+    target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=True)
     result = dec.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
     trees = [s.tree for s in result.stats.steps[: args.num_trees]]

@@ -9,7 +9,7 @@ import pytest
 from arborspec import cli
 from arborspec.backends import llamacpp
 from arborspec.backends.native import is_native
-from arborspec.loading.pair import LoadedPair
+from arborspec.loading.pair import LoadedPair, load_pair_for
 from arborspec.server import build, run
 from arborspec.server.scheduler import Scheduler
 from tests.backends.tiny_gguf import write_tiny_gguf
@@ -32,7 +32,7 @@ def both_front_ends(flags: list[str]) -> tuple[LoadedPair, LoadedPair]:
     run.add_serve_arguments(parser)
     serve = parser.parse_args(flags)
     run.check_flags(serve)
-    generated = cli._load_for(gen, cli.run_spec(gen))
+    generated = load_pair_for(gen, cli.run_spec(gen))
     decoders, served = build.load_decoders(serve, run.server_spec(serve))
     assert decoders.target is served.target and decoders.quant == served.quant
     return generated, served
