@@ -186,6 +186,9 @@ bool covered(int64_t qtype) {
 // the 4-bit 32-blocks (Q4_0, IQ4_NL): d f16, then the 32 4-bit values as nibbles
 bool nibbles_only(int64_t qtype) { return qtype == Q4_0 || qtype == IQ4_NL; }
 
+// Weights per block in the file: 256 for the K-quants, 32 for the others.
+int64_t file_block(int64_t qtype) { return k_quant(qtype) ? 256 : 32; }
+
 // IQ4_NL's 16 weight values (llama.cpp's kvalues_iq4nl; gguf-py's IQ4_NL.kvalues), indexed by the 4-bit value
 constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -1377,13 +1380,26 @@ at::Tensor quantize_rows(const at::Tensor& x, int64_t qtype) {
   return out;
 }
 
+// What every product starts with: X (m, k) checked and quantized for `qtype`, Y (m, n) allocated, the kernels' Job
+// over W's `rows` (its file rows, or its packed groups) of `row_bytes`.
+struct Product {
+  at::Tensor act, y;
+  Job job;
+};
+
+Product start_product(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t qtype, int64_t k, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "activations: contiguous float32 (m, ", k, ")");
+  Product p{quantize_rows(x, qtype), at::empty({x.size(0), n}, x.options()), {}};
+  p.job = Job{w, row_bytes, p.act.data_ptr<uint8_t>(), k / file_block(qtype), p.y.data_ptr<float>(), n};
+  return p;
+}
+
 at::Tensor matmul(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_args(w, qtype, k, x);
   const int64_t m = x.size(0), n = w.size(0);
-  const at::Tensor act = quantize_rows(x, qtype);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const Job job{w.data_ptr<uint8_t>(), w.size(1), act.data_ptr<uint8_t>(), k / (k_quant(qtype) ? 256 : 32),
-                y.data_ptr<float>(), n};
+  const Product p = start_product(w.data_ptr<uint8_t>(), w.size(1), n, qtype, k, x);
+  const Job& job = p.job;
   const int64_t sweeps = (n + kColumns - 1) / kColumns;
   at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
@@ -1391,63 +1407,99 @@ at::Tensor matmul(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tenso
       for (int64_t r0 = 0; r0 < m; r0 += kTile) run_tile(qtype, scalar, job, c0, c1, r0, std::min(m, r0 + kTile));
     }
   });
-  return y;
+  return p.y;
+}
+
+// ---- the group loops every interleaved layout shares ---------------------------------------------------------------
+
+// W (n, row_bytes) in the file's layout, n a multiple of `rows` -> (n / rows, blocks x `bytes`): `pack(group's first
+// row, row_bytes, block, out)` writes block b of each group of `rows` weight rows.
+template <typename Pack>
+at::Tensor repack_groups(const at::Tensor& w, int64_t rows, int64_t blocks, int64_t bytes, const char* name,
+                         Pack pack) {
+  const int64_t n = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(n % rows == 0, name, " layout: ", n, " rows is not a multiple of ", rows);
+  at::Tensor out = at::empty({n / rows, blocks * bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / rows, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        pack(src + g * rows * row_bytes, row_bytes, b, dst + (g * blocks + b) * bytes);
+  });
+  return out;
+}
+
+// The inverse: (groups, blocks x `bytes`) -> (groups x rows, row_bytes); `unpack(block in, group's first row out,
+// row_bytes, block)`.
+template <typename Unpack>
+at::Tensor unpack_groups(const at::Tensor& packed, int64_t rows, int64_t blocks, int64_t bytes, int64_t row_bytes,
+                         Unpack unpack) {
+  const int64_t groups = packed.size(0);
+  at::Tensor out = at::empty({groups * rows, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        unpack(src + (g * blocks + b) * bytes, dst + g * rows * row_bytes, row_bytes, b);
+  });
+  return out;
+}
+
+// The 8-row layouts' product loop (q4_K x8, x8): the groups in sweeps of kColumns columns, whose weights stay in L2
+// while every tile of kTile rows of X passes over them; `run(g0, g1, r0, r1)` computes one sweep x tile.
+template <typename Run>
+void sweep_groups8(int64_t groups, int64_t m, Run run) {
+  const int64_t per_sweep = kColumns / 8, sweeps = (groups + per_sweep - 1) / per_sweep;
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
+      for (int64_t r0 = 0; r0 < m; r0 += kTile) run(g0, g1, r0, std::min(m, r0 + kTile));
+    }
+  });
 }
 
 // W (n, row_bytes) Q4_K, n a multiple of 8 -> (n / 8, blocks x kGroupBytes): groups of 8 columns interleaved.
 at::Tensor repack_q4k8(const at::Tensor& w, int64_t k) {
   check_args(w, Q4_K, k, at::empty({0, k}, at::kFloat));
-  const int64_t n = w.size(0), blocks = k / 256;
-  TORCH_CHECK(n % kGroup == 0, "repack_q4k8: ", n, " columns is not a multiple of ", kGroup);
-  at::Tensor out = at::empty({n / kGroup, blocks * kGroupBytes}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kGroup, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        repack_q4k_group(src + g * kGroup * w.size(1), w.size(1), b, dst + (g * blocks + b) * kGroupBytes);
-  });
-  return out;
+  return repack_groups(w, kGroup, k / 256, kGroupBytes, "q4_K x8", repack_q4k_group);
+}
+
+// Block b of one q4_K x8 group back into its 8 rows of the file's layout (repack_q4k_group's inverse).
+void unpack_q4k_group(const uint8_t* grp, uint8_t* dst, int64_t row_bytes, int64_t b) {
+  for (int c = 0; c < kGroup; ++c) {
+    uint8_t* blk = dst + c * row_bytes + b * 144;
+    std::memcpy(blk, grp + 2 * c, 2);
+    std::memcpy(blk + 2, grp + 16 + 2 * c, 2);
+    int sc[8], mn[8], q[256];
+    for (int s = 0; s < 8; ++s) {
+      sc[s] = grp[32 + 8 * s + c];
+      mn[s] = grp[96 + 16 * (s / 2) + 2 * c + (s % 2)];
+    }
+    uint8_t* p = blk + 4;  // pack 8 scales and 8 mins of 6 bits back into 12 bytes
+    for (int i = 0; i < 4; ++i) {
+      p[i] = (uint8_t)((sc[i] & 63) | ((sc[i + 4] >> 4) << 6));
+      p[i + 4] = (uint8_t)((mn[i] & 63) | ((mn[i + 4] >> 4) << 6));
+      p[i + 8] = (uint8_t)((sc[i + 4] & 15) | ((mn[i + 4] & 15) << 4));
+    }
+    for (int s = 0; s < 8; ++s)
+      for (int ch = 0; ch < 4; ++ch)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t v = grp[160 + ((s * 4 + ch) * kGroup + c) * 4 + i];
+          q[32 * s + 8 * ch + i] = v & 0x0F;
+          q[32 * s + 8 * ch + 4 + i] = v >> 4;
+        }
+    for (int h = 0; h < 4; ++h)
+      for (int l = 0; l < 32; ++l) blk[16 + 32 * h + l] = (uint8_t)(q[64 * h + l] | (q[64 * h + 32 + l] << 4));
+  }
 }
 
 // The inverse of repack_q4k8 (for dequantizing a packed matrix: tests, an embedding that shares the head's weights).
 at::Tensor unpack_q4k8(const at::Tensor& packed, int64_t k) {
   TORCH_CHECK(k > 0 && k % 256 == 0 && packed.dim() == 2 && packed.size(1) == k / 256 * kGroupBytes,
               "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
-  const int64_t groups = packed.size(0), blocks = k / 256, row_bytes = blocks * 144;
-  at::Tensor out = at::empty({groups * kGroup, row_bytes}, packed.options());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* grp = src + (g * blocks + b) * kGroupBytes;
-      for (int c = 0; c < kGroup; ++c) {
-        uint8_t* blk = dst + (g * kGroup + c) * row_bytes + b * 144;
-        std::memcpy(blk, grp + 2 * c, 2);
-        std::memcpy(blk + 2, grp + 16 + 2 * c, 2);
-        int sc[8], mn[8], q[256];
-        for (int s = 0; s < 8; ++s) {
-          sc[s] = grp[32 + 8 * s + c];
-          mn[s] = grp[96 + 16 * (s / 2) + 2 * c + (s % 2)];
-        }
-        uint8_t* p = blk + 4;  // pack 8 scales and 8 mins of 6 bits back into 12 bytes
-        for (int i = 0; i < 4; ++i) {
-          p[i] = (uint8_t)((sc[i] & 63) | ((sc[i + 4] >> 4) << 6));
-          p[i + 4] = (uint8_t)((mn[i] & 63) | ((mn[i + 4] >> 4) << 6));
-          p[i + 8] = (uint8_t)((sc[i + 4] & 15) | ((mn[i + 4] & 15) << 4));
-        }
-        for (int s = 0; s < 8; ++s)
-          for (int ch = 0; ch < 4; ++ch)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t v = grp[160 + ((s * 4 + ch) * kGroup + c) * 4 + i];
-              q[32 * s + 8 * ch + i] = v & 0x0F;
-              q[32 * s + 8 * ch + 4 + i] = v >> 4;
-            }
-        for (int h = 0; h < 4; ++h)
-          for (int l = 0; l < 32; ++l) blk[16 + 32 * h + l] = (uint8_t)(q[64 * h + l] | (q[64 * h + 32 + l] << 4));
-      }
-    }
-  return out;
+  return unpack_groups(packed, kGroup, k / 256, kGroupBytes, k / 256 * 144, unpack_q4k_group);
 }
 
 // Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
@@ -1455,29 +1507,15 @@ at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x,
   TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "activations: contiguous float32 (m, ", k, ")");
-  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kGroup;
-  const at::Tensor act = quantize_rows(x, Q4_K);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / 256, y.data_ptr<float>(), n};
-  const int64_t per_sweep = kColumns / kGroup, sweeps = (groups + per_sweep - 1) / per_sweep;
-  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
-        const int64_t r1 = std::min(m, r0 + kTile);
+  const int64_t groups = packed.size(0);
+  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kGroup, Q4_K, k, x);
+  sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 #ifdef ARB_AVX2
-        if (!scalar) {
-          q4k8_avx2(job, g0, g1, r0, r1);
-          continue;
-        }
+    if (!scalar) return q4k8_avx2(p.job, g0, g1, r0, r1);
 #endif
-        q4k8_scalar(job, g0, g1, r0, r1);
-      }
-    }
+    q4k8_scalar(p.job, g0, g1, r0, r1);
   });
-  return y;
+  return p.y;
 }
 // ---- x8 layouts of the 32-blocks: repack, unpack, product --------------------------------------------------------
 
@@ -1497,60 +1535,32 @@ void check_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
 // W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes).
 at::Tensor repack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
-  const int64_t n = w.size(0), blocks = k / 32, bytes = x8_bytes(qtype);
-  TORCH_CHECK(n % kRows8 == 0, "x8 layout: ", n, " rows is not a multiple of ", kRows8);
-  at::Tensor out = at::empty({n / kRows8, blocks * bytes}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kRows8, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        repack_x8_block(qtype, src + g * kRows8 * w.size(1), w.size(1), b, dst + (g * blocks + b) * bytes);
-  });
-  return out;
+  return repack_groups(w, kRows8, k / 32, x8_bytes(qtype), "x8",
+                       [qtype](const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+                         repack_x8_block(qtype, src, row_bytes, b, out);
+                       });
 }
 
 at::Tensor unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
   check_x8(packed, qtype, k);
-  const int64_t groups = packed.size(0), blocks = k / 32, bytes = x8_bytes(qtype);
-  const int64_t row_bytes = blocks * block_bytes(qtype);
-  at::Tensor out = at::empty({groups * kRows8, row_bytes}, packed.options());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        unpack_x8_block(qtype, src + (g * blocks + b) * bytes, dst + g * kRows8 * row_bytes, row_bytes, b);
-  });
-  return out;
+  return unpack_groups(packed, kRows8, k / 32, x8_bytes(qtype), k / 32 * block_bytes(qtype),
+                       [qtype](const uint8_t* in, uint8_t* dst, int64_t row_bytes, int64_t b) {
+                         unpack_x8_block(qtype, in, dst, row_bytes, b);
+                       });
 }
 
 // Y (m, 8 x groups) from x8 groups and X (m, k): the AVX2 kernel where the build has it, else the scalar one.
 at::Tensor matmul_x8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_x8(packed, qtype, k);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "activations: contiguous float32 (m, ", k, ")");
-  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kRows8;
-  const at::Tensor act = quantize_rows(x, qtype);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / 32, y.data_ptr<float>(), n};
-  const int64_t per_sweep = kColumns / kRows8, sweeps = (groups + per_sweep - 1) / per_sweep;
-  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) {
-        const int64_t r1 = std::min(m, r0 + kTile);
+  const int64_t groups = packed.size(0);
+  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows8, qtype, k, x);
+  sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 #ifdef ARB_AVX2
-        if (!scalar) {
-          x8_avx2(qtype, job, g0, g1, r0, r1);
-          continue;
-        }
+    if (!scalar) return x8_avx2(qtype, p.job, g0, g1, r0, r1);
 #endif
-        x8_scalar(qtype, job, g0, g1, r0, r1);
-      }
-    }
+    x8_scalar(qtype, p.job, g0, g1, r0, r1);
   });
-  return y;
+  return p.y;
 }
 
 // ---- x16 layouts: repack, unpack, product ------------------------------------------------------------------------
@@ -1560,8 +1570,6 @@ int64_t x16_qtype(int64_t layout) {
   TORCH_CHECK(covered(qtype), "no x16 layout numbered ", layout);
   return qtype;
 }
-
-int64_t file_block(int64_t qtype) { return k_quant(qtype) ? 256 : 32; }
 
 void check_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
   const int64_t block = file_block(qtype);
@@ -1574,44 +1582,27 @@ void check_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
 // W (n, row_bytes) in the file's layout, n a multiple of 16 -> (n / 16, blocks x group bytes).
 at::Tensor repack_x16(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
-  const int64_t n = w.size(0), blocks = k / file_block(qtype), bytes = x16_format(qtype).bytes;
-  TORCH_CHECK(n % kRows16 == 0, "x16 layout: ", n, " rows is not a multiple of ", kRows16);
-  at::Tensor out = at::empty({n / kRows16, blocks * bytes}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kRows16, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        repack_x16_block(qtype, src + g * kRows16 * w.size(1), w.size(1), b, dst + (g * blocks + b) * bytes);
-  });
-  return out;
+  return repack_groups(w, kRows16, k / file_block(qtype), x16_format(qtype).bytes, "x16",
+                       [qtype](const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+                         repack_x16_block(qtype, src, row_bytes, b, out);
+                       });
 }
 
 at::Tensor unpack_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
   check_x16(packed, qtype, k);
-  const int64_t groups = packed.size(0), blocks = k / file_block(qtype), bytes = x16_format(qtype).bytes;
-  const int64_t row_bytes = blocks * block_bytes(qtype);
-  at::Tensor out = at::empty({groups * kRows16, row_bytes}, packed.options());
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b)
-        unpack_x16_block(qtype, src + (g * blocks + b) * bytes, dst + g * kRows16 * row_bytes, row_bytes, b);
-  });
-  return out;
+  const int64_t blocks = k / file_block(qtype);
+  return unpack_groups(packed, kRows16, blocks, x16_format(qtype).bytes, blocks * block_bytes(qtype),
+                       [qtype](const uint8_t* in, uint8_t* dst, int64_t row_bytes, int64_t b) {
+                         unpack_x16_block(qtype, in, dst, row_bytes, b);
+                       });
 }
 
 // Y (m, 16 x groups) from x16 groups and X (m, k): the VNNI kernels where the build has them, else the scalar ones.
 at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_x16(packed, qtype, k);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "activations: contiguous float32 (m, ", k, ")");
-  const int64_t m = x.size(0), groups = packed.size(0), n = groups * kRows16;
-  const at::Tensor act = quantize_rows(x, qtype);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const Job job{packed.data_ptr<uint8_t>(), packed.size(1), act.data_ptr<uint8_t>(), k / file_block(qtype),
-                y.data_ptr<float>(), n};
+  const int64_t m = x.size(0), groups = packed.size(0);
+  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows16, qtype, k, x);
+  const Job& job = p.job;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
 #ifdef ARB_VNNI
@@ -1623,7 +1614,7 @@ at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const 
       for (int64_t r0 = 0; r0 < m; r0 += kTile) x16_scalar(qtype, job, g, r0, std::min(m, r0 + kTile));
     }
   });
-  return y;
+  return p.y;
 }
 
 // ---- any layout, by number (what matrix.py calls) -----------------------------------------------------------------
