@@ -42,8 +42,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
 from ..core.disk_cache import sha256_key
+from ..core.sampling import spread
 from ..kernels import QuantMatrix, supported
-from ..kernels.matrix import SUPPORTED_TYPES
+from ..kernels.matrix import SUPPORTED_TYPES, VNNI_ROWS
 from . import native_step
 from .llamacpp import read_gguf_info
 
@@ -93,9 +94,6 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.matrix.qtype.name}"
 
 
-ROW_GROUP = 16  # rows of W the packed layouts interleave (kernels/matrix.py: 16 for AVX-512 VNNI, 8 for AVX2)
-
-
 class PrunedQuantHead(QuantLinear):
     """A native draft's output head over the token ids `keep` only (FR-Spec's idea; tuning/draft_levers.PrunedHead
     is the same lever for dense drafts): its matrix holds just those rows of the file's head, so a draft step reads
@@ -107,10 +105,11 @@ class PrunedQuantHead(QuantLinear):
         keep = torch.as_tensor(keep, dtype=torch.long).unique()  # sorted
         if len(keep) == 0 or keep[0] < 0 or keep[-1] >= head.out_features:
             raise ValueError(f"a pruned head keeps token ids in [0, {head.out_features})")
-        # Padded to whole groups of ROW_GROUP rows (copies of the last kept row, whose logits `expand` drops): the
-        # packed layouts need them, and K + the EOS ids is rarely a multiple of 16. Unpadded, a 65537-row head ran
-        # the file layout's code: 0.4 ms more per draft token than the whole packed head (Zen 4, 2026-11-26).
-        rows = torch.cat([keep, keep[-1:].expand((-len(keep)) % ROW_GROUP)])
+        # Padded to whole groups of VNNI_ROWS rows, copies of the last kept row whose logits `expand` drops: the packed
+        # layouts need whole groups (16 rows with VNNI, 8 on AVX2), and K + the EOS ids is rarely a multiple of 16.
+        # Unpadded, a 65537-row head ran the file layout's code: 0.4 ms more per draft token than the whole packed
+        # head (Zen 4, 2026-11-26).
+        rows = torch.cat([keep, keep[-1:].expand((-len(keep)) % VNNI_ROWS)])
         matrix = QuantMatrix(head.matrix.blocks().index_select(0, rows), head.matrix.qtype, len(rows), head.matrix.k)
         super().__init__(matrix, None if head.bias is None else head.bias[rows])
         self.vocab_size = head.out_features
@@ -121,9 +120,7 @@ class PrunedQuantHead(QuantLinear):
 
     def expand(self, small: torch.Tensor) -> torch.Tensor:
         """(..., K + padding) logits of the kept ids -> (..., vocab), the lowest finite logit elsewhere."""
-        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
-        # scatter_, not index_copy_ along the last dim: 0.07 against 0.57 ms for 4 rows of a 65536-id head (Zen 4)
-        return out.scatter_(-1, self.keep.expand(*small.shape[:-1], -1), small[..., :len(self.keep)])
+        return spread(small[..., :len(self.keep)], self.keep, self.vocab_size)
 
 
 def with_pruned_head(model, keep: torch.Tensor):

@@ -114,9 +114,9 @@ def time_lines(groups: dict) -> list[str]:
             t = s.get("time")
             if t is None:
                 continue
-            cells = [dataset, f"{temp:g}", label, fmt(t["prefill_ms"], 1), fmt(t["draft_ms"], 2), fmt(t["verify_ms"], 2),
-                     fmt(t["rest_ms"], 2), fmt(t["draft_share"], 0, 100), fmt(t["verify_share"], 0, 100),
-                     fmt(t["rest_share"], 0, 100)]
+            cells = [dataset, f"{temp:g}", label, fmt(t["prefill_ms"], 1), fmt(t["draft_ms"], 2),
+                     fmt(t["verify_ms"], 2), fmt(t["rest_ms"], 2), fmt(t["draft_share"], 0, 100),
+                     fmt(t["verify_share"], 0, 100), fmt(t["rest_share"], 0, 100)]
             rows.append("| " + " | ".join(cells) + " |")
     return ["## Where the time goes", "", TIME_HEADER, *rows, ""] if rows else []
 

@@ -19,9 +19,9 @@ node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time,
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
 the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
 (`draft_quant` and `draft_vocab`: the run's --draft-quant, "auto" resolved to the variant measured fastest with its
-head size, unless the method's name carries a quantization or head lever), `sources` (per source of drafted nodes -- the draft model, ngram, suffix, lookahead
--- the nodes it proposed, the accepted ones credited to it and those it proposed too; engine.StepStats.sources) and
-the environment.
+head size, unless the method's name carries a quantization or head lever), `sources` (per source of drafted nodes --
+the draft model, ngram, suffix, lookahead -- the nodes it proposed, the accepted ones credited to it and those it
+proposed too; engine.StepStats.sources) and the environment.
 
 What a method name means is arborspec/runspec.py, the same for `generate`, the bench and the Python API.
 

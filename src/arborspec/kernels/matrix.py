@@ -10,6 +10,7 @@ SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
 # the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): on an AVX2-only build the 0.5B draft's
 # Q4_0 products ran at ~2x the memory roofline at M = 1 in the file's rows, at ~1.0x in x8 (docs/kernels.md)
 ROWS8_TYPES = (QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
+VNNI_ROWS, AVX2_ROWS = 16, 8  # weight rows a packed group interleaves: x16 (AVX-512 VNNI); x8, q4_K x8 (AVX2)
 
 
 def supported(qtype) -> bool:
@@ -27,8 +28,9 @@ class QuantMatrix:
     lane of a 512-bit register per row); otherwise, with a multiple of 8 rows, Q4_K and (where the build has AVX2) the
     32-blocks into groups of 8 (x8: about half the multiply instructions per row of X for Q4_K, Q4_0 and Q5_0, and
     the 32-blocks' float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
-    table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best (benchmarks: "avx2" on a
-    VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512 build).
+    table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best
+    (benchmarks: "avx2" on a VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512
+    build).
     """
 
     def __init__(self, data: np.ndarray | torch.Tensor, qtype, n: int, k: int, pack: bool = True, kernels=None,
@@ -53,9 +55,10 @@ class QuantMatrix:
     def _layout(self, pack: bool, isa: str) -> int:
         names = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q5_0: "q5_0", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0",
                  QT.IQ4_NL: "iq4_nl"}
-        if pack and isa == "avx512vnni" and self.n % 16 == 0:
+        if pack and isa == "avx512vnni" and self.n % VNNI_ROWS == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows16"]
-        if pack and self.n % 8 == 0 and (self.qtype == QT.Q4_K or (self.qtype in ROWS8_TYPES and isa != "scalar")):
+        rows8 = self.qtype == QT.Q4_K or (self.qtype in ROWS8_TYPES and isa != "scalar")
+        if pack and rows8 and self.n % AVX2_ROWS == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows8"]
         return int(self.qtype)
 

@@ -16,10 +16,9 @@ tokens, so
 
     score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
 
-with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0", "q4_0+vocab32768"); the one with the highest score is
-the default; the whole record (curves,
-agreement, scores, the choice) is cached beside the cost profiles under the pair's key, and `arborspec profile
---pair` prints and plots it.
+with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0",
+"q4_0+vocab32768"); the one with the highest score is the default; the whole record (curves, agreement, scores, the
+choice) is cached beside the cost profiles under the pair's key, and `arborspec profile --pair` prints and plots it.
 """
 from __future__ import annotations
 
@@ -39,9 +38,9 @@ from .gguf_requant import lean_types
 
 MAX_CHAIN = 16
 # Head sizes a native draft is measured with (the types first, at the full head; then the best type with each of
-# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its q4_0 file reads a token: a 32768-row head
-# reads 17 MB and cost ~3 points of top-1 agreement on the reference text (0.865 against 0.89; 2026-11-25, Zen 4),
-# 65536 rows about half of that. Two sizes keep a first run's measurement near a minute; measured, never assumed.
+# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its q4_0 file reads a token: a 65536-row head
+# reads 33 MB at the same top-1 agreement on the reference text (0.884), a 32768-row one 17 MB at 0.849 (Zen 4,
+# 2026-11-26, benchmarks/draft_variants.py). Two sizes keep a first run's measurement near a minute.
 HEAD_SIZES = (65536, 32768)
 
 
@@ -90,7 +89,7 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
     with torch.inference_mode():
         choices = target_choices(target.model, texts)
 
-    def measure(quant: str, vocab: int, prepare) -> dict:
+    def measure(quant: str, vocab: int, prepare) -> tuple[dict, object]:  # (the entry, the prepared draft)
         if progress:
             print(f"[arborspec] measuring the {label(quant, vocab)} draft ...", file=sys.stderr, flush=True)
         start = time.perf_counter()

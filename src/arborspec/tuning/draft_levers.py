@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..core.disk_cache import cache_dir, library_versions, model_fingerprint, sha256_key
+from ..core.sampling import spread
 from .corpus import sharegpt_turns
 from .gguf_requant import requantized
 
@@ -43,10 +44,7 @@ class PrunedHead(nn.Module):
         self.register_buffer("keep", keep, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        small = self.proj(hidden)  # (..., K)
-        out = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)
-        # scatter_, not index_copy_ along the last dim (several times slower over several rows)
-        return out.scatter_(-1, self.keep.expand(*small.shape[:-1], -1), small)  # (..., vocab)
+        return spread(self.proj(hidden), self.keep, self.vocab_size)  # (..., K) -> (..., vocab)
 
 
 def prune_head(model, keep: torch.Tensor):
