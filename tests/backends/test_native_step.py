@@ -273,14 +273,25 @@ def test_a_pruned_head_gives_the_whole_heads_logits_on_its_ids_and_runs_packed(n
     assert draft.lm_head.matrix.qtype.name == "Q4_K"  # packed by every vector build (x8 AVX2, x16 VNNI) ...
     assert pruned.lm_head.matrix.n % 16 == 0 and pruned.lm_head.matrix.packed  # ... once its rows fill the groups
     prompt = list(range(3, 11))
-    full = make_session(draft).forward(prompt, TokenTree.root(prompt[-1]), [0])
-    cut = make_session(pruned).forward(prompt, TokenTree.root(prompt[-1]), [0])
-    assert cut.shape == full.shape == (1, VOCAB)
+    tree = TokenTree.root(prompt[-1])  # three rows: the step spreads each row's logits over the vocabulary
+    tree.add(0, 40)
+    tree.add(0, 41)
+    full = make_session(draft).forward(prompt, tree, [0, 1, 2])
+    cut = make_session(pruned).forward(prompt, tree, [0, 1, 2])
+    assert cut.shape == full.shape == (3, VOCAB)
     # the same products in another layout's kernel (the tiny whole head, 261 rows, is not packed): equal up to the
     # order of the float sums
     assert torch.allclose(cut[:, keep], full[:, keep], rtol=1e-5, atol=1e-4), (cut[:, keep] - full[:, keep]).abs().max()
     others = [i for i in range(VOCAB) if i not in set(keep)]
     assert (cut[:, others] == torch.finfo(cut.dtype).min).all()
+
+
+@pytest.mark.parametrize("ids, message", [([5, 3], "ascending"), ([4, 4], "ascending"), ([0, VOCAB], "inside"),
+                                         ([-1, 2], "inside"), ([], "int64")])
+def test_the_step_refuses_head_ids_out_of_order_or_outside_the_vocabulary(native, ids, message):
+    step = native_step.Step(native("draft").model.forward)
+    with pytest.raises(RuntimeError, match=message):
+        step.cpp.set_head_ids(torch.tensor(ids, dtype=torch.long), VOCAB)
 
 
 def test_a_draft_with_a_pruned_head_keeps_greedy_and_sampled_output_exact(native):

@@ -66,7 +66,6 @@ class Step:
         self.vocab = fast.embed.matrix.n
         self.context = context_window(fast.model)
         self.rotary = fast.rotary
-        self.expand = getattr(fast.head, "expand", None)  # a pruned head's logits -> the whole vocabulary
         self.cpp = getattr(torch.classes, ops).Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
                                                         float(layer0.eps), float(fast.norm.variance_epsilon))
         for index, layer in enumerate(fast.layers):
@@ -77,6 +76,8 @@ class Step:
         self._product(-1, "head", [fast.head])
         self.cpp.set_embedding(fast.embed.matrix.data, int(fast.embed.matrix.qtype), self.vocab)
         self.cpp.set_final_norm(fast.norm.weight)
+        if hasattr(fast.head, "keep"):  # a pruned head (native.PrunedQuantHead): the step spreads its logits
+            self.cpp.set_head_ids(fast.head.keep, fast.head.vocab_size)
 
     def _product(self, index: int, which: str, linears) -> None:
         """QuantLinear modules over one input (native_forward.merge's groups), outputs side by side."""
@@ -105,8 +106,6 @@ class Step:
         logits = self.cpp.forward(long(ids), cos[0].contiguous(), sin[0].contiguous(),
                                   [c.session.keys for c in calls], [c.session.values for c in calls], long(seq),
                                   long(at), long(prefix), long(offsets), long(extra), long(keep))
-        if self.expand is not None and keep:
-            logits = self.expand(logits)  # (kept rows, K) -> (kept rows, vocab)
         return list(logits.split([len(c.keep) for c in calls])) if keep else [logits[:0]] * len(calls)
 
 

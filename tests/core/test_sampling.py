@@ -1,0 +1,31 @@
+"""check_finite (core/sampling.py): every NaN or inf refused, finite logits passed, a pruned head's spread included."""
+import pytest
+import torch
+
+from arborspec.core.sampling import check_finite, spread
+
+
+def pruned_logits(rows=3, vocab=5000, kept=1200) -> torch.Tensor:
+    """A pruned head's logits over the whole vocabulary: the lowest finite logit off its ids (their sum is -inf)."""
+    gen = torch.Generator().manual_seed(0)
+    keep = torch.randperm(vocab, generator=gen)[:kept].sort().values
+    return spread(torch.randn(rows, kept, generator=gen), keep, vocab)
+
+
+@pytest.mark.parametrize("logits", [torch.randn(4, 3000), pruned_logits(), torch.empty(0, 10)],
+                         ids=["dense", "pruned", "empty"])
+def test_finite_logits_pass(logits):
+    assert logits.numel() == 0 or torch.isfinite(logits).all()
+    check_finite(logits, "draft")  # no error
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("base", ["dense", "pruned"])
+def test_any_nan_or_inf_is_refused(bad, base):
+    logits = torch.randn(4, 5000) if base == "dense" else pruned_logits(rows=4)
+    assert base == "dense" or not torch.isfinite(logits.sum())  # the pruned case takes the second test
+    for where in [(0, 0), (2, 4321), (3, 4999)]:
+        spoiled = logits.clone()
+        spoiled[where] = bad
+        with pytest.raises(FloatingPointError, match="draft model produced non-finite logits"):
+            check_finite(spoiled, "draft")
