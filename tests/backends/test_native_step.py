@@ -286,6 +286,26 @@ def test_a_pruned_head_gives_the_whole_heads_logits_on_its_ids_and_runs_packed(n
     assert (cut[:, others] == torch.finfo(cut.dtype).min).all()
 
 
+@pytest.mark.parametrize("pruned", [False, True], ids=["whole head", "pruned head"])
+def test_a_nan_in_the_head_is_refused_as_non_finite_logits(native, pruned):
+    """The step checks the logits itself (the session no longer does): a NaN scale in the head's first row gives
+    token 0 a NaN logit, which must surface as FloatingPointError naming the session's role, never as an argmax."""
+    from arborspec.backends.native import with_pruned_head
+
+    draft = native("draft").model
+    model = with_pruned_head(draft, list(range(0, VOCAB, 3))) if pruned else draft
+    blocks = model.lm_head.matrix.data  # row 0's first block starts with its scale d (fp16), packed or not
+    saved = blocks[0, :2].clone()
+    prompt = list(range(3, 11))
+    try:
+        blocks[0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN
+        with pytest.raises(FloatingPointError, match="the draft model produced non-finite logits"):
+            make_session(model, "draft").forward(prompt, TokenTree.root(prompt[-1]), [0])
+    finally:
+        blocks[0, :2] = saved
+    assert torch.isfinite(make_session(model, "draft").forward(prompt, TokenTree.root(prompt[-1]), [0])).all()
+
+
 @pytest.mark.parametrize("ids, message", [([5, 3], "ascending"), ([4, 4], "ascending"), ([0, VOCAB], "inside"),
                                          ([-1, 2], "inside"), ([], "int64")])
 def test_the_step_refuses_head_ids_out_of_order_or_outside_the_vocabulary(native, ids, message):

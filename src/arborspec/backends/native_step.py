@@ -28,7 +28,6 @@ from types import MethodType
 
 import torch
 
-from ..core.sampling import check_finite
 from ..core.tree import TokenTree
 from . import batching
 from .hf import begin_forward, end_forward
@@ -66,6 +65,7 @@ class Step:
         self.vocab = fast.embed.matrix.n
         self.context = context_window(fast.model)
         self.rotary = fast.rotary
+        self.angles = (torch.empty(0), torch.empty(0))  # cos, sin (positions, head_dim): see `cos_sin`
         self.cpp = getattr(torch.classes, ops).Model(fast.dim, layer0.heads, layer0.kv_heads, layer0.head_dim,
                                                         float(layer0.eps), float(fast.norm.variance_epsilon))
         for index, layer in enumerate(fast.layers):
@@ -102,11 +102,34 @@ class Step:
                 offsets.append(len(extra))
             keep += [start + r for r in call.keep]
         long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-        cos, sin = self.rotary(torch.empty(1, dtype=torch.float32), long(positions)[None])  # (1, n, head_dim)
-        logits = self.cpp.forward(long(ids), cos[0].contiguous(), sin[0].contiguous(),
-                                  [c.session.keys for c in calls], [c.session.values for c in calls], long(seq),
-                                  long(at), long(prefix), long(offsets), long(extra), long(keep))
+        rows = long([ids, positions, seq, at, prefix])  # (5, n): each row a contiguous table
+        cos, sin = self.cos_sin(rows[1], max(positions))
+        try:
+            logits = self.cpp.forward(rows[0], cos, sin, [c.session.keys for c in calls],
+                                      [c.session.values for c in calls], rows[2], rows[3], rows[4], long(offsets),
+                                      long(extra), long(keep))
+        except RuntimeError as err:  # the operator checks the logits where they are still in cache
+            if "non-finite logits" not in str(err):
+                raise
+            raise FloatingPointError(f"the {calls[0].session.role} model produced non-finite logits (NaN or inf); "
+                                     "check the weights and the dtype") from None
+        if len(calls) == 1:
+            return [logits]
         return list(logits.split([len(c.keep) for c in calls])) if keep else [logits[:0]] * len(calls)
+
+    def cos_sin(self, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin (n, head_dim) of `positions` (n,), rows of a table computed once for positions
+        [0, 2^k) as they are first needed: a position's values are then the same bits whatever else the forward holds,
+        and a draft call saves the rotary module's ~50 us (its torch calls run cold after the weights streamed past).
+        A rope that rescales with the sequence length ("dynamic") is computed per call, as transformers does."""
+        if getattr(self.rotary, "rope_type", "default") == "dynamic":
+            cos, sin = self.rotary(torch.empty(1, dtype=torch.float32), positions[None])  # (1, n, head_dim)
+            return cos[0].contiguous(), sin[0].contiguous()
+        if top >= len(self.angles[0]):
+            size = min(max(1024, 2 * len(self.angles[0]), 1 << top.bit_length()), self.context)
+            cos, sin = self.rotary(torch.empty(1, dtype=torch.float32), torch.arange(size)[None])
+            self.angles = (cos[0].contiguous(), sin[0].contiguous())
+        return self.angles[0].index_select(0, positions), self.angles[1].index_select(0, positions)
 
 
 class StepForward(FastForward):
@@ -226,9 +249,7 @@ class NativeSession(TreeRegion):
         call = StepCall(self, list(ids), positions, list(range(start, start + len(ids))), prefix, extra, keep)
         with torch.inference_mode():
             logits = batching.forward(self.model, {"step": call}, self.role)  # (len(keep), vocab)
-        self.forwards += 1
-        if keep:
-            check_finite(logits, self.role)
+        self.forwards += 1  # the step has checked the logits (Step.run: NaN or inf -> FloatingPointError)
         return logits
 
     def _reserve(self, needed: int) -> None:

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -506,6 +507,7 @@ class Model : public torch::CustomClassHolder {
     const int64_t* pk = keep.data_ptr<int64_t>();
     for (int64_t i = 0; i < keep.numel(); ++i) TORCH_CHECK(pk[i] >= 0 && pk[i] < rows.n, "kept row out of range");
     at::Tensor logits = head_(rms_norm(h.index_select(0, keep).contiguous(), final_norm_, final_eps_));
+    TORCH_CHECK(all_finite(logits), "non-finite logits (NaN or inf)");
     return head_ids_.defined() ? spread(logits) : logits;
   }
 
@@ -658,6 +660,21 @@ class Model : public torch::CustomClassHolder {
       for (int64_t j = 0; j < count; ++j) sum += p[h0 * count + j];
       total[h0] = sum;
     }
+  }
+
+  // No logit is NaN or inf (their exponent bits are all ones). Here, while the logits are still in cache: in Python a
+  // sum over the vocabulary took ~50 us a draft call, the weights streaming through having evicted everything
+  // (0.5B draft, Zen 4, 2026-11-26).
+  static bool all_finite(const at::Tensor& y) {
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(y.data_ptr<float>());
+    const int64_t rows = y.size(0), width = y.size(1);
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      uint32_t bad = 0;
+      for (int64_t i = r0 * width; i < r1 * width; ++i) bad |= (~bits[i] & 0x7f800000u) == 0;
+      if (bad) ok = false;
+    });
+    return ok;
   }
 
   // small (k, K + padding) logits of the head's ids -> (k, vocab): each row filled with the lowest finite float, then
