@@ -103,14 +103,18 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
                     agreement=measured.top1, coverage4=measured.cover, score=score, best_chain=depth,
                     prepare_seconds=prep), prepared
 
-    variants, prepared = {}, {}
+    variants, prepared = {}, {}  # prepared: the best quantization so far only (each lean copy holds ~250 MB)
     for quant in available_variants(native):
         try:
-            variants[quant], prepared[quant] = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
+            variants[quant], model = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
         except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
             if quant == "none":
                 raise
             variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
+            continue
+        if best_variant(variants) == quant:
+            prepared = {quant: model}
+        del model
     if not native and "int4" not in variants:
         variants["int4"] = dict(quant="int4", vocab=0, unavailable=TORCHAO_HINT)
     if native:  # the best quantization's file, its head pruned (sharing the lean file already loaded)
