@@ -27,7 +27,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -142,8 +141,9 @@ struct Product {
     return units.back();
   }
 
-  // y (m, width) columns of units [u0, u1) from X quantized (act32 / actk: m rows of each format it takes), plus
-  // the bias, plus y into `residual` (m, width) where given: the columns [c0, c1) it wrote are returned
+  // the columns of units [u0, u1) of y (m, width), from X quantized (act32_rows / actk_rows: its m rows in each
+  // format the product takes), plus the bias; then added into `residual` (m, width) where given. Bias and residual
+  // add to each value exactly as torch's add_ did (one float addition each).
   void run(int64_t u0, int64_t u1, const uint8_t* act32_rows, const uint8_t* actk_rows, int64_t m, float* y,
            float* residual) const {
     const int64_t ld = width();
@@ -206,9 +206,9 @@ void scale_span(const float* x, float inv, const float* w, float* y, int64_t cou
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t m = x.size(0), dim = x.size(1);
   at::Tensor y = at::empty_like(x);
-  const float* px = x.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r)
-    scale_span(px + r * dim, rms_inverse(px + r * dim, dim, eps), w.data_ptr<float>(), y.data_ptr<float>() + r * dim, dim);
+  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) scale_span(px + r * dim, rms_inverse(px + r * dim, dim, eps), pw, py + r * dim, dim);
   return y;
 }
 
@@ -623,16 +623,7 @@ class Model : public torch::CustomClassHolder {
     at::NoGradGuard no_grad;
     const Rows rows = describe(ids, cos, sin, keys, values, seq, at, prefix, offsets, extra);
     at::Tensor h = embed(ids);  // (n, hidden)
-    const char* env = std::getenv("ARB_REGION");
-    if (!env || env[0] != '0') {
-      layers_in_region(h, cos, sin, keys, values, rows);
-    } else {
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& layer = layers_[li];
-      h.add_(layer.o(attention(li, layer.qkv(rms_norm(h, layer.norm1, eps_)), cos, sin, keys, values, rows)));
-      h.add_(layer.down(silu_mul(layer.gate_up(rms_norm(h, layer.norm2, eps_)))));
-    }
-    }
+    layers_in_region(h, cos, sin, keys, values, rows);
     TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1, "keep: int64 (k,)");
     if (keep.numel() == 0) return at::empty({0, 0}, at::kFloat);
     const int64_t* pk = keep.data_ptr<int64_t>();
@@ -782,9 +773,11 @@ class Model : public torch::CustomClassHolder {
     }
   }
 
-  // rotary and the cache writes, then attention, one task per (kv head g, row r) as attention() splits them; the
-  // outputs quantized for o. A thread whose tasks cover whole kv heads (every row of them: KV a multiple of the
-  // threads) reads only keys it wrote itself, and needs no sync in between.
+  // rotary and the cache writes, then attention, one task per (kv head g, row r); the outputs quantized for o.
+  // Tasks run kv head by kv head (t = g n + r), so a thread's rows share its heads' keys and values, read from memory
+  // once and then from its cache (row by row, each of 2 threads read both heads' caches: the 0.5B draft's attention
+  // at n = 4 took ~12% longer, Zen 4). A thread whose tasks cover whole kv heads (every row of them: KV a multiple
+  // of the threads) reads only keys it wrote itself, and needs no sync in between.
   void attend(Team& team, size_t li, Buffers& b, const at::Tensor& cos, const at::Tensor& sin,
               const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, const Rows& rows,
               const Product& o, Scratch& scratch) const {
@@ -892,65 +885,6 @@ class Model : public torch::CustomClassHolder {
     return rows;
   }
 
-  // qkv (n, (H + 2 KV) d) of layer li -> attention output (n, H d); writes the rows' keys and values to the caches.
-  at::Tensor attention(size_t li, at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                       const Rows& rows) const {
-    const int64_t n = rows.n, d = d_, H = heads_, KV = kv_heads_, width = (H + 2 * KV) * d;
-    TORCH_CHECK(qkv.size(1) == width, "q/k/v width ", qkv.size(1), ", expected ", width);
-    qkv = qkv.contiguous();
-    float* pq = qkv.data_ptr<float>();
-    const float *pc = cos.data_ptr<float>(), *psn = sin.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) {  // rotary on q and k, then k and v into the cache
-      float* row = pq + r * width;
-      rotate(row, H + KV, d, pc + r * d, psn + r * d);
-      float* kc = keys[rows.seq[r]].data_ptr<float>();
-      float* vc = values[rows.seq[r]].data_ptr<float>();
-      const int64_t cap = keys[rows.seq[r]].size(2);
-      for (int64_t g = 0; g < KV; ++g) {
-        const int64_t off = ((int64_t)li * KV + g) * cap * d + rows.at[r] * d;
-        std::copy(row + (H + g) * d, row + (H + g + 1) * d, kc + off);
-        std::copy(row + (H + KV + g) * d, row + (H + KV + g + 1) * d, vc + off);
-      }
-    }
-    at::Tensor out = at::empty({n, H * d}, at::kFloat);
-    float* po = out.data_ptr<float>();
-    const float scale = 1.f / std::sqrt((float)d);
-    // one task per row and kv head: its G query heads read each key once (GQA: 6 query heads a kv head in the
-    // 1.5B target, 7 in the 0.5B draft); every score and sum is computed exactly as for one head alone. Tasks run
-    // kv head by kv head (t = g n + r), so a thread's rows share its heads' keys and values, read from memory once
-    // and then from its cache (row by row, each of 2 threads read both heads' caches: the 0.5B draft's attention
-    // at n = 4 took ~12% longer, Zen 4)
-    const int64_t G = H / KV;
-    at::parallel_for(0, n * KV, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> score, inv(G);
-      std::vector<const float*> kp, vp;  // the visible keys and values, in cache order
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = t / n, r = t % n, count = rows.count(r), cap = keys[rows.seq[r]].size(2);
-        const float* kh = keys[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
-        const float* vh = values[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
-        kp.resize(count);
-        vp.resize(count);
-        for (int64_t j = 0; j < rows.prefix[r]; ++j) kp[j] = kh + j * d, vp[j] = vh + j * d;
-        for (int64_t e = rows.offsets[r], j = rows.prefix[r]; e < rows.offsets[r + 1]; ++e, ++j)
-          kp[j] = kh + (int64_t)rows.extra[e] * d, vp[j] = vh + (int64_t)rows.extra[e] * d;
-        const float* q = pq + r * width + g * G * d;  // (G, d): the group's query heads
-        score.resize(G * count);  // (G, count)
-        scores(wide_, q, G, kp.data(), vp.data(), count, d, scale, score.data(), count);
-        for (int64_t h = 0; h < G; ++h) {
-          float* sh = score.data() + h * count;
-          float top = -INFINITY;
-          for (int64_t j = 0; j < count; ++j) top = std::max(top, sh[j]);
-          exp_shifted(sh, -top, sh, count);
-        }
-        totals(score.data(), G, count, inv.data());
-        for (int64_t h = 0; h < G; ++h) inv[h] = 1.f / inv[h];
-        mix(wide_, score.data(), G, count, vp.data(), count, d, inv.data(), po + r * H * d + g * G * d);
-      }
-    });
-    return out;
-  }
-
   // total[h] = p[h, 0] + p[h, 1] + ... in that order (4 heads' sums advancing side by side)
   static void totals(const float* p, int64_t G, int64_t count, float* total) {
     int64_t h0 = 0;
@@ -986,29 +920,6 @@ class Model : public torch::CustomClassHolder {
     return out;
   }
 
-  // gate_up (m, 2 I) -> silu(gate) * up (m, I), rows split over torch's threads
-  static at::Tensor silu_mul(const at::Tensor& gu) {
-    const int64_t m = gu.size(0), inner = gu.size(1) / 2;
-    at::Tensor out = at::empty({m, inner}, at::kFloat);
-    const float* pg = gu.data_ptr<float>();
-    float* po = out.data_ptr<float>();
-    constexpr int64_t kChunk = 1024;  // a chunk of one row: exp of -gate, then the products
-    const int64_t chunks = (inner + kChunk - 1) / kChunk;
-    // a row of the 1.5B target is ~10 us of work here: no thread hand-off (~5-10 us) below 16 chunks
-    at::parallel_for(0, m * chunks, 16, [&](int64_t t0, int64_t t1) {
-      float e[kChunk];
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = t / chunks, i0 = (t % chunks) * kChunk, count = std::min(kChunk, inner - i0);
-        const float* g = pg + r * 2 * inner + i0;
-        const float* u = g + inner;
-        float* o = po + r * inner + i0;
-        for (int64_t i = 0; i < count; ++i) e[i] = -g[i];
-        exp_shifted(e, 0.f, e, count);
-        for (int64_t i = 0; i < count; ++i) o[i] = g[i] / (1.f + e[i]) * u[i];
-      }
-    });
-    return out;
-  }
 };
 
 }  // namespace
