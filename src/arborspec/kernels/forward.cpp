@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gguf_mm.h"
@@ -481,9 +482,19 @@ void mix(bool, const float* p, int64_t G, int64_t stride, const float* const* v,
 // in between; one OpenMP fork / join per product (at::parallel_for) left the second thread spinning idle ~33% of the
 // time and the first waiting at joins ~13% and running the steps between alone ~15% (`perf record`, Zen 4, 2 threads).
 // Here every thread runs the whole layer loop: each product's units split in static contiguous ranges, the steps
-// between split by rows, heads or blocks, and a spin barrier wherever a step needs what another thread wrote.
+// between split by blocks or kv heads, and a spin barrier wherever a step needs what another thread wrote (8 a
+// layer). Against the fork / join loop, in one process, forwards interleaved (Zen 4, 2 threads, fast memory state):
+// the 0.5B draft requantized to Q4_0 with a 65536-token head 4.5-4.7 -> 4.1-4.3 ms at one row (~8%), 6.2-6.6 ->
+// 5.7-6.1 ms at four rows (~7%); the 1.5B target 16.1-16.4 -> 15.3-16.0 ms at one row (~4%). Tried and dropped:
+// a thread done early taking the other's last units one by one from the end (d(1) ~10% slower: a claim per unit and
+// a backward stream), prefetching the first 8-16 KB of the next product's share ahead of the step before it (no
+// change).
 
 // A sense-reversing spin barrier for the threads of one region (reusable at once: a thread's sense flips each wait).
+// A wait spins ~20-40 us, then yields the core at every check: with more threads than free cores (another process
+// busy, or threads > cores) a waiter would otherwise spin while the thread it waits for is off its core; spinning
+// only, 3 threads on 2 cores took 780 ms a draft forward (the fork / join loop 11 ms). A wait here is typically
+// a few microseconds (a product's two halves finishing apart).
 class SpinBarrier {
  public:
   void wait(int threads, bool& sense) {
@@ -493,7 +504,12 @@ class SpinBarrier {
       released_.store(sense, std::memory_order_release);
       return;
     }
-    while (released_.load(std::memory_order_acquire) != sense) {
+    constexpr int kSpins = 1024;
+    for (int spin = 0; released_.load(std::memory_order_acquire) != sense; ++spin) {
+      if (spin >= kSpins) {
+        std::this_thread::yield();
+        continue;
+      }
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
 #endif

@@ -21,7 +21,8 @@
 //        with the target at 0.900 / 0.690 on two text sets (shipped 0.906 / 0.707, Q4_0 0.884 / 0.671), docs/kernels.md.
 //
 // Two implementations of each: AVX2 (256-bit integer multiply-adds) and a portable scalar one, which is also the
-// fallback on CPUs without AVX2. Output columns are split across torch's thread pool.
+// fallback on CPUs without AVX2. Output columns are split across torch's thread pool (linear), or across threads the
+// caller already runs (run_units: the forward step's one parallel region, forward.cpp).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1517,11 +1518,15 @@ void q4k8_tile(bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, 
   q4k8_scalar(job, g0, g1, r0, r1);
 }
 
-// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
-at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
+void check_q4k8(const at::Tensor& packed, int64_t k) {
   TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
+}
+
+// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
+at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
+  check_q4k8(packed, k);
   const int64_t groups = packed.size(0);
   const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kGroup, Q4_K, k, x);
   sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
@@ -1806,17 +1811,10 @@ void quantize_blocks(bool kq, const float* x, int64_t b0, int64_t b1, uint8_t* o
 }
 
 void check_weights(const at::Tensor& w, int64_t layout, int64_t k) {
-  const at::Tensor none = at::empty({0, k}, at::kFloat);
-  if (layout == kQ4KByRows8) {
-    TORCH_CHECK(k > 0 && k % 256 == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                w.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
-  } else if (layout >= kLayout16) {
-    check_x16(w, x16_qtype(layout), k);
-  } else if (layout >= kLayout8) {
-    check_x8(w, x8_qtype(layout), k);
-  } else {
-    check_args(w, layout, k, none);
-  }
+  if (layout == kQ4KByRows8) return check_q4k8(w, k);
+  if (layout >= kLayout16) return check_x16(w, x16_qtype(layout), k);
+  if (layout >= kLayout8) return check_x8(w, x8_qtype(layout), k);
+  check_args(w, layout, k, at::empty({0, k}, at::kFloat));
 }
 
 int64_t output_columns(const at::Tensor& w, int64_t layout) {
