@@ -186,8 +186,8 @@ struct Layer {
   Product qkv, o, gate_up, down;
 };
 
-// 1 / sqrt(mean(x^2) + eps) over one row x (dim,); one compiled copy (noinline), so every caller gets the same bits
-__attribute__((noinline)) float rms_inverse(const float* x, int64_t dim, double eps) {
+// 1 / sqrt(mean(x^2) + eps) over one row x (dim,)
+float rms_inverse(const float* x, int64_t dim, double eps) {
   float lanes[16] = {0};
   int64_t i = 0;
   for (; i + 16 <= dim; i += 16)
@@ -214,7 +214,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // Rotary embedding, halves layout (transformers' Qwen2 / Llama), in place on `heads` vectors of one row.
-__attribute__((noinline)) void rotate(float* v, int64_t heads, int64_t d, const float* cos, const float* sin) {
+void rotate(float* v, int64_t heads, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* x = v + h * d;
