@@ -125,6 +125,26 @@ def test_a_tree_row_has_the_bits_of_its_token_decoded_after_its_path(native, nam
     assert torch.equal(logits, chains), row_errors(logits, chains).max()
 
 
+@pytest.mark.parametrize("name", ["g6", "g7", "mixed"])
+def test_the_logits_do_not_depend_on_the_number_of_threads(native, name):
+    """forward.cpp runs a forward in one parallel region, its steps split between the threads (the other tests run
+    one thread): 2 and 3 threads give the bits of 1. g6 has 2 kv heads (2 threads: each attends with its own heads'
+    keys, no barrier in between; 3: one), g7 one; mixed holds products of several matrices and block formats."""
+    model = native(name).model
+    rng = random.Random(9)
+    context = [rng.randrange(VOCAB) for _ in range(21)]
+    tree = random_tree(rng, context[-1], 9)
+    before, logits = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            logits[threads] = forward_tree(make_session(model), context, tree, prefilled=5, layers=2)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits[2], logits[1]) and torch.equal(logits[3], logits[1])
+    assert (logits[1][1:] - logits[1][0]).abs().amax() > 1.0  # the rows really differ
+
+
 @pytest.mark.parametrize("method", [name for name in POLICIES if name != "ar"])
 def test_every_policy_decodes_greedily_as_plain_decoding_does(native, method):
     """Token for token, with each policy's defaults, on the C++ step (target and draft)."""

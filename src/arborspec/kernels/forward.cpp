@@ -21,12 +21,15 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gguf_mm.h"
@@ -102,6 +105,67 @@ struct Product {
   std::vector<int64_t> layouts;
   int64_t k = 0;
   at::Tensor bias;  // (out,) float32, or undefined
+  // for run(): matrix i's outputs are columns [columns[i], columns[i + 1]), its units [units[i], units[i + 1]),
+  // its weights bytes[i]; which activation formats its matrices take (32-blocks, 256-blocks)
+  std::vector<int64_t> columns{0}, units{0}, bytes;
+  bool act32 = false, actk = false;
+
+  // the checks quant_linear makes, and the tables above; after data, layouts, k and bias are set
+  void prepare() {
+    for (size_t i = 0; i < data.size(); ++i) {
+      arborspec::check_weights(data[i], layouts[i], k);
+      columns.push_back(columns.back() + arborspec::output_columns(data[i], layouts[i]));
+      units.push_back(units.back() + arborspec::column_units(data[i], layouts[i]));
+      bytes.push_back(data[i].numel());
+      (arborspec::k_activations(layouts[i]) ? actk : act32) = true;
+    }
+    TORCH_CHECK(!bias.defined() || bias.numel() == width(), "bias of ", bias.numel(), " for ", width(), " outputs");
+  }
+
+  int64_t width() const { return columns.back(); }
+
+  // the first unit of thread t's share of T: the units split at equal weight bytes, so each thread streams one
+  // contiguous range of the weights (the hardware prefetcher's case; dynamically scheduled chunks of a product made
+  // the 0.5B draft's forward 15-70% slower, Zen 4)
+  int64_t split(int t, int T) const {
+    int64_t total = 0;
+    for (int64_t b : bytes) total += b;
+    const int64_t target = total * t / T;
+    int64_t before = 0;
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (target < before + bytes[i]) {
+        const int64_t count = units[i + 1] - units[i];
+        return units[i] + ((target - before) * count + bytes[i] - 1) / bytes[i];
+      }
+      before += bytes[i];
+    }
+    return units.back();
+  }
+
+  // the columns of units [u0, u1) of y (m, width), from X quantized (act32_rows / actk_rows: its m rows in each
+  // format the product takes), plus the bias; then added into `residual` (m, width) where given. Bias and residual
+  // add to each value exactly as torch's add_ did (one float addition each).
+  void run(int64_t u0, int64_t u1, const uint8_t* act32_rows, const uint8_t* actk_rows, int64_t m, float* y,
+           float* residual) const {
+    const int64_t ld = width();
+    for (size_t i = 0; i < data.size(); ++i) {
+      const int64_t a = std::max(u0, units[i]) - units[i], b = std::min(u1, units[i + 1]) - units[i];
+      if (a >= b) continue;
+      const bool kq = arborspec::k_activations(layouts[i]);
+      arborspec::run_units(data[i], layouts[i], k, kq ? actk_rows : act32_rows, m, y + columns[i], ld, a, b);
+      const int64_t c0 = columns[i] + a * arborspec::kUnitColumns;
+      const int64_t c1 = std::min(columns[i + 1], columns[i] + b * arborspec::kUnitColumns);
+      for (int64_t r = 0; r < m; ++r) {
+        float* yr = y + r * ld;
+        if (bias.defined()) {
+          const float* pb = bias.data_ptr<float>();
+          for (int64_t c = c0; c < c1; ++c) yr[c] += pb[c];
+        }
+        if (residual)
+          for (int64_t c = c0; c < c1; ++c) residual[r * ld + c] += yr[c];
+      }
+    }
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {  // x (m, k) -> (m, out)
     at::Tensor y;
@@ -122,25 +186,30 @@ struct Layer {
   Product qkv, o, gate_up, down;
 };
 
+// 1 / sqrt(mean(x^2) + eps) over one row x (dim,)
+float rms_inverse(const float* x, int64_t dim, double eps) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
+  float sum = 0.f;
+  for (int l = 0; l < 16; ++l) sum += lanes[l];
+  for (; i < dim; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / (float)dim + (float)eps);
+}
+
+// y[j] = x[j] * inv * w[j] for j < count
+void scale_span(const float* x, float inv, const float* w, float* y, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) y[j] = x[j] * inv * w[j];
+}
+
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for each row r of x (m, dim)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t m = x.size(0), dim = x.size(1);
   at::Tensor y = at::empty_like(x);
-  const float* px = x.data_ptr<float>();
-  const float* pw = w.data_ptr<float>();
+  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
   float* py = y.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r) {
-    const float* xr = px + r * dim;
-    float lanes[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= dim; i += 16)
-      for (int l = 0; l < 16; ++l) lanes[l] += xr[i + l] * xr[i + l];
-    float sum = 0.f;
-    for (int l = 0; l < 16; ++l) sum += lanes[l];
-    for (; i < dim; ++i) sum += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(sum / (float)dim + (float)eps);
-    for (int64_t j = 0; j < dim; ++j) py[r * dim + j] = xr[j] * inv * pw[j];
-  }
+  for (int64_t r = 0; r < m; ++r) scale_span(px + r * dim, rms_inverse(px + r * dim, dim, eps), pw, py + r * dim, dim);
   return y;
 }
 
@@ -408,6 +477,78 @@ void mix(bool, const float* p, int64_t G, int64_t stride, const float* const* v,
 }
 #endif
 
+// ---- one parallel region for a whole forward ---------------------------------------------------------------------
+// Why: a forward of the 0.5B draft at one row is ~5 ms of 24 layers x 5 products, attention and a dozen small steps
+// in between; one OpenMP fork / join per product (at::parallel_for) left the second thread spinning idle ~33% of the
+// time and the first waiting at joins ~13% and running the steps between alone ~15% (`perf record`, Zen 4, 2 threads).
+// Here every thread runs the whole layer loop: each product's units split in static contiguous ranges, the steps
+// between split by blocks or kv heads, and a spin barrier wherever a step needs what another thread wrote (8 a
+// layer). Against the fork / join loop, in one process, forwards interleaved (Zen 4, 2 threads, fast memory state):
+// the 0.5B draft requantized to Q4_0 with a 65536-token head 4.5-4.7 -> 4.1-4.3 ms at one row (~8%), 6.2-6.6 ->
+// 5.7-6.1 ms at four rows (~7%); the 1.5B target 16.1-16.4 -> 15.3-16.0 ms at one row (~4%). Tried and dropped:
+// a thread done early taking the other's last units one by one from the end (d(1) ~10% slower: a claim per unit and
+// a backward stream), prefetching the first 8-16 KB of the next product's share ahead of the step before it (no
+// change).
+
+// A sense-reversing spin barrier for the threads of one region (reusable at once: a thread's sense flips each wait).
+// A wait spins ~20-40 us, then yields the core at every check: with more threads than free cores (another process
+// busy, or threads > cores) a waiter would otherwise spin while the thread it waits for is off its core; spinning
+// only, 3 threads on 2 cores took 780 ms a draft forward (the fork / join loop 11 ms). A wait here is typically
+// a few microseconds (a product's two halves finishing apart).
+class SpinBarrier {
+ public:
+  void wait(int threads, bool& sense) {
+    sense = !sense;
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      released_.store(sense, std::memory_order_release);
+      return;
+    }
+    constexpr int kSpins = 1024;
+    for (int spin = 0; released_.load(std::memory_order_acquire) != sense; ++spin) {
+      if (spin >= kSpins) {
+        std::this_thread::yield();
+        continue;
+      }
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<bool> released_{false};
+};
+
+// A thread's place in the region: thread t of T, its share of a range, the barrier.
+struct Team {
+  int t, T;
+  SpinBarrier* barrier;
+  bool sense = false;
+
+  void sync() {
+    if (T > 1) barrier->wait(T, sense);
+  }
+  // [begin, end) of thread t's share of [0, count): at::parallel_for's static split
+  std::pair<int64_t, int64_t> share(int64_t count) const {
+    const int64_t chunk = (count + T - 1) / T, begin = std::min(count, (int64_t)t * chunk);
+    return {begin, std::min(count, begin + chunk)};
+  }
+};
+
+// silu(gate[i]) * up[i] for i < count, through exp_shifted in chunks (every value the same bits wherever it sits)
+void silu_mul_span(const float* gate, const float* up, float* out, int64_t count) {
+  constexpr int64_t kChunk = 1024;
+  float e[kChunk];
+  for (int64_t i0 = 0; i0 < count; i0 += kChunk) {
+    const int64_t c = std::min(kChunk, count - i0);
+    for (int64_t i = 0; i < c; ++i) e[i] = -gate[i0 + i];
+    exp_shifted(e, 0.f, e, c);
+    for (int64_t i = 0; i < c; ++i) out[i0 + i] = gate[i0 + i] / (1.f + e[i]) * up[i0 + i];
+  }
+}
+
 // One forward's rows, as the session described them (all int64 tensors checked by Python first).
 struct Rows {
   int64_t n;
@@ -441,6 +582,7 @@ class Model : public torch::CustomClassHolder {
     for (auto& t : data) TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 2 && t.is_contiguous(), "blocks: uint8 (rows, bytes)");
     Product p{std::move(data), std::move(layouts), k, at::Tensor()};
     if (bias && bias->defined()) p.bias = bias->to(at::kFloat).contiguous();
+    p.prepare();
     if (which == "head") {
       head_ = p;
       return;
@@ -497,11 +639,7 @@ class Model : public torch::CustomClassHolder {
     at::NoGradGuard no_grad;
     const Rows rows = describe(ids, cos, sin, keys, values, seq, at, prefix, offsets, extra);
     at::Tensor h = embed(ids);  // (n, hidden)
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      const Layer& layer = layers_[li];
-      h.add_(layer.o(attention(li, layer.qkv(rms_norm(h, layer.norm1, eps_)), cos, sin, keys, values, rows)));
-      h.add_(layer.down(silu_mul(layer.gate_up(rms_norm(h, layer.norm2, eps_)))));
-    }
+    layers_in_region(h, cos, sin, keys, values, rows);
     TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1, "keep: int64 (k,)");
     if (keep.numel() == 0) return at::empty({0, 0}, at::kFloat);
     const int64_t* pk = keep.data_ptr<int64_t>();
@@ -536,6 +674,183 @@ class Model : public torch::CustomClassHolder {
     at::Tensor h = at::empty({ids.size(0), hidden_}, at::kFloat);
     arborspec::dequantize_rows(embed_, embed_type_, hidden_, ids.data_ptr<int64_t>(), ids.size(0), h.data_ptr<float>());
     return h;
+  }
+
+  // ---- the layer loop in one parallel region (see SpinBarrier's comment for why) ---------------------------------
+
+  // one forward's buffers, allocated before the region: a product's input X (n, k) before quantizing and its
+  // quantized rows in either format, the products' outputs
+  struct Buffers {
+    at::Tensor x, act32, actk, qkv, att, y, gate_up;
+  };
+
+  // a thread's attention scratch: scores (G, count), totals, the visible keys and values
+  struct Scratch {
+    std::vector<float> score, inv;
+    std::vector<const float*> kp, vp;
+  };
+
+  // h (n, hidden) through every layer; the caches get the rows' keys and values
+  void layers_in_region(at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                        const Rows& rows) const {
+    if (layers_.empty()) return;
+    const int64_t n = rows.n, inner = layers_[0].down.k, qkv_width = (heads_ + 2 * kv_heads_) * d_;
+    for (const Layer& l : layers_)  // what the region's steps assume (a product of the wrong shape: an error here)
+      TORCH_CHECK(l.qkv.k == hidden_ && l.qkv.width() == qkv_width && l.o.k == heads_ * d_ && l.o.width() == hidden_ &&
+                  l.gate_up.k == hidden_ && l.gate_up.width() == 2 * inner && l.down.k == inner &&
+                  l.down.width() == hidden_, "a layer's products do not fit the model's shape");
+    const int64_t widest = std::max({hidden_, heads_ * d_, inner});
+    Buffers b;
+    b.x = at::empty({n * widest}, at::kFloat);
+    b.act32 = at::empty({n * arborspec::activation_bytes(false, widest)}, at::kByte);
+    b.actk = at::empty({n * arborspec::activation_bytes(true, widest)}, at::kByte);
+    b.qkv = at::empty({n, qkv_width}, at::kFloat);
+    b.att = at::empty({n, heads_ * d_}, at::kFloat);
+    b.y = at::empty({n, hidden_}, at::kFloat);
+    b.gate_up = at::empty({n, 2 * inner}, at::kFloat);
+    SpinBarrier barrier;
+    const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+    {
+      Team team{omp_get_thread_num(), omp_get_num_threads(), &barrier};
+      layers_thread(team, h.data_ptr<float>(), b, cos, sin, keys, values, rows);
+    }
+  }
+
+  // one thread's part of every layer: a sync wherever the next step reads what another thread wrote
+  void layers_thread(Team& team, float* h, Buffers& b, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                     const Rows& rows) const {
+    Scratch scratch;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& layer = layers_[li];
+      normalize(team, h, layer.norm1, layer.qkv, b, rows.n);
+      team.sync();
+      product(team, layer.qkv, b, b.qkv.data_ptr<float>(), nullptr, rows.n);
+      team.sync();
+      attend(team, li, b, cos, sin, keys, values, rows, layer.o, scratch);
+      team.sync();
+      product(team, layer.o, b, b.y.data_ptr<float>(), h, rows.n);
+      team.sync();
+      normalize(team, h, layer.norm2, layer.gate_up, b, rows.n);
+      team.sync();
+      product(team, layer.gate_up, b, b.gate_up.data_ptr<float>(), nullptr, rows.n);
+      team.sync();
+      silu_quantize(team, layer.down, b, rows.n);
+      team.sync();
+      product(team, layer.down, b, b.y.data_ptr<float>(), h, rows.n);
+      team.sync();
+    }
+  }
+
+  // the values [j0, j1) of row r of X (n, k) quantized in every format product p takes (j0, j1 on its blocks)
+  static void quantize(const Product& p, const float* xr, int64_t k, int64_t j0, int64_t j1, int64_t r, Buffers& b) {
+    if (p.act32)
+      arborspec::quantize_blocks(false, xr, j0 / 32, j1 / 32,
+                                 b.act32.data_ptr<uint8_t>() + r * arborspec::activation_bytes(false, k));
+    if (p.actk)
+      arborspec::quantize_blocks(true, xr, j0 / 256, j1 / 256,
+                                 b.actk.data_ptr<uint8_t>() + r * arborspec::activation_bytes(true, k));
+  }
+
+  // the block size product p's formats share: a thread's share of X is whole blocks of each
+  static int64_t block_of(const Product& p) { return p.actk ? 256 : 32; }
+
+  // rms_norm(h) (n, hidden) into X and quantized for p: each thread a share of the blocks (every thread computes
+  // each row's norm from the whole row, the same bits)
+  void normalize(Team& team, const float* h, const at::Tensor& w, const Product& p, Buffers& b, int64_t n) const {
+    const int64_t unit = block_of(p);
+    const auto [b0, b1] = team.share(hidden_ / unit);
+    const int64_t j0 = b0 * unit, j1 = b1 * unit;
+    float* x = b.x.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      const float* hr = h + r * hidden_;
+      scale_span(hr + j0, rms_inverse(hr, hidden_, eps_), w.data_ptr<float>() + j0, x + r * hidden_ + j0, j1 - j0);
+      quantize(p, x + r * hidden_, hidden_, j0, j1, r, b);
+    }
+  }
+
+  // this thread's units of p (its static share by weight bytes) into y, plus y into residual where given
+  static void product(Team& team, const Product& p, Buffers& b, float* y, float* residual, int64_t n) {
+    p.run(p.split(team.t, team.T), p.split(team.t + 1, team.T), b.act32.data_ptr<uint8_t>(),
+          b.actk.data_ptr<uint8_t>(), n, y, residual);
+  }
+
+  // silu(gate) * up of the gate_up output (n, 2 I) into X (n, I), quantized for down: a share of the blocks each
+  static void silu_quantize(Team& team, const Product& down, Buffers& b, int64_t n) {
+    const int64_t inner = down.k, unit = block_of(down);
+    const auto [b0, b1] = team.share(inner / unit);
+    const int64_t j0 = b0 * unit, j1 = b1 * unit;
+    const float* gu = b.gate_up.data_ptr<float>();
+    float* x = b.x.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      silu_mul_span(gu + r * 2 * inner + j0, gu + r * 2 * inner + inner + j0, x + r * inner + j0, j1 - j0);
+      quantize(down, x + r * inner, inner, j0, j1, r, b);
+    }
+  }
+
+  // rotary and the cache writes, then attention, one task per (kv head g, row r); the outputs quantized for o.
+  // Tasks run kv head by kv head (t = g n + r), so a thread's rows share its heads' keys and values, read from memory
+  // once and then from its cache (row by row, each of 2 threads read both heads' caches: the 0.5B draft's attention
+  // at n = 4 took ~12% longer, Zen 4). A thread whose tasks cover whole kv heads (every row of them: KV a multiple
+  // of the threads) reads only keys it wrote itself, and needs no sync in between.
+  void attend(Team& team, size_t li, Buffers& b, const at::Tensor& cos, const at::Tensor& sin,
+              const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, const Rows& rows,
+              const Product& o, Scratch& scratch) const {
+    const int64_t n = rows.n, d = d_, H = heads_, KV = kv_heads_, G = H / KV, width = (H + 2 * KV) * d;
+    const auto [t0, t1] = team.share(n * KV);
+    float* pq = b.qkv.data_ptr<float>();
+    const float *pc = cos.data_ptr<float>(), *psn = sin.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / n, r = t % n;
+      float* row = pq + r * width;
+      rotate(row + g * G * d, G, d, pc + r * d, psn + r * d);  // the group's query heads
+      rotate(row + (H + g) * d, 1, d, pc + r * d, psn + r * d);  // its key head
+      const int64_t cap = keys[rows.seq[r]].size(2), off = ((int64_t)li * KV + g) * cap * d + rows.at[r] * d;
+      std::copy(row + (H + g) * d, row + (H + g + 1) * d, keys[rows.seq[r]].data_ptr<float>() + off);
+      std::copy(row + (H + KV + g) * d, row + (H + KV + g + 1) * d, values[rows.seq[r]].data_ptr<float>() + off);
+    }
+    if (((n * KV + team.T - 1) / team.T) % n != 0) team.sync();
+    // the outputs of a task are whole blocks of o's formats (G d a multiple of them): quantized by the task's thread
+    const bool whole = (G * d) % block_of(o) == 0;
+    float* out = b.att.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / n, r = t % n;
+      attend_one(li, g, r, pq + r * width + g * G * d, keys, values, rows, scratch, out + r * H * d + g * G * d);
+      if (whole) quantize(o, out + r * H * d, H * d, g * G * d, (g + 1) * G * d, r, b);
+    }
+    if (whole) return;
+    team.sync();
+    const int64_t unit = block_of(o);
+    const auto [b0, b1] = team.share(H * d / unit);
+    for (int64_t r = 0; r < n; ++r) quantize(o, out + r * H * d, H * d, b0 * unit, b1 * unit, r, b);
+  }
+
+  // one (kv head g, row r) task: q (G, d) the group's rotated query heads -> out (G, d)
+  void attend_one(size_t li, int64_t g, int64_t r, const float* q, const std::vector<at::Tensor>& keys,
+                  const std::vector<at::Tensor>& values, const Rows& rows, Scratch& s, float* out) const {
+    const int64_t d = d_, KV = kv_heads_, G = heads_ / KV, count = rows.count(r), cap = keys[rows.seq[r]].size(2);
+    const float* kh = keys[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
+    const float* vh = values[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
+    s.kp.resize(count);
+    s.vp.resize(count);
+    for (int64_t j = 0; j < rows.prefix[r]; ++j) s.kp[j] = kh + j * d, s.vp[j] = vh + j * d;
+    for (int64_t e = rows.offsets[r], j = rows.prefix[r]; e < rows.offsets[r + 1]; ++e, ++j)
+      s.kp[j] = kh + (int64_t)rows.extra[e] * d, s.vp[j] = vh + (int64_t)rows.extra[e] * d;
+    s.score.resize(G * count);  // (G, count)
+    s.inv.resize(G);
+    const float scale = 1.f / std::sqrt((float)d);
+    scores(wide_, q, G, s.kp.data(), s.vp.data(), count, d, scale, s.score.data(), count);
+    for (int64_t h = 0; h < G; ++h) {
+      float* sh = s.score.data() + h * count;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < count; ++j) top = std::max(top, sh[j]);
+      exp_shifted(sh, -top, sh, count);
+    }
+    totals(s.score.data(), G, count, s.inv.data());
+    for (int64_t h = 0; h < G; ++h) s.inv[h] = 1.f / s.inv[h];
+    mix(wide_, s.score.data(), G, count, s.vp.data(), count, d, s.inv.data(), out);
   }
 
   // Every argument checked (indices within their caches); the visible entries of each row listed once, for all
@@ -585,65 +900,6 @@ class Model : public torch::CustomClassHolder {
     // which entries a row may see (its own and its ancestors', never a later row's) is the session's rule, checked
     // there; here every index only has to lie inside its cache
     return rows;
-  }
-
-  // qkv (n, (H + 2 KV) d) of layer li -> attention output (n, H d); writes the rows' keys and values to the caches.
-  at::Tensor attention(size_t li, at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                       const Rows& rows) const {
-    const int64_t n = rows.n, d = d_, H = heads_, KV = kv_heads_, width = (H + 2 * KV) * d;
-    TORCH_CHECK(qkv.size(1) == width, "q/k/v width ", qkv.size(1), ", expected ", width);
-    qkv = qkv.contiguous();
-    float* pq = qkv.data_ptr<float>();
-    const float *pc = cos.data_ptr<float>(), *psn = sin.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) {  // rotary on q and k, then k and v into the cache
-      float* row = pq + r * width;
-      rotate(row, H + KV, d, pc + r * d, psn + r * d);
-      float* kc = keys[rows.seq[r]].data_ptr<float>();
-      float* vc = values[rows.seq[r]].data_ptr<float>();
-      const int64_t cap = keys[rows.seq[r]].size(2);
-      for (int64_t g = 0; g < KV; ++g) {
-        const int64_t off = ((int64_t)li * KV + g) * cap * d + rows.at[r] * d;
-        std::copy(row + (H + g) * d, row + (H + g + 1) * d, kc + off);
-        std::copy(row + (H + KV + g) * d, row + (H + KV + g + 1) * d, vc + off);
-      }
-    }
-    at::Tensor out = at::empty({n, H * d}, at::kFloat);
-    float* po = out.data_ptr<float>();
-    const float scale = 1.f / std::sqrt((float)d);
-    // one task per row and kv head: its G query heads read each key once (GQA: 6 query heads a kv head in the
-    // 1.5B target, 7 in the 0.5B draft); every score and sum is computed exactly as for one head alone. Tasks run
-    // kv head by kv head (t = g n + r), so a thread's rows share its heads' keys and values, read from memory once
-    // and then from its cache (row by row, each of 2 threads read both heads' caches: the 0.5B draft's attention
-    // at n = 4 took ~12% longer, Zen 4)
-    const int64_t G = H / KV;
-    at::parallel_for(0, n * KV, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> score, inv(G);
-      std::vector<const float*> kp, vp;  // the visible keys and values, in cache order
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t g = t / n, r = t % n, count = rows.count(r), cap = keys[rows.seq[r]].size(2);
-        const float* kh = keys[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
-        const float* vh = values[rows.seq[r]].data_ptr<float>() + ((int64_t)li * KV + g) * cap * d;
-        kp.resize(count);
-        vp.resize(count);
-        for (int64_t j = 0; j < rows.prefix[r]; ++j) kp[j] = kh + j * d, vp[j] = vh + j * d;
-        for (int64_t e = rows.offsets[r], j = rows.prefix[r]; e < rows.offsets[r + 1]; ++e, ++j)
-          kp[j] = kh + (int64_t)rows.extra[e] * d, vp[j] = vh + (int64_t)rows.extra[e] * d;
-        const float* q = pq + r * width + g * G * d;  // (G, d): the group's query heads
-        score.resize(G * count);  // (G, count)
-        scores(wide_, q, G, kp.data(), vp.data(), count, d, scale, score.data(), count);
-        for (int64_t h = 0; h < G; ++h) {
-          float* sh = score.data() + h * count;
-          float top = -INFINITY;
-          for (int64_t j = 0; j < count; ++j) top = std::max(top, sh[j]);
-          exp_shifted(sh, -top, sh, count);
-        }
-        totals(score.data(), G, count, inv.data());
-        for (int64_t h = 0; h < G; ++h) inv[h] = 1.f / inv[h];
-        mix(wide_, score.data(), G, count, vp.data(), count, d, inv.data(), po + r * H * d + g * G * d);
-      }
-    });
-    return out;
   }
 
   // total[h] = p[h, 0] + p[h, 1] + ... in that order (4 heads' sums advancing side by side)
@@ -696,29 +952,6 @@ class Model : public torch::CustomClassHolder {
     return out;
   }
 
-  // gate_up (m, 2 I) -> silu(gate) * up (m, I), rows split over torch's threads
-  static at::Tensor silu_mul(const at::Tensor& gu) {
-    const int64_t m = gu.size(0), inner = gu.size(1) / 2;
-    at::Tensor out = at::empty({m, inner}, at::kFloat);
-    const float* pg = gu.data_ptr<float>();
-    float* po = out.data_ptr<float>();
-    constexpr int64_t kChunk = 1024;  // a chunk of one row: exp of -gate, then the products
-    const int64_t chunks = (inner + kChunk - 1) / kChunk;
-    // a row of the 1.5B target is ~10 us of work here: no thread hand-off (~5-10 us) below 16 chunks
-    at::parallel_for(0, m * chunks, 16, [&](int64_t t0, int64_t t1) {
-      float e[kChunk];
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = t / chunks, i0 = (t % chunks) * kChunk, count = std::min(kChunk, inner - i0);
-        const float* g = pg + r * 2 * inner + i0;
-        const float* u = g + inner;
-        float* o = po + r * inner + i0;
-        for (int64_t i = 0; i < count; ++i) e[i] = -g[i];
-        exp_shifted(e, 0.f, e, count);
-        for (int64_t i = 0; i < count; ++i) o[i] = g[i] / (1.f + e[i]) * u[i];
-      }
-    });
-    return out;
-  }
 };
 
 }  // namespace

@@ -21,7 +21,8 @@
 //        with the target at 0.900 / 0.690 on two text sets (shipped 0.906 / 0.707, Q4_0 0.884 / 0.671), docs/kernels.md.
 //
 // Two implementations of each: AVX2 (256-bit integer multiply-adds) and a portable scalar one, which is also the
-// fallback on CPUs without AVX2. Output columns are split across torch's thread pool.
+// fallback on CPUs without AVX2. Output columns are split across torch's thread pool (linear), or across threads the
+// caller already runs (run_units: the forward step's one parallel region, forward.cpp).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -1395,18 +1396,20 @@ Product start_product(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t qt
   return p;
 }
 
+// the file layout's sweeps [s0, s1) of kColumns columns (n in all), every tile of kTile rows of X (m in all)
+void file_sweeps(int64_t qtype, bool scalar, const Job& job, int64_t n, int64_t m, int64_t s0, int64_t s1) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t c0 = s * kColumns, c1 = std::min(n, c0 + kColumns);
+    for (int64_t r0 = 0; r0 < m; r0 += kTile) run_tile(qtype, scalar, job, c0, c1, r0, std::min(m, r0 + kTile));
+  }
+}
+
 at::Tensor matmul(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_args(w, qtype, k, x);
   const int64_t m = x.size(0), n = w.size(0);
   const Product p = start_product(w.data_ptr<uint8_t>(), w.size(1), n, qtype, k, x);
-  const Job& job = p.job;
   const int64_t sweeps = (n + kColumns - 1) / kColumns;
-  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t c0 = s * kColumns, c1 = std::min(n, c0 + kColumns);
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) run_tile(qtype, scalar, job, c0, c1, r0, std::min(m, r0 + kTile));
-    }
-  });
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) { file_sweeps(qtype, scalar, p.job, n, m, s0, s1); });
   return p.y;
 }
 
@@ -1449,15 +1452,20 @@ at::Tensor unpack_groups(const at::Tensor& packed, int64_t rows, int64_t blocks,
 
 // The 8-row layouts' product loop (q4_K x8, x8): the groups in sweeps of kColumns columns, whose weights stay in L2
 // while every tile of kTile rows of X passes over them; `run(g0, g1, r0, r1)` computes one sweep x tile.
+constexpr int64_t kPerSweep8 = kColumns / 8;  // groups of 8 rows of W a sweep
+
+template <typename Run>
+void sweeps8(int64_t groups, int64_t m, int64_t s0, int64_t s1, Run run) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t g0 = s * kPerSweep8, g1 = std::min(groups, g0 + kPerSweep8);
+    for (int64_t r0 = 0; r0 < m; r0 += kTile) run(g0, g1, r0, std::min(m, r0 + kTile));
+  }
+}
+
 template <typename Run>
 void sweep_groups8(int64_t groups, int64_t m, Run run) {
-  const int64_t per_sweep = kColumns / 8, sweeps = (groups + per_sweep - 1) / per_sweep;
-  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t g0 = s * per_sweep, g1 = std::min(groups, g0 + per_sweep);
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) run(g0, g1, r0, std::min(m, r0 + kTile));
-    }
-  });
+  const int64_t sweeps = (groups + kPerSweep8 - 1) / kPerSweep8;
+  at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) { sweeps8(groups, m, s0, s1, run); });
 }
 
 // W (n, row_bytes) Q4_K, n a multiple of 8 -> (n / 8, blocks x kGroupBytes): groups of 8 columns interleaved.
@@ -1502,18 +1510,27 @@ at::Tensor unpack_q4k8(const at::Tensor& packed, int64_t k) {
   return unpack_groups(packed, kGroup, k / 256, kGroupBytes, k / 256 * 144, unpack_q4k_group);
 }
 
-// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
-at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
+void q4k8_tile(bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+#ifdef ARB_AVX2
+  if (!scalar) return q4k8_avx2(job, g0, g1, r0, r1);
+#endif
+  (void)scalar;
+  q4k8_scalar(job, g0, g1, r0, r1);
+}
+
+void check_q4k8(const at::Tensor& packed, int64_t k) {
   TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               packed.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
+}
+
+// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
+at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
+  check_q4k8(packed, k);
   const int64_t groups = packed.size(0);
   const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kGroup, Q4_K, k, x);
   sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-#ifdef ARB_AVX2
-    if (!scalar) return q4k8_avx2(p.job, g0, g1, r0, r1);
-#endif
-    q4k8_scalar(p.job, g0, g1, r0, r1);
+    q4k8_tile(scalar, p.job, g0, g1, r0, r1);
   });
   return p.y;
 }
@@ -1549,16 +1566,21 @@ at::Tensor unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
                        });
 }
 
+void x8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+#ifdef ARB_AVX2
+  if (!scalar) return x8_avx2(qtype, job, g0, g1, r0, r1);
+#endif
+  (void)scalar;
+  x8_scalar(qtype, job, g0, g1, r0, r1);
+}
+
 // Y (m, 8 x groups) from x8 groups and X (m, k): the AVX2 kernel where the build has it, else the scalar one.
 at::Tensor matmul_x8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_x8(packed, qtype, k);
   const int64_t groups = packed.size(0);
   const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows8, qtype, k, x);
   sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-#ifdef ARB_AVX2
-    if (!scalar) return x8_avx2(qtype, p.job, g0, g1, r0, r1);
-#endif
-    x8_scalar(qtype, p.job, g0, g1, r0, r1);
+    x8_tile(qtype, scalar, p.job, g0, g1, r0, r1);
   });
   return p.y;
 }
@@ -1597,23 +1619,26 @@ at::Tensor unpack_x16(const at::Tensor& packed, int64_t qtype, int64_t k) {
                        });
 }
 
+// groups [g0, g1) of an x16 matrix, all m rows of X
+void x16_groups(int64_t qtype, bool scalar, const Job& job, int64_t m, int64_t g0, int64_t g1) {
+  (void)scalar;
+  for (int64_t g = g0; g < g1; ++g) {
+#ifdef ARB_VNNI
+    if (!scalar) {
+      x16_vnni(qtype, job, g, 0, m);
+      continue;
+    }
+#endif
+    for (int64_t r0 = 0; r0 < m; r0 += kTile) x16_scalar(qtype, job, g, r0, std::min(m, r0 + kTile));
+  }
+}
+
 // Y (m, 16 x groups) from x16 groups and X (m, k): the VNNI kernels where the build has them, else the scalar ones.
 at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
   check_x16(packed, qtype, k);
   const int64_t m = x.size(0), groups = packed.size(0);
   const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows16, qtype, k, x);
-  const Job& job = p.job;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-#ifdef ARB_VNNI
-      if (!scalar) {
-        x16_vnni(qtype, job, g, 0, m);
-        continue;
-      }
-#endif
-      for (int64_t r0 = 0; r0 < m; r0 += kTile) x16_scalar(qtype, job, g, r0, std::min(m, r0 + kTile));
-    }
-  });
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { x16_groups(qtype, scalar, p.job, m, g0, g1); });
   return p.y;
 }
 
@@ -1755,6 +1780,73 @@ namespace arborspec {
 
 at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x) {
   return linear(w, layout, k, x, false);
+}
+
+// ---- one product's output columns in units, for threads that already run (forward.cpp) ------------------------
+
+namespace {
+int64_t layout_qtype(int64_t layout) {
+  if (layout == kQ4KByRows8) return Q4_K;
+  if (layout >= kLayout16) return x16_qtype(layout);
+  if (layout >= kLayout8) return x8_qtype(layout);
+  return layout;
+}
+}  // namespace
+
+bool k_activations(int64_t layout) { return k_quant(layout_qtype(layout)); }
+
+int64_t activation_block(bool kq) { return kq ? 256 : 32; }
+
+int64_t activation_bytes(bool kq, int64_t k) {
+  return k / activation_block(kq) * (int64_t)(kq ? sizeof(ActK) : sizeof(Act32));
+}
+
+void quantize_blocks(bool kq, const float* x, int64_t b0, int64_t b1, uint8_t* out) {
+  for (int64_t b = b0; b < b1; ++b) {
+    if (kq)
+      quantize_k(x + b * 256, reinterpret_cast<ActK*>(out) + b);
+    else
+      quantize_32(x + b * 32, reinterpret_cast<Act32*>(out) + b);
+  }
+}
+
+void check_weights(const at::Tensor& w, int64_t layout, int64_t k) {
+  if (layout == kQ4KByRows8) return check_q4k8(w, k);
+  if (layout >= kLayout16) return check_x16(w, x16_qtype(layout), k);
+  if (layout >= kLayout8) return check_x8(w, x8_qtype(layout), k);
+  check_args(w, layout, k, at::empty({0, k}, at::kFloat));
+}
+
+int64_t output_columns(const at::Tensor& w, int64_t layout) {
+  if (layout == kQ4KByRows8 || (layout >= kLayout8 && layout < kLayout16)) return w.size(0) * 8;
+  if (layout >= kLayout16) return w.size(0) * kRows16;
+  return w.size(0);
+}
+
+int64_t column_units(const at::Tensor& w, int64_t layout) {
+  return (output_columns(w, layout) + kUnitColumns - 1) / kUnitColumns;
+}
+
+// units are kColumns (16) columns: a file-layout sweep, an 8-row layout's sweep of two groups, an x16 group; each
+// unit runs through the very calls linear() makes for it (the same tiles of rows), so its values are the same bits
+void run_units(const at::Tensor& w, int64_t layout, int64_t k, const uint8_t* act, int64_t m, float* y, int64_t ldy,
+               int64_t u0, int64_t u1) {
+  static_assert(kUnitColumns == kColumns && kColumns == kRows16 && kPerSweep8 * 8 == kColumns, "unit of 16 columns");
+  const int64_t qtype = layout_qtype(layout);
+  const Job job{w.data_ptr<uint8_t>(), w.size(1), act, k / file_block(qtype), y, ldy};
+  if (layout == kQ4KByRows8) {
+    sweeps8(w.size(0), m, u0, u1, [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+      q4k8_tile(false, job, g0, g1, r0, r1);
+    });
+  } else if (layout >= kLayout16) {
+    x16_groups(qtype, false, job, m, u0, u1);
+  } else if (layout >= kLayout8) {
+    sweeps8(w.size(0), m, u0, u1, [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+      x8_tile(qtype, false, job, g0, g1, r0, r1);
+    });
+  } else {
+    file_sweeps(qtype, false, job, w.size(0), m, u0, u1);
+  }
 }
 
 void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_t* ids, int64_t count, float* out) {

@@ -35,6 +35,27 @@ enum Layout : int64_t {
 // y (m, n) float32 = x (m, k) float32 · Wᵀ, W (n, k) held as `w` in `layout`: the best path this build runs.
 at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x);
 
+// ---- one product split over threads that already run (forward.cpp runs a whole forward in one parallel region,
+// where at::parallel_for would run on one thread). The caller quantizes X once per block format and splits the
+// output columns in units of kUnitColumns; every unit runs the same kernel calls as quant_linear, so an output value
+// is the same bits whichever thread computes it and however the units are split.
+constexpr int64_t kUnitColumns = 16;
+
+// whether a layout's kernels take X in 256-value blocks (the K-quants) rather than 32-value ones
+bool k_activations(int64_t layout);
+int64_t activation_block(bool kq);  // 256 or 32 values
+int64_t activation_bytes(bool kq, int64_t k);  // one row of X (k values), quantized
+// blocks [b0, b1) of one row of X: x its first value, out its first quantized byte
+void quantize_blocks(bool kq, const float* x, int64_t b0, int64_t b1, uint8_t* out);
+// the checks quant_linear makes on a matrix (a one-line error), before any run_units
+void check_weights(const at::Tensor& w, int64_t layout, int64_t k);
+int64_t output_columns(const at::Tensor& w, int64_t layout);
+int64_t column_units(const at::Tensor& w, int64_t layout);
+// y[r * ldy + c] for every row r < m of X and the columns c of units [u0, u1); `act` holds the m rows of X quantized
+// for this layout's block format (activation_bytes apart)
+void run_units(const at::Tensor& w, int64_t layout, int64_t k, const uint8_t* act, int64_t m, float* y, int64_t ldy,
+               int64_t u0, int64_t u1);
+
 // Rows `ids` of a matrix in a file row layout (an embedding table), dequantized: out (len(ids), k) float32.
 void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_t* ids, int64_t count, float* out);
 
