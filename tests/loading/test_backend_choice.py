@@ -147,12 +147,15 @@ def test_a_cached_choice_takes_the_winners_figures_measured_again(tmp_path, monk
 
 def test_live_forwards_replace_a_cached_curve_only_when_it_is_too_slow(monkeypatch):
     """Load only ever slows a forward: a cached curve 3x slower than live forwards was taken on a busy machine and is
-    measured again; live forwards 3x slower than the cache mean the machine is busy now, and the cache stands."""
+    measured again, and so is one whose t(4) grows from t(1) far faster than the live pair's (the load fell on its
+    larger trees); live forwards 3x slower than the cache mean the machine is busy now, and the cache stands."""
     from types import SimpleNamespace
 
     from arborspec.tuning import costs
     model, cached = SimpleNamespace(config=SimpleNamespace()), curve(0.030, 0.060)
-    for live, agrees in (((0.010, 0.020), False), ((0.090, 0.180), True), ((0.035, 0.050), True)):
+    for live, agrees in (((0.010, 0.020), False), ((0.090, 0.180), True), ((0.035, 0.065), True),
+                         ((0.030, 0.036), False),  # t(1) right, but t(4) = 2 t(1) cached against 1.2 t(1) live
+                         ((0.028, 0.045), True)):  # cached t(4)/t(1) 2.0 against 1.6 live: within LIVE_SHAPE
         key = {"name": f"m{live}"}
         assert costs.live_agrees(model, cached, key, measure=lambda *a, live=live, **k: list(live)) == agrees
         assert costs.live_agrees(model, cached, key, measure=lambda *a, **k: [1e-4, 1e-4])  # once per process

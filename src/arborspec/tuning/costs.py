@@ -148,6 +148,11 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
 LIVE_SIZES = (1, 4)  # the live check's forwards: one plain step and a small tree
 LIVE_RATIO = 2.0  # a cached t(n) off by more than this factor from the live one is measured again
 LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny model, never a stale profile
+# a cached t(4)/t(1) more than this factor above the live one is measured again: the live pair of sizes runs within a
+# second, so its ratio is this machine's own, whatever state its memory is in (a first profile on a busy host kept
+# t(4) = 1.96 t(1) for the 1.5B target against ~1.2 live, t(1) right: auto then judged that no tree could pay and
+# never drafted, so no live step ever corrected it; Zen 4, 2026-11-26)
+LIVE_SHAPE = 1.3
 _checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
 
 
@@ -180,6 +185,19 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
             _note(f"{label} runs slower than its cached cost (t({n}) {seconds * 1e3:.1f} ms now, {cached * 1e3:.1f} "
                   "ms cached): the machine is busy; keeping the cached figure", progress)
             return True
+    return shape_agrees(curve, live, label, progress)
+
+
+def shape_agrees(curve: CostCurve, live: list[float], label: str, progress: bool = False) -> bool:
+    """Whether the cached curve's growth from one row to the largest of `LIVE_SIZES` is not `LIVE_SHAPE` times the
+    live one's (load inflated the cached larger tree)."""
+    n = LIVE_SIZES[-1]
+    cached_ratio, live_ratio = float(curve(n)) / float(curve(1)), live[-1] / live[0]
+    excess = float(curve(n)) - live[-1] * float(curve(1)) / live[0]  # seconds the cached t(n) has too many
+    if cached_ratio > LIVE_SHAPE * live_ratio and excess > LIVE_FLOOR:
+        _note(f"the cached cost of {label} grows too fast (t({n})/t(1) {cached_ratio:.2f} cached, {live_ratio:.2f} "
+              "now): measuring it again", progress)
+        return False
     return True
 
 
