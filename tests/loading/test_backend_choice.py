@@ -155,7 +155,8 @@ def test_live_forwards_replace_a_cached_curve_only_when_it_is_too_slow(monkeypat
     model, cached = SimpleNamespace(config=SimpleNamespace()), curve(0.030, 0.060)
     for live, agrees in (((0.010, 0.020), False), ((0.090, 0.180), True), ((0.035, 0.065), True),
                          ((0.030, 0.036), False),  # t(1) right, but t(4) = 2 t(1) cached against 1.2 t(1) live
-                         ((0.028, 0.045), True)):  # cached t(4)/t(1) 2.0 against 1.6 live: within LIVE_SHAPE
+                         ((0.028, 0.045), True),  # cached t(4)/t(1) 2.0 against 1.6 live: within LIVE_SHAPE
+                         ((0.045, 0.036), True)):  # a stalled live t(1) says nothing of the curve's growth
         key = {"name": f"m{live}"}
         assert costs.live_agrees(model, cached, key, measure=lambda *a, live=live, **k: list(live)) == agrees
         assert costs.live_agrees(model, cached, key, measure=lambda *a, **k: [1e-4, 1e-4])  # once per process
