@@ -99,10 +99,21 @@ def test_calls_of_several_sequences_as_one_forward_equal_each_call_alone(native,
     assert not torch.equal(got[0][0, -1], got[2][0, -1])  # the sequences really differ
 
 
-def test_a_rounds_sessions_share_forwards_drafts_first(native, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rounds_sessions_share_forwards_drafts_first(native, monkeypatch, threads):
     """Two requests in a round, each with a target and a draft session: request 0 drafts two layers, request 1 one.
     The targets' prefills share a forward, the drafts' prefills and first layers share one each, and the targets'
-    trees wait for request 0's second layer and share one forward; every session's logits are its logits alone."""
+    trees wait for request 0's second layer and share one forward; every session's logits are its logits alone. On 2
+    threads too: the step's parallel region splits attention by kv head over every sequence's rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_round_shares_forwards(native, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_round_shares_forwards(native, monkeypatch):
     target, draft = native("q4_k").model, native("draft").model
     sizes = {}
     for name, model in (("target", target), ("draft", draft)):
