@@ -126,7 +126,7 @@ struct Product {
 
   // the first unit of thread t's share of T: the units split at equal weight bytes, so each thread streams one
   // contiguous range of the weights (the hardware prefetcher's case; dynamically scheduled chunks of a product made
-  // the 0.5B draft's forward 15-70% slower, Zen 4)
+  // the 0.5B draft's forward 13-72% slower, Zen 4)
   int64_t split(int t, int T) const {
     int64_t total = 0;
     for (int64_t b : bytes) total += b;

@@ -1367,17 +1367,10 @@ void check_args(const at::Tensor& w, int64_t qtype, int64_t k, const at::Tensor&
 at::Tensor quantize_rows(const at::Tensor& x, int64_t qtype) {
   const int64_t m = x.size(0), k = x.size(1);
   const bool kq = k_quant(qtype);
-  const int64_t block = kq ? 256 : 32, blocks = k / block;
-  const int64_t rec = kq ? sizeof(ActK) : sizeof(Act32);
-  at::Tensor out = at::empty({m * blocks * rec}, x.options().dtype(at::kByte));
-  const float* px = x.data_ptr<float>();
-  uint8_t* po = out.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < m * blocks; ++i) {
-    if (kq)
-      quantize_k(px + i * block, reinterpret_cast<ActK*>(po) + i);
-    else
-      quantize_32(px + i * block, reinterpret_cast<Act32*>(po) + i);
-  }
+  at::Tensor out = at::empty({m * arborspec::activation_bytes(kq, k)}, x.options().dtype(at::kByte));
+  // the rows are contiguous: all m rows' blocks as one run of blocks
+  arborspec::quantize_blocks(kq, x.data_ptr<float>(), 0, m * k / arborspec::activation_block(kq),
+                             out.data_ptr<uint8_t>());
   return out;
 }
 
