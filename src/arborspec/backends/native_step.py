@@ -28,6 +28,7 @@ from types import MethodType
 
 import torch
 
+from ..core.sampling import non_finite
 from ..core.tree import TokenTree
 from . import batching
 from .hf import begin_forward, end_forward
@@ -111,8 +112,7 @@ class Step:
         except RuntimeError as err:  # the operator checks the logits where they are still in cache
             if "non-finite logits" not in str(err):
                 raise
-            raise FloatingPointError(f"the {calls[0].session.role} model produced non-finite logits (NaN or inf); "
-                                     "check the weights and the dtype") from None
+            raise non_finite(calls[0].session.role) from None
         if len(calls) == 1:
             return [logits]
         return list(logits.split([len(c.keep) for c in calls])) if keep else [logits[:0]] * len(calls)

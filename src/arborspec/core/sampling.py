@@ -50,9 +50,14 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
         return
     low, high = torch.aminmax(logits)
     if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-        raise FloatingPointError(
-            f"the {who} model produced non-finite logits (NaN or inf); check the weights and the dtype"
-        )
+        raise non_finite(who)
+
+
+def non_finite(who: str) -> FloatingPointError:
+    """The error for NaN/inf logits of the `who` model (check_finite's, and the native step's own check's)."""
+    return FloatingPointError(
+        f"the {who} model produced non-finite logits (NaN or inf); check the weights and the dtype"
+    )
 
 
 def spread(small: torch.Tensor, keep: torch.Tensor, vocab: int) -> torch.Tensor:
