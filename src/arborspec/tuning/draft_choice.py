@@ -103,25 +103,25 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
                     agreement=measured.top1, coverage4=measured.cover, score=score, best_chain=depth,
                     prepare_seconds=prep), prepared
 
-    variants, prepared = {}, {}  # prepared: the best quantization so far only (each lean copy holds ~250 MB)
+    variants, best_prepared = {}, None  # the best quantization so far, prepared (each lean copy holds ~250 MB)
     for quant in available_variants(native):
         try:
-            variants[quant], model = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
+            variants[quant], prepared = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
         except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
             if quant == "none":
                 raise
             variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
             continue
         if best_variant(variants) == quant:
-            prepared = {quant: model}
-        del model
+            best_prepared = prepared
+        del prepared
     if not native and "int4" not in variants:
         variants["int4"] = dict(quant="int4", vocab=0, unavailable=TORCHAO_HINT)
     if native:  # the best quantization's file, its head pruned (sharing the lean file already loaded)
         best = best_variant(variants)
         for vocab in head_sizes(draft):
             variants[label(best, vocab)], _ = measure(
-                best, vocab, lambda: prune_native_draft(prepared[best], vocab, progress=progress))
+                best, vocab, lambda: prune_native_draft(best_prepared, vocab, progress=progress))
     return dict(choice=best_variant(variants), variants=variants, target_sizes=list(t_curve.sizes),
                 target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
 
