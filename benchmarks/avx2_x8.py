@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType as QT
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.blocks: random GGUF blocks
 
 from arborspec.kernels import QuantMatrix, matrix as matrix_module  # noqa: E402
-from arborspec.kernels.build import HERE, SOURCES, Kernels, build_dir  # noqa: E402
+from arborspec.kernels.build import HERE, Kernels, build_dir, compile_extension  # noqa: E402
 from tests.kernels.blocks import random_blocks  # noqa: E402
 
 NAMESPACE = "arborspec_kernels_avx2"
@@ -45,13 +45,8 @@ SHAPES = [(896, 896, 24), (128, 896, 24), (4864, 896, 24), (896, 4864, 24), (151
 @functools.cache
 def avx2_library() -> Kernels:
     """The kernels compiled for an AVX2-only CPU (no AVX-512 instructions, 16 vector registers)."""
-    from torch.utils import cpp_extension
-    directory = build_dir() / "avx2-only"
-    directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=NAMESPACE, sources=[str(s) for s in SOURCES], build_directory=str(directory),
-                       extra_cflags=["-O3", "-march=x86-64-v3", "-mtune=znver3", "-fopenmp", f"-DARB_OPS={NAMESPACE}",
-                                     "-Darborspec=arborspec_avx2"],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    compile_extension(NAMESPACE, build_dir() / "avx2-only", ["-O3", "-march=x86-64-v3", "-mtune=znver3", "-fopenmp",
+                                                            f"-DARB_OPS={NAMESPACE}", "-Darborspec=arborspec_avx2"])
     kernels = Kernels(NAMESPACE)
     assert kernels.isa == "avx2", kernels.isa
     return kernels

@@ -30,13 +30,8 @@ class KernelBuildError(RuntimeError):
 @functools.cache
 def library() -> "Kernels":
     """The kernels, compiled for this CPU on first use (about a minute) and loaded from the cache afterwards."""
-    directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils import cpp_extension
-        cpp_extension.load(name="arborspec_kernels", sources=[str(s) for s in SOURCES], build_directory=str(directory),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        compile_extension("arborspec_kernels", build_dir(), ["-O3", "-march=native", "-fopenmp"])
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
         raise KernelBuildError(f"could not compile arborspec's kernels ({explain(exc)}); they need a C++ compiler "
                                "(g++ or clang++) and ninja (pip install ninja)") from exc
@@ -45,6 +40,24 @@ def library() -> "Kernels":
         warnings.warn("this CPU has no AVX2: arborspec's kernels run their portable scalar code (several times "
                       "slower); the llama.cpp backend is the faster choice here", stacklevel=2)
     return kernels
+
+
+def compile_extension(name: str, directory: Path, cflags: list[str]) -> None:
+    """Build (or find built) and load SOURCES as the operator library `name` in `directory`.
+
+    Why the lock of our own: torch's builder marks a build in progress with a file `lock` in the directory and waits,
+    polling forever, for it to go; a process killed in there (Ctrl-C in a first run's compile, a timeout) leaves the
+    file behind, and every later start hung silently (it happened twice in one session here). Every arborspec
+    process builds under an flock, which the kernel releases when its holder dies: holding it, a `lock` file can
+    only be a dead process's, and is removed."""
+    from torch.utils import cpp_extension
+
+    from ..core.downloads import file_lock
+    directory.mkdir(parents=True, exist_ok=True)
+    with file_lock(directory / "build.lock"):
+        (directory / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(directory),
+                           extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
 @functools.cache
@@ -65,15 +78,10 @@ def emulated_library() -> "Kernels":
     if not simde_found():
         raise KernelBuildError(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
                                "apt-get install libsimde-dev)")
-    directory = build_dir() / "emulated"
-    directory.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils import cpp_extension
-        cpp_extension.load(name="arborspec_kernels_emulated", sources=[str(s) for s in SOURCES],
-                           build_directory=str(directory),
-                           extra_cflags=["-O2", "-march=x86-64-v3", "-fopenmp", "-DARB_SIMDE",
-                                         "-DARB_OPS=arborspec_kernels_emulated", "-Darborspec=arborspec_emulated"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        compile_extension("arborspec_kernels_emulated", build_dir() / "emulated",
+                          ["-O2", "-march=x86-64-v3", "-fopenmp", "-DARB_SIMDE", "-DARB_OPS=arborspec_kernels_emulated",
+                           "-Darborspec=arborspec_emulated"])
     except Exception as exc:
         raise KernelBuildError(f"could not compile the emulated AVX-512 kernels ({explain(exc)})") from exc
     return Kernels("arborspec_kernels_emulated")
