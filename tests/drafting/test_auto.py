@@ -698,3 +698,62 @@ def test_auto_drafts_only_when_the_expected_rate_beats_plain_decoding_by_the_gua
     assert not dec.policy.uses_draft(3, 12) and not dec.policy.uses_draft(3, 10_000)  # 0.6: never
     dec.policy.child_probs[True][0] = 0.99
     assert dec.policy.uses_draft(3, 10_000) and not dec.policy.uses_draft(200, 12)
+
+
+def test_auto_judges_sampled_steps_by_the_measured_acceptance_of_the_first_child():
+    """At T > 0 a node's score (E[q(y)] = sum q^2) says little about its acceptance, and a(.) of the mean score fell
+    far below the measured acceptance (0.41 against 0.86-0.92 on the default pair): once the root's first child has
+    been drafted often enough, uses_draft reads its measured acceptance instead. Greedy steps keep a(c_1 ** i)."""
+    sizes = (1, 2, 4, 8, 16, 32)
+    costs = CostModel(CostCurve.from_measurements(sizes, [0.020 * (1 + 0.05 * (n - 1)) for n in sizes]), flat(0.006))
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, remember=False, suffix=0)
+    policy = dec.policy
+    policy.use_costs(costs)
+    policy.child_probs[False][0] = 0.353
+    policy.calibrator.observe([0.353] * 200, [1] * 82 + [0] * 118)  # a(0.353) ~ 0.41
+    assert abs(float(policy.calibrator(0.353)) - 0.41) < 0.03
+    assert not policy.uses_draft(3, 10_000)  # no first-child evidence yet: a(.) of the mean score decides
+    policy.first_child[:] = (9, 10)  # too few steps to read
+    assert not policy.uses_draft(3, 10_000)
+    policy.first_child[:] = (88, 100)
+    assert policy.uses_draft(3, 10_000)
+    policy.first_child[:] = (30, 100)
+    assert not policy.uses_draft(3, 10_000)
+    policy._greedy = True  # a greedy setting: the calibration decides, whatever the first child did
+    policy.child_probs[True][0] = 0.353
+    policy.first_child[:] = (100, 100)
+    assert not policy.uses_draft(3, 10_000)
+
+
+def test_auto_counts_how_often_the_roots_first_child_is_accepted():
+    """update() adds each drafted step's verdict on the root's first child (its first draw at T > 0) to the
+    evidence, which the calibration record carries to the next run."""
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, top_k=2, record_trees=True,
+                             remember=False, suffix=0)
+    dec.policy.use_costs(CostModel(T_CPU, D_CPU))
+    res = dec.generate([5, 6, 7, 8, 9] * 4, max_new_tokens=40, ignore_eos=True, seed=0)
+    drafted = accepted = 0
+    for s in res.stats.steps:
+        firsts = [i for i, p in enumerate(s.tree["parents"]) if p == 0]
+        if firsts:
+            drafted += 1
+            accepted += firsts[0] in s.tree["path"]
+    assert drafted > 0 and 0 < accepted
+    assert dec.policy.first_child.tolist() == [accepted, drafted]
+    assert dec.policy.explain()["first_child"] == {"accepted": accepted, "drafted": drafted}
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when_loaded():
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0)
+    dec.policy.use_costs(CostModel(T_CPU, D_CPU))
+    dec.generate([5, 6, 7, 8, 9] * 4, max_new_tokens=40, ignore_eos=True, seed=0)
+    dec.policy.first_child[:] = (300, 400)  # more than a run may start from
+    dec.policy.calibrator.observe([0.5], [1])  # evidence (has_evidence), so the next decoder loads the record
+    dec.policy.save()
+    again = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0).policy
+    assert again.source["calibration"] == "cache"
+    assert again.first_child.tolist() == [75.0, 100.0]  # capped at 100 drafted steps, the same rate

@@ -93,14 +93,20 @@ def ceiling_rate(costs: CostModel, max_depth: int = 16) -> float:
     return max((1.0 + k) / (k * costs.layer(1) + costs.verify(1 + k) + costs.overhead) for k in range(1, max_depth + 1))
 
 
-def expected_ceiling(costs: CostModel, acceptance, child_prob: float, max_depth: int = 16) -> float:
+def expected_ceiling(costs: CostModel, acceptance, child_prob: float, max_depth: int = 16,
+                     first_accept: float | None = None) -> float:
     """The best rate of a draft chain at the acceptance measured so far: node i of the chain has path probability
     child_prob ** i (child_prob: the draft's mean top-1 probability, the predictor c_1 of tree_builder.py) and is
     accepted with probability acceptance(child_prob ** i) (the calibration a(.)); best chain length k. Below
-    `ceiling_rate`, which assumes every drafted token accepted."""
+    `ceiling_rate`, which assumes every drafted token accepted.
+
+    `first_accept` given (the measured rate at which the root's first child is accepted): node i is accepted with
+    probability first_accept ** i instead, the chain of speculative sampling's analysis (each token accepted
+    independently at the same rate). The policy passes it at T > 0, where a node's score says little about its
+    acceptance and a(.) of the mean score fell far below the mean of a(.) (AutoPolicy._expected_rate)."""
     best, gain = 0.0, 1.0
     for k in range(1, max_depth + 1):
-        gain += float(acceptance(child_prob ** k))
+        gain += first_accept ** k if first_accept is not None else float(acceptance(child_prob ** k))
         best = max(best, gain / (k * costs.layer(1) + costs.verify(1 + k) + costs.overhead))
     return best
 
