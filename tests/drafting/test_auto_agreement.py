@@ -9,8 +9,9 @@ import torch
 from arborspec import SpeculativeDecoder
 from arborspec.backends import make_session
 from arborspec.core.tree import TokenTree
-from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS
-from arborspec.tuning.agreement import measure_agreement, pair_agreement
+from arborspec.core.sampling import SamplingConfig
+from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS, MIN_FIRST_EVIDENCE
+from arborspec.tuning.agreement import measure_agreement, measure_overlap, pair_agreement, pair_overlap
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py: profiles and records in a temp dir
@@ -63,3 +64,40 @@ def test_a_new_pair_starts_from_its_agreement_and_a_known_pair_from_its_calibrat
     again = SpeculativeDecoder(target, draft, tokenizer=tok)
     assert again.policy.source["calibration"] == "cache" and "agreement" not in again.policy.source
     assert again.policy.child_probs[True][0] == pytest.approx(0.777)
+
+
+def overlap_by_hand(target, draft, ids: list[int], sampling: SamplingConfig) -> float:
+    """sum_y min(p, q) one prefix at a time, each a fresh session's one-token forward, averaged over positions."""
+    total = 0.0
+    for i in range(1, len(ids)):
+        dists = []
+        for model in (target, draft):
+            session = make_session(model)
+            if i > 1:
+                session.prefill(ids[:i - 1])
+            dists.append(sampling.probs(session.forward(ids[:i], TokenTree.root(ids[i - 1]), [0])[0].float()))
+        total += float(torch.minimum(*dists).sum())
+    return total / (len(ids) - 1)
+
+
+def test_overlap_is_the_mean_chance_that_speculative_sampling_accepts_a_drafted_token(pair):
+    target, draft, tok = pair
+    ids = tok("def fib(n):\n    return n", add_special_tokens=False)["input_ids"]
+    warm = SamplingConfig(temperature=1.0)
+    assert measure_overlap(target, target, [ids], warm) == pytest.approx(1.0, abs=1e-5)
+    measured = measure_overlap(target, draft, [ids], warm)
+    assert 0.0 < measured < 0.999
+    assert measured == pytest.approx(overlap_by_hand(target, draft, ids, warm), abs=1e-4)
+    assert measure_overlap(target, draft, [ids], SamplingConfig(temperature=1.0, top_k=1)) == pytest.approx(
+        measure_agreement(target, draft, [ids]).top1, abs=1e-6)  # top-1 sampling: the greedy agreement
+
+
+def test_a_new_pair_at_t1_starts_its_first_child_rate_from_the_overlap(pair):
+    target, draft, tok = pair
+    dec = SpeculativeDecoder(target, draft, tokenizer=tok, temperature=1.0)
+    overlap, source = pair_overlap(target, draft, tok, SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0))
+    assert source == "cache"  # the decoder measured it once
+    hits, steps = dec.policy.first_child
+    assert steps == MIN_FIRST_EVIDENCE and hits / steps == pytest.approx(overlap)
+    assert "overlap" in dec.generate("x = ", max_new_tokens=8, seed=0).stats.policy["summary"]
+    assert SpeculativeDecoder(target, draft, tokenizer=tok).policy.first_child.tolist() == [0.0, 0.0]  # greedy
