@@ -8,8 +8,8 @@ import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.backends import make_session
-from arborspec.core.tree import TokenTree
 from arborspec.core.sampling import SamplingConfig
+from arborspec.core.tree import TokenTree
 from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS, MIN_FIRST_EVIDENCE
 from arborspec.tuning.agreement import measure_agreement, measure_overlap, pair_agreement, pair_overlap
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model

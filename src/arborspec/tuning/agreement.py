@@ -14,8 +14,8 @@ import torch
 from ..backends import make_session
 from ..backends.model_info import context_window
 from ..core.disk_cache import read_record, write_record
-from ..core.tree import TokenTree
 from ..core.sampling import SamplingConfig
+from ..core.tree import TokenTree
 from .costs import profile_key
 from .reference_texts import reference_texts
 
