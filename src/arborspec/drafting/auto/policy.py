@@ -128,15 +128,11 @@ class AutoPolicy(Policy):
 
     def seed_from_overlap(self, target, draft, tokenizer, sampling: SamplingConfig,
                           draft_sampling: SamplingConfig) -> None:
-        """Start the first child's acceptance at T > 0 (`_expected_rate`) at the pair's measured overlap sum_y
-        min(p, q) at these sampling settings, teacher-forced on reference text (tuning/agreement.py), as if
-        `MIN_FIRST_EVIDENCE` steps had shown it: the rate speculative sampling accepts a drafted token at.
-
-        Why: without evidence the sampled side is judged by the prior (c_1 = 0.6, a(.) the identity). On the default
-        pair (native, Zen 4, 2026-11-26) that predicted a chain of 1.125x plain decoding, under the guard's margin
-        once the draft's prefill was counted: auto decoded plainly at T = 1 (suffix branches only, 1.19 / 1.08x `ar`
-        on HumanEval / MT-Bench, results/t1-fresh-calibration-20x20) and never gathered the evidence (a first-child
-        acceptance of 0.82-0.92, 1.3-1.5x) that would have corrected it."""
+        """Start the first child's acceptance at T > 0 (`_expected_rate`) at the pair's teacher-forced overlap sum_y
+        min(p, q) at these sampling settings (tuning/agreement.py), as if `MIN_FIRST_EVIDENCE` steps had shown it.
+        Why: under the prior (c_1 = 0.6, a(.) the identity) the default pair's chain predicted 1.125x plain decoding,
+        under the margin with the draft's prefill, so auto never drafted at T = 1 and never gathered the evidence
+        (overlap 0.875; first child accepted 0.82-0.92; results/t1-fresh-calibration-20x20, docs/kernels.md)."""
         try:
             overlap, source = pair_overlap(target, draft, tokenizer, sampling, draft_sampling)
         except Exception as err:  # a backend whose sessions cannot run a long chain, other vocabularies: the prior
@@ -194,15 +190,11 @@ class AutoPolicy(Policy):
         return self.options.guard_margin if self.options.guard else 0.0
 
     def _expected_rate(self) -> float:
-        """The best chain's rate at the acceptance measured so far (`expected_ceiling`).
-
-        At T > 0, with evidence of `MIN_FIRST_EVIDENCE` steps, the chain's nodes are accepted at the measured rate
-        of the root's first child (and its powers), not at a(.) of the mean score: there a node's score E[q(y)] =
-        sum q^2 says little about its acceptance sum min(p, q) (a flat q scores low and may match a flat p), and
-        a(.) of the mean score fell far below the mean of a(.): on the default pair at T = 1, native backend, Zen 4,
-        a(0.353) = 0.41 against a measured first-child acceptance of 0.86-0.92, so auto judged a 1.10x chain and
-        decoded plainly, where drafting ran 1.14-1.29x plain decoding (HumanEval, MT-Bench). At T = 0 the
-        calibrated a(c_1 ** i) stays: it tracks the acceptance there (the top child's probability predicts it)."""
+        """The best chain's rate at the acceptance measured so far (`expected_ceiling`). At T > 0, with evidence of
+        `MIN_FIRST_EVIDENCE` steps, nodes are accepted at the root's first child's measured rate and its powers, not
+        at a(.) of the mean score: a sampled node's score sum q^2 says little about its acceptance sum min(p, q), and
+        on the default pair a(0.353) = 0.41 stood against 0.86-0.92 measured, so auto decoded plainly where drafting
+        ran 1.14-1.29x (docs/kernels.md, "Which backend auto picks"). T = 0 keeps a(c_1 ** i), which tracks it."""
         hits, trials = self.first_child
         first = None
         if not self._greedy and trials >= MIN_FIRST_EVIDENCE:
