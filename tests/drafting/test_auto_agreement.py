@@ -23,17 +23,19 @@ def pair():
     return target, noisy_copy(target, 0.6), char_tokenizer()
 
 
+def fresh_logits(model, ids: list[int], i: int) -> torch.Tensor:
+    """(vocab,): `model`'s logits after ids[:i], from a fresh session's one-token forward (no chain)."""
+    session = make_session(model)
+    if i > 1:
+        session.prefill(ids[:i - 1])
+    return session.forward(ids[:i], TokenTree.root(ids[i - 1]), [0])[0]
+
+
 def by_hand(target, draft, ids: list[int]) -> float:
-    """Agreement counted one prefix at a time, each a fresh session's one-token forward (no chain)."""
+    """Agreement counted one prefix at a time (`fresh_logits`)."""
     hits = 0
     for i in range(1, len(ids)):
-        tops = []
-        for model in (target, draft):
-            session = make_session(model)
-            if i > 1:
-                session.prefill(ids[:i - 1])
-            tops.append(int(session.forward(ids[:i], TokenTree.root(ids[i - 1]), [0])[0].argmax()))
-        hits += tops[0] == tops[1]
+        hits += int(fresh_logits(target, ids, i).argmax()) == int(fresh_logits(draft, ids, i).argmax())
     return hits / (len(ids) - 1)
 
 
@@ -67,16 +69,11 @@ def test_a_new_pair_starts_from_its_agreement_and_a_known_pair_from_its_calibrat
 
 
 def overlap_by_hand(target, draft, ids: list[int], sampling: SamplingConfig) -> float:
-    """sum_y min(p, q) one prefix at a time, each a fresh session's one-token forward, averaged over positions."""
+    """sum_y min(p, q) one prefix at a time (`fresh_logits`), averaged over positions."""
     total = 0.0
     for i in range(1, len(ids)):
-        dists = []
-        for model in (target, draft):
-            session = make_session(model)
-            if i > 1:
-                session.prefill(ids[:i - 1])
-            dists.append(sampling.probs(session.forward(ids[:i], TokenTree.root(ids[i - 1]), [0])[0].float()))
-        total += float(torch.minimum(*dists).sum())
+        p, q = (sampling.probs(fresh_logits(model, ids, i).float()) for model in (target, draft))
+        total += float(torch.minimum(p, q).sum())
     return total / (len(ids) - 1)
 
 

@@ -75,17 +75,27 @@ def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[flo
     """(agreement, source): `measure_agreement` on the reference texts (reference_texts.py), cached per pair like the
     cost profiles ('cache' or 'measured')."""
     key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
-    cached = None if refresh else read_record("agreement", key)
-    if cached is not None and isinstance(cached.get("agreement"), float):
-        return cached["agreement"], "cache"
-    with torch.inference_mode():
+
+    def measure() -> dict:
         measured = measure_agreement(target, draft, reference_ids(tokenizer))
-    agreement = measured.top1
+        return {"agreement": measured.top1, "positions": measured.positions}
+
+    return cached_measure("agreement", key, measure, refresh)
+
+
+def cached_measure(kind: str, key: dict, measure, refresh: bool = False) -> tuple[float, str]:
+    """(value, source): the float `kind` of the cached record under `key` ('cache'), else `measure()`'s record
+    (which holds it) measured under inference mode and written to the cache ('measured')."""
+    cached = None if refresh else read_record(kind, key)
+    if cached is not None and isinstance(cached.get(kind), float):
+        return cached[kind], "cache"
+    with torch.inference_mode():
+        record = measure()
     try:
-        write_record("agreement", key, {"agreement": agreement, "positions": measured.positions})
+        write_record(kind, key, record)
     except OSError:
         pass  # a read-only cache must not stop generation
-    return agreement, "measured"
+    return record[kind], "measured"
 
 
 def measure_overlap(target, draft, texts: list[list[int]], sampling: SamplingConfig,
@@ -113,13 +123,5 @@ def pair_overlap(target, draft, tokenizer, sampling: SamplingConfig, draft_sampl
     key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1",
            "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
            "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
-    cached = None if refresh else read_record("overlap", key)
-    if cached is not None and isinstance(cached.get("overlap"), float):
-        return cached["overlap"], "cache"
-    with torch.inference_mode():
-        overlap = measure_overlap(target, draft, reference_ids(tokenizer), sampling, draft_sampling)
-    try:
-        write_record("overlap", key, {"overlap": overlap})
-    except OSError:
-        pass  # a read-only cache must not stop generation
-    return overlap, "measured"
+    return cached_measure("overlap", key, lambda: {"overlap": measure_overlap(
+        target, draft, reference_ids(tokenizer), sampling, draft_sampling)}, refresh)
