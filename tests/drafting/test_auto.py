@@ -714,15 +714,15 @@ def test_auto_judges_sampled_steps_by_the_measured_acceptance_of_the_first_child
     policy.calibrator.observe([0.353] * 200, [1] * 82 + [0] * 118)  # a(0.353) ~ 0.41
     assert abs(float(policy.calibrator(0.353)) - 0.41) < 0.03
     assert not policy.uses_draft(3, 10_000)  # no first-child evidence yet: a(.) of the mean score decides
-    policy.first_child[:] = (9, 10)  # too few steps to read
+    policy.first_child.set_evidence(9, 10)  # too few steps to read
     assert not policy.uses_draft(3, 10_000)
-    policy.first_child[:] = (88, 100)
+    policy.first_child.set_evidence(88, 100)
     assert policy.uses_draft(3, 10_000)
-    policy.first_child[:] = (30, 100)
+    policy.first_child.set_evidence(30, 100)
     assert not policy.uses_draft(3, 10_000)
     policy._greedy = True  # a greedy setting: the calibration decides, whatever the first child did
     policy.child_probs[True][0] = 0.353
-    policy.first_child[:] = (100, 100)
+    policy.first_child.set_evidence(100, 100)
     assert not policy.uses_draft(3, 10_000)
 
 
@@ -741,7 +741,8 @@ def test_auto_counts_how_often_the_roots_first_child_is_accepted():
             drafted += 1
             accepted += firsts[0] in s.tree["path"]
     assert drafted > 0 and 0 < accepted
-    assert dec.policy.first_child.tolist() == [accepted, drafted]
+    first = dec.policy.first_child
+    assert (first.hits.tolist(), first.trials.tolist()) == ([accepted], [drafted])
     assert dec.policy.explain()["first_child"] == {"accepted": accepted, "drafted": drafted}
 
 
@@ -751,9 +752,10 @@ def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when
     dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0)
     dec.policy.use_costs(CostModel(T_CPU, D_CPU))
     dec.generate([5, 6, 7, 8, 9] * 4, max_new_tokens=40, ignore_eos=True, seed=0)
-    dec.policy.first_child[:] = (300, 400)  # more than a run may start from
+    dec.policy.first_child.set_evidence(300, 400)  # more than a run may start from
     dec.policy.calibrator.observe([0.5], [1])  # evidence (has_evidence), so the next decoder loads the record
     dec.policy.save()
     again = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0).policy
     assert again.source["calibration"] == "cache"
-    assert again.first_child.tolist() == [75.0, 100.0]  # capped at 100 drafted steps, the same rate
+    # capped at 100 drafted steps, the same rate
+    assert (again.first_child.hits.tolist(), again.first_child.trials.tolist()) == ([75.0], [100.0])

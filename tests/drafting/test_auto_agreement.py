@@ -94,7 +94,7 @@ def test_a_new_pair_at_t1_starts_its_first_child_rate_from_the_overlap(pair):
     dec = SpeculativeDecoder(target, draft, tokenizer=tok, temperature=1.0)
     overlap, source = pair_overlap(target, draft, tok, SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0))
     assert source == "cache"  # the decoder measured it once
-    hits, steps = dec.policy.first_child
+    hits, steps = dec.policy.first_child.hits[0], dec.policy.first_child.trials[0]
     assert steps == MIN_FIRST_EVIDENCE and hits / steps == pytest.approx(overlap)
     assert "overlap" in dec.generate("x = ", max_new_tokens=8, seed=0).stats.policy["summary"]
-    assert SpeculativeDecoder(target, draft, tokenizer=tok).policy.first_child.tolist() == [0.0, 0.0]  # greedy
+    assert SpeculativeDecoder(target, draft, tokenizer=tok).policy.first_child.trials[0] == 0  # greedy

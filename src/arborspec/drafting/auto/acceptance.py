@@ -80,6 +80,13 @@ class Calibrator:
         self._curve = None
         return True
 
+    def set_evidence(self, hits, trials) -> None:
+        """Replace the evidence, bin by bin (a prior measured elsewhere, as if `trials` observations had shown it)."""
+        hits, trials = np.broadcast_to(np.asarray(hits, np.float64), self.hits.shape), np.broadcast_to(
+            np.asarray(trials, np.float64), self.trials.shape)
+        self.hits, self.trials = hits.copy(), trials.copy()
+        self._curve = None
+
     def describe(self) -> list[dict]:
         c = self.curve() if self.enabled else self.centers
         return [{"score": [round(float(lo), 4), round(float(hi), 4)], "prior": round(float(m), 4),

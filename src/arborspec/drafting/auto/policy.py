@@ -38,9 +38,7 @@ from .tree_builder import TreeBuilder
 
 COST_WINDOW = 15  # steps whose measured / predicted cost ratios set the cost scales (their median)
 DEFAULT_CHILD_PROBS = (0.6, 0.15, 0.06, 0.03, 0.02, 0.01, 0.01, 0.005)
-# the first child's acceptance at T > 0 (_expected_rate): read after this many drafted steps, with a Beta(1, 1)
-# prior, the old evidence scaled down past MAX (as the calibrator's bins) and capped at LOADED from the cache
-MIN_FIRST_EVIDENCE, FIRST_PRIOR, MAX_FIRST_EVIDENCE, LOADED_FIRST_EVIDENCE = 16, (1.0, 2.0), 400.0, 100.0
+MIN_FIRST_EVIDENCE = 16  # drafted steps before the first child's acceptance at T > 0 is read (_expected_rate)
 
 
 @dataclass
@@ -80,7 +78,9 @@ class AutoPolicy(Policy):
         padding = (0.0,) * max(0, width - len(DEFAULT_CHILD_PROBS))
         self.child_probs = {True: np.array(DEFAULT_CHILD_PROBS[:width] + padding)}
         self.child_probs[False] = self.child_probs[True].copy()
-        self.first_child = np.zeros(2)  # [accepted, drafted] of the root's first child, this sampling setting's
+        # how often the root's first child is accepted, this sampling setting's: one bin of the calibrator's kind
+        # (a Beta(1, 1) prior, old evidence scaled down past 400 steps, loaded capped at 100)
+        self.first_child = Calibrator(edges=(0.0, 1.0))
         self.guard = Guard(opts.guard_margin, opts.guard_window, opts.guard_cooldown, enabled=opts.guard)
         self.source: dict = {"costs": "unset"}
         self._calib_key: dict | None = None
@@ -123,7 +123,7 @@ class AutoPolicy(Policy):
             self._load_calibration()
         if tokenizer is not None and not self.has_evidence():
             self.seed_from_agreement(target, draft, tokenizer)
-        if tokenizer is not None and not sampling.greedy and self.first_child[1] < MIN_FIRST_EVIDENCE:
+        if tokenizer is not None and not sampling.greedy and self.first_child.trials[0] < MIN_FIRST_EVIDENCE:
             self.seed_from_overlap(target, draft, tokenizer, sampling, draft_sampling)
 
     def seed_from_overlap(self, target, draft, tokenizer, sampling: SamplingConfig,
@@ -138,7 +138,7 @@ class AutoPolicy(Policy):
         except Exception as err:  # a backend whose sessions cannot run a long chain, other vocabularies: the prior
             self.source["overlap"] = f"unavailable ({type(err).__name__})"
             return
-        self.first_child = np.array([overlap * MIN_FIRST_EVIDENCE, float(MIN_FIRST_EVIDENCE)])
+        self.first_child.set_evidence(overlap * MIN_FIRST_EVIDENCE, MIN_FIRST_EVIDENCE)
         self.source["overlap"] = f"{overlap:.3f} ({source})"
 
     def has_evidence(self) -> bool:
@@ -195,10 +195,9 @@ class AutoPolicy(Policy):
         at a(.) of the mean score: a sampled node's score sum q^2 says little about its acceptance sum min(p, q), and
         on the default pair a(0.353) = 0.41 stood against 0.86-0.92 measured, so auto decoded plainly where drafting
         ran 1.14-1.29x (docs/kernels.md, "Which backend auto picks"). T = 0 keeps a(c_1 ** i), which tracks it."""
-        hits, trials = self.first_child
         first = None
-        if not self._greedy and trials >= MIN_FIRST_EVIDENCE:
-            first = float((hits + FIRST_PRIOR[0]) / (trials + FIRST_PRIOR[1]))
+        if not self._greedy and self.first_child.trials[0] >= MIN_FIRST_EVIDENCE:
+            first = float(self.first_child.curve()[0])
         return expected_ceiling(self.costs, self.calibrator, float(self.child_probs[self._greedy][0]),
                                 first_accept=first)
 
@@ -212,11 +211,7 @@ class AutoPolicy(Policy):
                     arr = self.child_probs[greedy]
                     n = min(len(arr), len(probs))
                     arr[:n] = np.clip(np.asarray(probs[:n], dtype=np.float64), 0.0, 1.0)
-            first = saved.get("first_child")
-            if (isinstance(first, list) and len(first) == 2 and all(isinstance(v, (int, float)) for v in first)
-                    and 0 <= first[0] <= first[1]):
-                self.first_child = np.asarray(first, dtype=np.float64)
-                self.first_child *= min(1.0, LOADED_FIRST_EVIDENCE / max(first[1], 1e-12))
+            self.first_child.load(saved.get("first_child", {}))
         self.source["calibration"] = "cache" if loaded else "new"
 
     def save(self) -> None:
@@ -227,7 +222,7 @@ class AutoPolicy(Policy):
             write_record("calibration", self._calib_key, {
                 "calibrator": self.calibrator.to_dict(),
                 "child_probs": {"true": self.child_probs[True].tolist(), "false": self.child_probs[False].tolist()},
-                "first_child": self.first_child.tolist()})
+                "first_child": self.first_child.to_dict()})
         except OSError:
             pass  # a read-only cache must not stop generation
 
@@ -280,8 +275,7 @@ class AutoPolicy(Policy):
             on_path = set(path)
             self.calibrator.observe(built.scores, [i + 1 in on_path for i in range(len(built.scores))])
             if built.first is not None and built.first <= len(built.scores):
-                self.first_child += (float(built.first in on_path), 1.0)
-                self.first_child *= min(1.0, MAX_FIRST_EVIDENCE / self.first_child[1])  # follow the text
+                self.first_child.observe([0.5], [built.first in on_path])
         if self.options.adapt_costs:
             self._adapt(step, built)
         drafted = step.tree_size > 0
@@ -348,8 +342,8 @@ class AutoPolicy(Policy):
                "calibration": self.calibrator.describe(), "source": dict(self.source),
                "child_probs": {"greedy": [round(float(v), 4) for v in self.child_probs[True]],
                                "sampled": [round(float(v), 4) for v in self.child_probs[False]]},
-               "first_child": {"accepted": round(float(self.first_child[0]), 2),
-                               "drafted": round(float(self.first_child[1]), 2)}}
+               "first_child": {"accepted": round(float(self.first_child.hits[0]), 2),
+                               "drafted": round(float(self.first_child.trials[0]), 2)}}
         if c is not None:
             sizes = list(c.target.sizes)
             out["costs"] = {
