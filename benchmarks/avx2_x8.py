@@ -16,6 +16,7 @@ for an AVX2-only one: the same instructions, another core.
 
 Usage: python benchmarks/avx2_x8.py --part matrices [--types q4_0,iq4_nl,q5_0,q8_0] [--sizes 1,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part drafts --drafts PATH.gguf,... [--target PATH.gguf] [--rounds 5]
+           [--heads 0,65536]
 Prints markdown tables (ratios are what to compare: absolute times move with the shared host's state).
 """
 from __future__ import annotations
@@ -104,11 +105,13 @@ def matrices(types: list[str], sizes: list[int], rounds: int) -> str:
                       "Per shape:", "", *lines])
 
 
-def load_on_avx2(path: str, x8: bool):
+def load_on_avx2(path: str, x8: bool, head: int = 0):
     """A GGUF model on the native backend, its products on the AVX2-only build; `x8=False` keeps the 32-blocks in
-    the file's row layout (what ran before the x8 layout)."""
+    the file's row layout (what ran before the x8 layout); `head` > 0 prunes its head to that many tokens
+    (tuning/draft_levers.prune_native_draft: what `auto` runs as "+vocabK")."""
     from arborspec.backends import native_step
     from arborspec.loading import load_model
+    from arborspec.tuning.draft_levers import prune_native_draft
     kernels = avx2_library()
     original_layout = QuantMatrix._layout
 
@@ -121,19 +124,22 @@ def load_on_avx2(path: str, x8: bool):
     native_step.Step.__init__.__defaults__ = (NAMESPACE,)
     QuantMatrix._layout = layout
     try:
-        return load_model(path, backend="native", progress=False).model
+        loaded = load_model(path, backend="native", progress=False)
+        return (prune_native_draft(loaded, head, progress=False) if head else loaded).model
     finally:
         matrix_module._kernels, native_step.Step.__init__.__defaults__, QuantMatrix._layout = saved
 
 
-def drafts(paths: list[str], target: str | None, rounds: int) -> str:
+def drafts(paths: list[str], target: str | None, rounds: int, heads: list[int]) -> str:
     from arborspec.tuning.costs import measure_forward_cost
     models = {}
     if target:
         models["target " + Path(target).name] = load_on_avx2(target, True)
     for path in paths:
         for x8 in (False, True):
-            models[f"{Path(path).name} {'x8' if x8 else 'rows'}"] = load_on_avx2(path, x8)
+            for head in heads:
+                name = f"{Path(path).name}{f' +vocab{head}' if head else ''} {'x8' if x8 else 'rows'}"
+                models[name] = load_on_avx2(path, x8, head)
     runs = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
@@ -157,13 +163,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--drafts", default="")
     parser.add_argument("--target", default=None)
+    parser.add_argument("--heads", default="0", help="drafts' head sizes (0: the whole vocabulary)")
     args = parser.parse_args()
     print(f"host: {Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
           f"{torch.get_num_threads()} threads, build {NAMESPACE} ({HERE.name}, -march=x86-64-v3)\n")
     if args.part == "matrices":
         print(matrices(args.types.split(","), [int(s) for s in args.sizes.split(",")], args.rounds))
     else:
-        print(drafts([p for p in args.drafts.split(",") if p], args.target, args.rounds))
+        print(drafts([p for p in args.drafts.split(",") if p], args.target, args.rounds,
+                     [int(h) for h in args.heads.split(",")]))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def test_cli_profile_prints_the_fit_and_plots(ssm_dirs, tmp_path, capsys):
     assert code == 2
 
 
+@pytest.mark.usefixtures("private_cache")  # its draft's int8 copy and profiles: not in ~/.cache
 @pytest.mark.parametrize("mode", ["packed", "unrolled"])
 def test_cli_generate_with_ssm_models_matches_ar(ssm_dirs, capsys, mode):
     code = main(["generate", "--target", ssm_dirs["target"], "--draft", ssm_dirs["draft"], "--dtype", "fp32",

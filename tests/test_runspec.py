@@ -179,6 +179,7 @@ def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models
     assert type(prepared.model.model.layers[0].mlp.up_proj) is not torch.nn.Linear
 
 
+@pytest.mark.usefixtures("private_cache")  # the int8 draft it prepares: not in ~/.cache
 def test_load_pair_checks_the_pair(tmp_path):
     tok = char_tokenizer()
     target = tiny_model("llama", seed=0)
