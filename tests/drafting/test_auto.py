@@ -250,8 +250,8 @@ def test_tree_properties(vocab, seed, sharpness, temperature, max_depth, max_nod
 
 
 def test_draws_without_replacement_have_the_residual_distribution():
-    """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, uses a
-    masked multinomial): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
+    """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, draws once
+    from q with the taken tokens zeroed): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
     gen = make_generator(0)
     for q, taken in (([0.5, 0.3, 0.15, 0.05], [1]), ([0.995, 0.004, 0.001], [0])):
         qt = torch.tensor(q, dtype=torch.float64)

@@ -4,6 +4,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from arborspec.core.sampling import SamplingConfig, warp
+from arborspec.verify.base import TargetRows, target_probs
 
 SETTINGS = [
     (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (1.0, 5, 1.0), (1.0, 1, 1.0), (1.0, 60, 1.0), (1.0, 0, 0.9),
@@ -52,3 +53,16 @@ def test_top_p_edges_match_transformers(top_p):
 def test_temperature_zero_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
     assert warp(logits, SamplingConfig(0.0)).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]  # ties -> lowest id
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS + [(0.0, 0, 1.0)])
+def test_target_rows_are_the_rows_of_target_probs(temperature, top_k, top_p):
+    """TargetRows (what traversal verification reads) warps a row when first read: the same float64 values, bit for
+    bit, as warping the whole batch."""
+    cfg = SamplingConfig(temperature, top_k, top_p)
+    for logits in logit_batches():
+        whole, rows = target_probs(logits, cfg), TargetRows(logits, cfg)
+        assert len(rows) == len(whole)
+        for i in reversed(range(len(whole))):
+            assert rows[i].dtype == torch.float64 and torch.equal(rows[i], whole[i])
+        assert rows[0] is rows[0]  # warped once

@@ -18,7 +18,7 @@ import torch
 
 from ..core.sampling import SamplingConfig
 from ..core.tree import DrawRule, TokenTree
-from .base import Verdict, Verifier, expected_walk, multi_draft_walk, target_probs
+from .base import TargetRows, Verdict, Verifier, expected_walk, multi_draft_walk
 from .rules import greedy_draft_plan
 
 
@@ -28,7 +28,7 @@ class GreedyDraftVerifier(Verifier):
     accepts = frozenset({DrawRule.GREEDY_TOPK_PLUS_ONE})
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        return multi_draft_walk(tree, target_probs(target_logits, sampling), greedy_draft_plan, self.name, generator)
+        return multi_draft_walk(tree, TargetRows(target_logits, sampling), greedy_draft_plan, self.name, generator)
 
     def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
         return expected_walk(tree, p, greedy_draft_plan, self.name)

@@ -11,7 +11,7 @@ import torch
 
 from ..core.sampling import SamplingConfig
 from ..core.tree import DrawRule, TokenTree
-from .base import Verdict, Verifier, expected_walk, multi_draft_walk, target_probs
+from .base import TargetRows, Verdict, Verifier, expected_walk, multi_draft_walk
 from .rules import mbr_plan
 
 
@@ -21,7 +21,7 @@ class MBRVerifier(Verifier):
     accepts = frozenset({DrawRule.WITHOUT_REPLACEMENT})
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        return multi_draft_walk(tree, target_probs(target_logits, sampling), mbr_plan, self.name, generator)
+        return multi_draft_walk(tree, TargetRows(target_logits, sampling), mbr_plan, self.name, generator)
 
     def expected_accepted(self, tree: TokenTree, p: torch.Tensor) -> float:
         return expected_walk(tree, p, mbr_plan, self.name)

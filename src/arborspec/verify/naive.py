@@ -11,7 +11,7 @@ import torch
 
 from ..core.sampling import SamplingConfig
 from ..core.tree import TokenTree
-from .base import Verdict, Verifier, child_with_token, draw, target_probs
+from .base import TargetRows, Verdict, Verifier, child_with_token, draw
 
 
 class NaiveVerifier(Verifier):
@@ -19,7 +19,7 @@ class NaiveVerifier(Verifier):
     summary = "target sampling: draw from the target, follow the child that carries the token (any tree)"
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        p = target_probs(target_logits, sampling)
+        p = TargetRows(target_logits, sampling)
         kids = tree.children_lists()
         node, path = 0, []
         while True:

@@ -27,13 +27,14 @@ import torch
 
 from ..core.sampling import SamplingConfig
 from ..core.tree import DrawRule, TokenTree
-from .base import SAMPLED, Verdict, Verifier, draft_dist, draw, target_probs
+from .base import SAMPLED, TargetRows, Verdict, Verifier, draft_dist, draw
 from .rules import normalize, reject_below, weight_step
 
 
 def traversal_plan(tree: TokenTree, p: torch.Tensor, who: str = "traversal") -> Iterator[tuple[int, float, torch.Tensor]]:
     """The tests traversal verification makes, in order: (node, probability of accepting it if every earlier test
-    failed, the distribution its bonus comes from). p: (len(tree), vocab) float64 target probabilities.
+    failed, the distribution its bonus comes from). p: (len(tree), vocab) float64 target probabilities, a tensor or
+    `TargetRows` (only p[node] is read).
 
     Every test depends only on the earlier ones having failed, so this sequence is fixed by the tree: the verifier
     stops at its first success, and the exact output distribution is a sum over the whole sequence (the tests use
@@ -67,7 +68,7 @@ class TraversalVerifier(Verifier):
     accepts = SAMPLED
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
-        p = target_probs(target_logits, sampling)
+        p = TargetRows(target_logits, sampling)  # the walk reads a few rows: each warped when first read
         for node, accept, bonus in traversal_plan(tree, p, self.name):
             if accept >= 1 or float(torch.rand((), generator=generator, dtype=torch.float64)) < accept:
                 return Verdict(tree.path(node)[1:], draw(bonus, generator))

@@ -37,6 +37,7 @@ import heapq
 import numpy as np
 import torch
 
+from ...core.sampling import sample_one
 from ...core.tree import DrawRule, TokenTree
 from ..base import DraftContext
 from .acceptance import Calibrator
@@ -227,8 +228,9 @@ class TreeBuilder:
 def draw_new(q: torch.Tensor, cdf: np.ndarray, total: float, taken: list[int], generator) -> int:
     """One draw from q restricted to tokens not in `taken` (renormalised): a draw from q by inverse CDF on its
     cumulative sums, repeated until the token is new (exact, and microseconds instead of a multinomial over the whole
-    vocabulary per draw), with an exact masked multinomial if the remaining mass is so small that rejection would
-    take long."""
+    vocabulary per draw). If the remaining mass is so small that rejection would take long, one inverse-CDF draw from
+    q with the taken tokens zeroed: ~0.2 ms in float64 where `torch.multinomial` took 2.7 ms over the 152k vocabulary
+    (65 such draws were 3% of a T = 1 run on the default pair, Zen 4, 2026-11-26)."""
     if total - sum(float(q[t]) for t in taken) > 0.01 * total:
         for _ in range(1000):
             u = float(torch.rand((), generator=generator, dtype=torch.float64)) * total
@@ -237,4 +239,4 @@ def draw_new(q: torch.Tensor, cdf: np.ndarray, total: float, taken: list[int], g
                 return y
     rest = q.clone()
     rest[taken] = 0.0
-    return int(torch.multinomial(rest, 1, generator=generator))
+    return sample_one(rest, generator)
