@@ -17,7 +17,7 @@ tokens, so
     score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
 
 with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0",
-"q4_0+vocab32768"); the one with the highest score is the default; the whole record (curves, agreement, scores, the
+"q4_0+vocab49152"); the one with the highest score is the default; the whole record (curves, agreement, scores, the
 choice) is cached beside the cost profiles under the pair's key, and `arborspec profile --pair` prints and plots it.
 """
 from __future__ import annotations
@@ -39,9 +39,11 @@ from .gguf_requant import lean_types
 MAX_CHAIN = 16
 # Head sizes a native draft is measured with (the types first, at the full head; then the best type with each of
 # these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its q4_0 file reads a token: a 65536-row head
-# reads 33 MB at the same top-1 agreement on the reference text (0.884), a 32768-row one 17 MB at 0.849 (Zen 4,
-# 2026-11-26, benchmarks/draft_variants.py). Two sizes keep a first run's measurement near a minute.
-HEAD_SIZES = (65536, 32768)
+# reads 33 MB at the same top-1 agreement on the reference text (0.884), a 49152-row one 25 MB at 0.876, a 32768-row
+# one 17 MB at 0.849 (Zen 4, 2026-11-26, benchmarks/draft_variants.py). 32768 was never the best (3.5 points for
+# 16 MB); 49152 took d(1) from 0.257 to 0.248 of the target's t(1) in the host's fast memory state (t(1) 15.6 ms),
+# so the two measured are 65536 and 49152: two sizes keep a first run's measurement near a minute.
+HEAD_SIZES = (65536, 49152)
 
 
 def label(quant: str, vocab: int = 0) -> str:
