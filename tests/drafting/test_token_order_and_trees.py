@@ -97,6 +97,7 @@ def model_dirs(tmp_path_factory):
     return paths
 
 
+@pytest.mark.usefixtures("private_cache")  # its draft variants, profiles and calibration: not in ~/.cache
 def test_cli_trees_and_calibrate(model_dirs, tmp_path, capsys):
     png = tmp_path / "trees.png"
     code = main(["trees", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32",
