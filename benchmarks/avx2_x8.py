@@ -13,16 +13,20 @@ for an AVX2-only one: the same instructions, another core.
 (b) `--part drafts`: whole-model forwards d(n) (`tuning.costs.measure_forward_cost`, n-node tree after a 200-token
     prefix) of GGUF drafts loaded on the AVX2 build, each twice (32-blocks in the row layout / in x8), and of the 1.5B
     target, interleaved over rounds, fastest round kept.
+(c) `--part bench ARGS`: `arborspec bench ARGS` with every native model on the AVX2-only build, end to end (the
+    Zen 3 proxy; `--methods ar,auto`: llama.cpp's own build is not AVX2-only).
 
 Usage: python benchmarks/avx2_x8.py --part matrices [--types q4_0,iq4_nl,q5_0,q8_0] [--sizes 1,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part drafts --drafts PATH.gguf,... [--target PATH.gguf] [--rounds 5]
            [--heads 0,65536]
+       python benchmarks/avx2_x8.py --part bench --backend native --methods ar,auto [other `arborspec bench` flags]
 Prints markdown tables (ratios are what to compare: absolute times move with the shared host's state).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -155,16 +159,40 @@ def drafts(paths: list[str], target: str | None, rounds: int, heads: list[int]) 
     return "\n".join(lines)
 
 
+def bench(bench_args: list[str]) -> int:
+    """`arborspec bench` with every native model's products and step on the AVX2-only build. Its cost profiles,
+    draft choice and calibrations go to a cache of their own (cache_dir()/avx2-proxy: the build key, which keys
+    them, is the same for both builds), its models, lean drafts and data are the real cache's (linked)."""
+    from arborspec.backends import native_step
+    from arborspec.cli import main as cli_main
+    from arborspec.core.disk_cache import cache_dir
+    real = cache_dir()
+    proxy = real / "avx2-proxy"
+    proxy.mkdir(parents=True, exist_ok=True)
+    for sub in ("models", "drafts", "vocab", "datasets", "kernels", "downloads"):
+        if (real / sub).exists() and not (proxy / sub).exists():
+            (proxy / sub).symlink_to(real / sub)
+    os.environ["ARBORSPEC_CACHE"] = str(proxy)
+    kernels = avx2_library()
+    matrix_module._kernels = lambda: kernels
+    native_step.Step.__init__.__defaults__ = (NAMESPACE,)
+    return cli_main(["bench", *bench_args])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("matrices", "drafts"), required=True)
+    parser.add_argument("--part", choices=("matrices", "drafts", "bench"), required=True)
     parser.add_argument("--types", default="q4_0,iq4_nl,q5_0,q8_0")
     parser.add_argument("--sizes", default="1,4,8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--drafts", default="")
     parser.add_argument("--target", default=None)
     parser.add_argument("--heads", default="0", help="drafts' head sizes (0: the whole vocabulary)")
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.part == "bench":
+        sys.exit(bench(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     print(f"host: {Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
           f"{torch.get_num_threads()} threads, build {NAMESPACE} ({HERE.name}, -march=x86-64-v3)\n")
     if args.part == "matrices":
