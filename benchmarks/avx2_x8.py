@@ -25,6 +25,7 @@ Prints markdown tables (ratios are what to compare: absolute times move with the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -109,13 +110,11 @@ def matrices(types: list[str], sizes: list[int], rounds: int) -> str:
                       "Per shape:", "", *lines])
 
 
-def load_on_avx2(path: str, x8: bool, head: int = 0):
-    """A GGUF model on the native backend, its products on the AVX2-only build; `x8=False` keeps the 32-blocks in
-    the file's row layout (what ran before the x8 layout); `head` > 0 prunes its head to that many tokens
-    (tuning/draft_levers.prune_native_draft: what `auto` runs as "+vocabK")."""
+@contextlib.contextmanager
+def on_avx2_build(x8: bool = True):
+    """Within: native models load and run on the AVX2-only build (products and step); `x8=False` keeps the
+    32-blocks in the file's row layout (what ran before the x8 layout). Everything is put back on leaving."""
     from arborspec.backends import native_step
-    from arborspec.loading import load_model
-    from arborspec.tuning.draft_levers import prune_native_draft
     kernels = avx2_library()
     original_layout = QuantMatrix._layout
 
@@ -128,10 +127,19 @@ def load_on_avx2(path: str, x8: bool, head: int = 0):
     native_step.Step.__init__.__defaults__ = (NAMESPACE,)
     QuantMatrix._layout = layout
     try:
-        loaded = load_model(path, backend="native", progress=False)
-        return (prune_native_draft(loaded, head, progress=False) if head else loaded).model
+        yield
     finally:
         matrix_module._kernels, native_step.Step.__init__.__defaults__, QuantMatrix._layout = saved
+
+
+def load_on_avx2(path: str, x8: bool, head: int = 0):
+    """A GGUF model on the native backend, its products on the AVX2-only build (`on_avx2_build`); `head` > 0 prunes
+    its head to that many tokens (tuning/draft_levers.prune_native_draft: what `auto` runs as "+vocabK")."""
+    from arborspec.loading import load_model
+    from arborspec.tuning.draft_levers import prune_native_draft
+    with on_avx2_build(x8):
+        loaded = load_model(path, backend="native", progress=False)
+        return (prune_native_draft(loaded, head, progress=False) if head else loaded).model
 
 
 def drafts(paths: list[str], target: str | None, rounds: int, heads: list[int]) -> str:
@@ -163,7 +171,6 @@ def bench(bench_args: list[str]) -> int:
     """`arborspec bench` with every native model's products and step on the AVX2-only build. Its cost profiles,
     draft choice and calibrations go to a cache of their own (cache_dir()/avx2-proxy: the build key, which keys
     them, is the same for both builds), its models, lean drafts and data are the real cache's (linked)."""
-    from arborspec.backends import native_step
     from arborspec.cli import main as cli_main
     from arborspec.core.disk_cache import cache_dir
     real = cache_dir()
@@ -173,10 +180,8 @@ def bench(bench_args: list[str]) -> int:
         if (real / sub).exists() and not (proxy / sub).exists():
             (proxy / sub).symlink_to(real / sub)
     os.environ["ARBORSPEC_CACHE"] = str(proxy)
-    kernels = avx2_library()
-    matrix_module._kernels = lambda: kernels
-    native_step.Step.__init__.__defaults__ = (NAMESPACE,)
-    return cli_main(["bench", *bench_args])
+    with on_avx2_build():
+        return cli_main(["bench", *bench_args])
 
 
 def main() -> None:

@@ -82,9 +82,8 @@ class Calibrator:
 
     def set_evidence(self, hits, trials) -> None:
         """Replace the evidence, bin by bin (a prior measured elsewhere, as if `trials` observations had shown it)."""
-        hits, trials = np.broadcast_to(np.asarray(hits, np.float64), self.hits.shape), np.broadcast_to(
-            np.asarray(trials, np.float64), self.trials.shape)
-        self.hits, self.trials = hits.copy(), trials.copy()
+        self.hits = np.broadcast_to(np.asarray(hits, np.float64), self.hits.shape).copy()
+        self.trials = np.broadcast_to(np.asarray(trials, np.float64), self.trials.shape).copy()
         self._curve = None
 
     def describe(self) -> list[dict]:
