@@ -112,8 +112,8 @@ def matrices(types: list[str], sizes: list[int], rounds: int) -> str:
 
 @contextlib.contextmanager
 def on_avx2_build(x8: bool = True):
-    """Within: native models load and run on the AVX2-only build (products and step); `x8=False` keeps the
-    32-blocks in the file's row layout (what ran before the x8 layout). Everything is put back on leaving."""
+    """Within: native models load and run on the AVX2-only build (products and step); `x8=False` keeps every
+    matrix in the file's row layout (what ran before the 8-row layouts). Everything is put back on leaving."""
     from arborspec.backends import native_step
     kernels = avx2_library()
     original_layout = QuantMatrix._layout

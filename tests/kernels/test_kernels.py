@@ -96,8 +96,8 @@ def test_vnni_layouts_equal_the_reference(qtype, groups, blocks, m, seed, magnit
 @given(qtype=st.sampled_from(ROWS8_TYPES), groups=st.integers(1, 3), blocks=st.integers(1, 3), m=st.integers(1, 33),
        seed=st.integers(0, 2**32 - 1), magnitude=st.sampled_from([1e-3, 1.0, 40.0]))
 def test_avx2_layouts_equal_the_reference(qtype, groups, blocks, m, seed, magnitude):
-    """The 32-blocks' x8 layouts (8 rows interleaved) on the native build's code for them (AVX2, or their scalar code
-    on a CPU without it), M across the 16-row tile."""
+    """The 8-row layouts (q4_K x8, q6_K x8, the 32-blocks' x8) on the native build's code for them (AVX2, or their
+    scalar code on a CPU without it), M across the 16-row tile."""
     check_against_reference(library(), "avx2", qtype, 8 * groups, blocks, m, seed, magnitude)
 
 
@@ -126,7 +126,7 @@ def test_activation_quantization_equals_the_reference(qtype):
 @pytest.mark.parametrize("qtype", KINDS)
 @pytest.mark.parametrize("n", [8, 16, 13, 32])
 def test_packed_layouts_keep_every_bit(build, qtype, n):
-    """Matrices are repacked at load (by 8 rows for AVX2: Q4_K and the 32-blocks; every type by 16 for VNNI);
+    """Matrices are repacked at load (by 8 rows for AVX2, by 16 for VNNI: every type);
     unpacking gives the file's bytes back, and the packed matrix computes what the file's layout computes."""
     make, isa = BUILDS[build]
     kernels = make()
@@ -135,7 +135,7 @@ def test_packed_layouts_keep_every_bit(build, qtype, n):
     raw = random_blocks(qtype, n, k, np.random.default_rng(n))
     matrix = QuantMatrix(raw, qtype, n, k, kernels=kernels, isa=isa)
     x16 = isa == "avx512vnni" and n % 16 == 0
-    x8 = n % 8 == 0 and (qtype == QT.Q4_K or (qtype in ROWS8_TYPES and isa != "scalar"))
+    x8 = n % 8 == 0 and qtype in ROWS8_TYPES and isa != "scalar"
     assert matrix.packed == (x16 or x8)
     if x8 and not x16 and qtype != QT.Q4_K:
         assert matrix.data.shape == (n // 8, 8 * matrix.row_bytes)  # the file's bytes, rearranged

@@ -19,7 +19,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "gguf_mm.cpp", HERE / "forward.cpp"]  # one library; forward.cpp calls gguf_mm.h
 # the packed layouts' names, in the order gguf_mm.cpp's layouts() gives their numbers
 LAYOUTS = ["q4k_rows8", "q4k_rows16", "q6k_rows16", "q5_0_rows16", "q8_0_rows16", "q4_0_rows16", "iq4_nl_rows16",
-           "q4_0_rows8", "iq4_nl_rows8", "q5_0_rows8", "q8_0_rows8"]
+           "q4_0_rows8", "iq4_nl_rows8", "q5_0_rows8", "q8_0_rows8", "q6k_rows8"]
 SIMDE_HEADER = "simde/x86/avx512.h"
 
 

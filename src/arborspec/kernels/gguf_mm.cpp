@@ -226,6 +226,30 @@ void unpack_q4k(const uint8_t* blk, int* q, int* sc, int* mn) {
     }
 }
 
+// A Q6_K block's 256 values 0..63 in order (the file stores 4 low bits and 2 high bits apart), and the inverse.
+void unpack_q6k(const uint8_t* blk, int* q) {
+  const uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
+      q[128 * h + l] = (lo0 & 0x0F) | ((hi & 3) << 4);
+      q[128 * h + 32 + l] = (lo1 & 0x0F) | (((hi >> 2) & 3) << 4);
+      q[128 * h + 64 + l] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
+      q[128 * h + 96 + l] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
+    }
+}
+
+void pack_q6k(const int* q, uint8_t* blk) {
+  uint8_t *ql = blk, *qh = blk + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int* v = q + 128 * h + l;
+      ql[64 * h + l] = (uint8_t)((v[0] & 0x0F) | ((v[64] & 0x0F) << 4));
+      ql[64 * h + 32 + l] = (uint8_t)((v[32] & 0x0F) | ((v[96] & 0x0F) << 4));
+      qh[32 * h + l] = (uint8_t)((v[0] >> 4) | ((v[32] >> 4) << 2) | ((v[64] >> 4) << 4) | ((v[96] >> 4) << 6));
+    }
+}
+
 // The arguments every kernel gets: weights of columns [c0, c1), activations of rows [r0, r1) (r1 - r0 <= kTile).
 struct Job {
   const uint8_t* w;  // (n, row_bytes)
@@ -269,18 +293,10 @@ void q6k_scalar(const Job& j, int64_t c0, int64_t c1, int64_t r0, int64_t r1) {
     float acc[kTile] = {0};
     for (int64_t b = 0; b < j.blocks; ++b) {
       const uint8_t* blk = j.w + c * j.row_bytes + b * 210;
-      const uint8_t *ql = blk, *qh = blk + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = half(blk + 208);
       int q[256];  // unsigned 0..63; the -32 offset is applied through the activation sums
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
-          q[128 * h + l] = (lo0 & 0x0F) | ((hi & 3) << 4);
-          q[128 * h + 32 + l] = (lo1 & 0x0F) | (((hi >> 2) & 3) << 4);
-          q[128 * h + 64 + l] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
-          q[128 * h + 96 + l] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
-        }
+      unpack_q6k(blk, q);
       for (int64_t r = r0; r < r1; ++r) {
         const ActK& a = act[r * j.blocks + b];
         int sumi = 0;
@@ -875,6 +891,163 @@ void x8_avx2(int64_t qtype, const Job& j, int64_t g0, int64_t g1, int64_t r0, in
 }
 #endif
 
+// ---- Q6_K interleaved by 8 rows ("q6_K x8") --------------------------------------------------------------------
+// Why: the 1.5B target's head and half its down and v products are Q6_K, and on AVX2 its row layout (q6k_avx2) pays a
+// scaled pair sum for every u8 x s8 multiply; cache-resident it ran 49 / 91 / 80 G multiply-adds a second at M = 1 /
+// 4 / 8 against Q4_K x8's 92 / 171 / 197 (Zen 4 cores, AVX2-only build, 2 threads), so the target's extra rows were
+// dear on AVX2 (t(4) = 2.1 t(1)). As q4_K x8: 8 rows side by side, 4 consecutive weights of each row in one 32-bit
+// lane, one broadcast of 4 activation bytes for 8 rows. The values stay unsigned (0..63, the -32 offset applied
+// through the activation's 16-sums, once per block and row), so two u8 x s8 products of a 16-weight group add up in
+// 16 bits before the scaled widening (2 x 2 x 63 x 127 = 32004 < 32767): one scaled widening per two multiplies
+// instead of one per multiply. The bytes are the file's bits rearranged (the same size, 1680 B per 8 rows):
+//   d[8] f16, scale[8 pairs of groups][8 rows][2] i8 (group 2p, 2p + 1 of each row side by side), then
+//   low[32][32 B]: register p holds chunk 2p in the low nibbles, chunk 2p + 1 in the high ones (chunk t: weights
+//       4t..4t+3 of the 8 rows, byte 4c + i <- row c, weight 4t + i),
+//   high[16][32 B]: register g holds the 2 high bits of chunks 4g..4g+3 (bits 2s, 2s + 1 <- chunk 4g + s).
+constexpr int64_t kQ6Group = 16 + 128 + 1024 + 512;
+constexpr int64_t kQ6Low = 144, kQ6High = 144 + 1024;
+
+int q6k8_get(const uint8_t* grp, int c, int w) {
+  const int t = w / 4, at = 4 * c + w % 4;
+  const int low = (grp[kQ6Low + 32 * (t / 2) + at] >> (4 * (t % 2))) & 0x0F;
+  return low | ((grp[kQ6High + 32 * (t / 4) + at] >> (2 * (t % 4))) & 3) << 4;
+}
+
+int q6k8_scale(const uint8_t* grp, int c, int g) {
+  return static_cast<int8_t>(grp[16 + 16 * (g / 2) + 2 * c + g % 2]);
+}
+
+// Block b of 8 file rows (src, row_bytes apart) -> one q6_K x8 block, and back.
+void repack_q6k_group(const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+  std::memset(out, 0, kQ6Group);
+  for (int c = 0; c < kRows8; ++c) {
+    const uint8_t* blk = src + c * row_bytes + b * 210;
+    std::memcpy(out + 2 * c, blk + 208, 2);
+    for (int g = 0; g < 16; ++g) out[16 + 16 * (g / 2) + 2 * c + g % 2] = blk[192 + g];
+    int q[256];
+    unpack_q6k(blk, q);
+    for (int w = 0; w < 256; ++w) {
+      const int t = w / 4, at = 4 * c + w % 4;
+      out[kQ6Low + 32 * (t / 2) + at] |= (uint8_t)((q[w] & 0x0F) << (4 * (t % 2)));
+      out[kQ6High + 32 * (t / 4) + at] |= (uint8_t)((q[w] >> 4) << (2 * (t % 4)));
+    }
+  }
+}
+
+void unpack_q6k_group(const uint8_t* grp, uint8_t* dst, int64_t row_bytes, int64_t b) {
+  for (int c = 0; c < kRows8; ++c) {
+    uint8_t* blk = dst + c * row_bytes + b * 210;
+    int q[256];
+    for (int w = 0; w < 256; ++w) q[w] = q6k8_get(grp, c, w);
+    pack_q6k(q, blk);
+    for (int g = 0; g < 16; ++g) blk[192 + g] = (uint8_t)q6k8_scale(grp, c, g);
+    std::memcpy(blk + 208, grp + 2 * c, 2);
+  }
+}
+
+// Scalar form over the packed bytes (the reference for the AVX2 code, and what runs without AVX2): q6k_scalar's sums.
+void q6k8_scalar(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  for (int64_t g = g0; g < g1; ++g) {
+    float acc[kTile][kRows8] = {{0}};
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* grp = j.w + g * j.row_bytes + b * kQ6Group;
+      for (int c = 0; c < kRows8; ++c) {
+        int q[256];
+        for (int w = 0; w < 256; ++w) q[w] = q6k8_get(grp, c, w);
+        for (int64_t r = r0; r < r1; ++r) {
+          const ActK& a = act[r * j.blocks + b];
+          int sumi = 0;
+          for (int gq = 0; gq < 16; ++gq) {
+            int dot = 0;
+            for (int l = 0; l < 16; ++l) dot += q[16 * gq + l] * a.qs[16 * gq + l];
+            sumi += q6k8_scale(grp, c, gq) * (dot - 32 * a.bsums[gq]);
+          }
+          acc[r - r0][c] += a.d * half(grp + 2 * c) * (float)sumi;
+        }
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int c = 0; c < kRows8; ++c) j.y[r * j.n + g * kRows8 + c] = acc[r - r0][c];
+  }
+}
+
+#ifdef ARB_AVX2
+// One q6_K x8 block for `rows` (<= R) rows of X (`act`: the first row's activation block, `stride` blocks between
+// rows), added to acc[0..rows). Per 16-weight group the 4 chunk registers and the scales are made once; each row
+// then costs 4 broadcasts, 4 u8 x s8 multiply-adds, 2 16-bit adds and 2 scaled widenings; the offset once per block:
+// 8 scaled widenings of the 16-sums. Cache-resident (1536 x 1536, 2 threads, Zen 4 cores on the AVX2-only build):
+// 87 / 119 / 166 / 202 G multiply-adds a second at M = 1 / 2 / 4 / 8, against the row layout's 51 / 75 / 98 / 117.
+template <int R>
+inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
+  // byte shuffles: each row's int16 0 (group 2p) / 1 (group 2p + 1) of its pair, twice
+  const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8,
+                                        9, 8, 9, 12, 13, 12, 13);
+  const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
+  __m256i isum[R];
+  for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 8; ++p) {
+    // (8 rows x (scale of group 2p, of 2p + 1)) int16
+    const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 + 16 * p)));
+    for (int h = 0; h < 2; ++h) {
+      const int gq = 2 * p + h;
+      const __m256i scale = _mm256_shuffle_epi8(pair, h ? odd : even);  // each row's scale of group gq, twice
+      const __m256i l0 = load(grp + kQ6Low + 64 * gq), l1 = load(grp + kQ6Low + 64 * gq + 32);
+      const __m256i hi = load(grp + kQ6High + 32 * gq);
+      const __m256i w0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(hi, 4), high2));
+      const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(hi, 2), high2));
+      const __m256i w2 = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(hi, high2));
+      const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                         _mm256_and_si256(_mm256_srli_epi16(hi, 2), high2));
+      for (int r = 0; r < rows; ++r) {
+        const int8_t* aq = act[r * stride].qs + 16 * gq;
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(aq)),
+                                            _mm256_maddubs_epi16(w1, bcast4(aq + 4)));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, bcast4(aq + 8)),
+                                            _mm256_maddubs_epi16(w3, bcast4(aq + 12)));
+        isum[r] = _mm256_add_epi32(isum[r],
+                                   _mm256_add_epi32(_mm256_madd_epi16(p0, scale), _mm256_madd_epi16(p1, scale)));
+      }
+    }
+  }
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 rows,)
+  for (int r = 0; r < rows; ++r) {
+    const ActK& a = act[r * stride];
+    __m256i offset = _mm256_setzero_si256();  // (8 rows,) sum over groups of scale x 16-sum
+    for (int p = 0; p < 8; ++p) {
+      const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 + 16 * p)));
+      int32_t sums;
+      std::memcpy(&sums, a.bsums + 2 * p, 4);
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, _mm256_set1_epi32(sums)));
+    }
+    const __m256i sumi = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r]);
+  }
+}
+
+void q6k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const ActK* act = static_cast<const ActK*>(j.act);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 acc[kTile];
+    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < j.blocks; ++b) {
+      const uint8_t* grp = j.w + g * j.row_bytes + b * kQ6Group;
+      for (int64_t line = 0; line < kQ6Group; line += 64) prefetch(grp + 2 * kQ6Group + line);
+      // one row: its accumulator in registers; more: a loop over the rows (faster than passes of 2-4 rows, whose
+      // accumulators stay in registers but which unpack the weights once a pass: M = 8 198 against 157 G a second)
+      if (r1 - r0 == 1)
+        q6k8_rows<1>(grp, act + r0 * j.blocks + b, j.blocks, acc);
+      else
+        q6k8_rows<kTile>(grp, act + r0 * j.blocks + b, j.blocks, acc, (int)(r1 - r0));
+    }
+    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
+  }
+}
+#endif
+
 // ---- 16 rows interleaved ("x16"), every block type: the AVX-512 VNNI layouts ----------------------------------
 // Why: a 512-bit register holds 4 consecutive weights of each of 16 rows of W (one 32-bit lane per row), and one
 // `vpdpbusd` multiplies them by 4 activation bytes broadcast to every lane, widens and accumulates: 64 weights a row
@@ -951,30 +1124,6 @@ void x16_set(int64_t qtype, uint8_t* blk, int c, int w, int u) {  // `blk` zeroe
 }
 
 int x16_value(int64_t qtype, int u) { return qtype == IQ4_NL ? kIQ4NL[u] + 128 : u; }
-
-// A Q6_K block's 256 values 0..63 in order (the file stores 4 low bits and 2 high bits apart), and the inverse.
-void unpack_q6k(const uint8_t* blk, int* q) {
-  const uint8_t *ql = blk, *qh = blk + 128;
-  for (int h = 0; h < 2; ++h)
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
-      q[128 * h + l] = (lo0 & 0x0F) | ((hi & 3) << 4);
-      q[128 * h + 32 + l] = (lo1 & 0x0F) | (((hi >> 2) & 3) << 4);
-      q[128 * h + 64 + l] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
-      q[128 * h + 96 + l] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
-    }
-}
-
-void pack_q6k(const int* q, uint8_t* blk) {
-  uint8_t *ql = blk, *qh = blk + 128;
-  for (int h = 0; h < 2; ++h)
-    for (int l = 0; l < 32; ++l) {
-      const int* v = q + 128 * h + l;
-      ql[64 * h + l] = (uint8_t)((v[0] & 0x0F) | ((v[64] & 0x0F) << 4));
-      ql[64 * h + 32 + l] = (uint8_t)((v[32] & 0x0F) | ((v[96] & 0x0F) << 4));
-      qh[32 * h + l] = (uint8_t)((v[0] >> 4) | ((v[32] >> 4) << 2) | ((v[64] >> 4) << 4) | ((v[96] >> 4) << 6));
-    }
-}
 
 // Q4_K's 8 scales and 8 mins (6 bits each) back into its 12 packed bytes.
 void pack_q4k_scales(const int* sc, const int* mn, uint8_t* p) {
@@ -1461,12 +1610,6 @@ void sweep_groups8(int64_t groups, int64_t m, Run run) {
   at::parallel_for(0, sweeps, 1, [&](int64_t s0, int64_t s1) { sweeps8(groups, m, s0, s1, run); });
 }
 
-// W (n, row_bytes) Q4_K, n a multiple of 8 -> (n / 8, blocks x kGroupBytes): groups of 8 columns interleaved.
-at::Tensor repack_q4k8(const at::Tensor& w, int64_t k) {
-  check_args(w, Q4_K, k, at::empty({0, k}, at::kFloat));
-  return repack_groups(w, kGroup, k / 256, kGroupBytes, "q4_K x8", repack_q4k_group);
-}
-
 // Block b of one q4_K x8 group back into its 8 rows of the file's layout (repack_q4k_group's inverse).
 void unpack_q4k_group(const uint8_t* grp, uint8_t* dst, int64_t row_bytes, int64_t b) {
   for (int c = 0; c < kGroup; ++c) {
@@ -1496,37 +1639,51 @@ void unpack_q4k_group(const uint8_t* grp, uint8_t* dst, int64_t row_bytes, int64
   }
 }
 
-// The inverse of repack_q4k8 (for dequantizing a packed matrix: tests, an embedding that shares the head's weights).
-at::Tensor unpack_q4k8(const at::Tensor& packed, int64_t k) {
-  TORCH_CHECK(k > 0 && k % 256 == 0 && packed.dim() == 2 && packed.size(1) == k / 256 * kGroupBytes,
-              "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
-  return unpack_groups(packed, kGroup, k / 256, kGroupBytes, k / 256 * 144, unpack_q4k_group);
-}
+// ---- the K-quants by 8 rows (q4_K x8, q6_K x8): repack, unpack, product ------------------------------------------
 
-void q4k8_tile(bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-#ifdef ARB_AVX2
-  if (!scalar) return q4k8_avx2(job, g0, g1, r0, r1);
-#endif
-  (void)scalar;
-  q4k8_scalar(job, g0, g1, r0, r1);
-}
+bool k8_layout(int64_t layout) { return layout == arborspec::kQ4KByRows8 || layout == arborspec::kQ6KByRows8; }
 
-void check_q4k8(const at::Tensor& packed, int64_t k) {
+int64_t k8_bytes(int64_t qtype) { return qtype == Q4_K ? kGroupBytes : kQ6Group; }
+
+void check_k8(const at::Tensor& packed, int64_t qtype, int64_t k) {
   TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == k / 256 * kGroupBytes, "packed Q4_K groups: uint8 (groups, ", k / 256 * kGroupBytes, ")");
+              packed.size(1) == k / 256 * k8_bytes(qtype),
+              "packed K-quant groups: contiguous uint8 (groups, ", k / 256 * k8_bytes(qtype), ")");
 }
 
-// Y (m, 8 x groups) from repacked Q4_K groups (repack_q4k8) and X (m, k).
-at::Tensor matmul_q4k8(const at::Tensor& packed, int64_t k, const at::Tensor& x, bool scalar) {
-  check_q4k8(packed, k);
+// W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes), and back.
+at::Tensor repack_k8(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
+  return repack_groups(w, kRows8, k / 256, k8_bytes(qtype), "K-quant x8",
+                       qtype == Q4_K ? repack_q4k_group : repack_q6k_group);
+}
+
+at::Tensor unpack_k8(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  check_k8(packed, qtype, k);
+  return unpack_groups(packed, kRows8, k / 256, k8_bytes(qtype), k / 256 * block_bytes(qtype),
+                       qtype == Q4_K ? unpack_q4k_group : unpack_q6k_group);
+}
+
+void k8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+#ifdef ARB_AVX2
+  if (!scalar) return qtype == Q4_K ? q4k8_avx2(job, g0, g1, r0, r1) : q6k8_avx2(job, g0, g1, r0, r1);
+#endif
+  (void)scalar;
+  return qtype == Q4_K ? q4k8_scalar(job, g0, g1, r0, r1) : q6k8_scalar(job, g0, g1, r0, r1);
+}
+
+// Y (m, 8 x groups) from repacked groups (repack_k8) and X (m, k).
+at::Tensor matmul_k8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
+  check_k8(packed, qtype, k);
   const int64_t groups = packed.size(0);
-  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kGroup, Q4_K, k, x);
+  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows8, qtype, k, x);
   sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-    q4k8_tile(scalar, p.job, g0, g1, r0, r1);
+    k8_tile(qtype, scalar, p.job, g0, g1, r0, r1);
   });
   return p.y;
 }
+
 // ---- x8 layouts of the 32-blocks: repack, unpack, product --------------------------------------------------------
 
 int64_t x8_qtype(int64_t layout) {
@@ -1638,20 +1795,20 @@ at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const 
 // ---- any layout, by number (what matrix.py calls) -----------------------------------------------------------------
 
 at::Tensor repack(const at::Tensor& w, int64_t layout, int64_t k) {
-  if (layout == arborspec::kQ4KByRows8) return repack_q4k8(w, k);
+  if (k8_layout(layout)) return repack_k8(w, layout - kLayout8, k);
   if (layout >= kLayout8 && layout < kLayout16) return repack_x8(w, x8_qtype(layout), k);
   return repack_x16(w, x16_qtype(layout), k);
 }
 
 at::Tensor unpack(const at::Tensor& packed, int64_t layout, int64_t k) {
-  if (layout == arborspec::kQ4KByRows8) return unpack_q4k8(packed, k);
+  if (k8_layout(layout)) return unpack_k8(packed, layout - kLayout8, k);
   if (layout >= kLayout8 && layout < kLayout16) return unpack_x8(packed, x8_qtype(layout), k);
   return unpack_x16(packed, x16_qtype(layout), k);
 }
 
 // y = x · Wᵀ for W in `layout` (a GGUF type: the file's rows; or a packed layout); `scalar` runs the portable code.
 at::Tensor linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x, bool scalar) {
-  if (layout == arborspec::kQ4KByRows8) return matmul_q4k8(w, k, x, scalar);
+  if (k8_layout(layout)) return matmul_k8(w, layout - kLayout8, k, x, scalar);
   if (layout >= kLayout8 && layout < kLayout16) return matmul_x8(w, x8_qtype(layout), k, x, scalar);
   if (layout >= kLayout16) return matmul_x16(w, x16_qtype(layout), k, x, scalar);
   return matmul(w, layout, k, x, scalar);
@@ -1763,7 +1920,7 @@ at::Tensor layouts() {  // the layout numbers matrix.py uses, in the order of it
   using namespace arborspec;
   return at::tensor(std::vector<int64_t>{kQ4KByRows8, kQ4KByRows16, kQ6KByRows16, kQ5_0ByRows16, kQ8_0ByRows16,
                                         kQ4_0ByRows16, kIQ4NLByRows16, kQ4_0ByRows8, kIQ4NLByRows8, kQ5_0ByRows8,
-                                        kQ8_0ByRows8},
+                                        kQ8_0ByRows8, kQ6KByRows8},
                     at::kLong);
 }
 
@@ -1779,7 +1936,7 @@ at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at
 
 namespace {
 int64_t layout_qtype(int64_t layout) {
-  if (layout == kQ4KByRows8) return Q4_K;
+  if (k8_layout(layout)) return layout - kLayout8;
   if (layout >= kLayout16) return x16_qtype(layout);
   if (layout >= kLayout8) return x8_qtype(layout);
   return layout;
@@ -1804,14 +1961,14 @@ void quantize_blocks(bool kq, const float* x, int64_t b0, int64_t b1, uint8_t* o
 }
 
 void check_weights(const at::Tensor& w, int64_t layout, int64_t k) {
-  if (layout == kQ4KByRows8) return check_q4k8(w, k);
+  if (k8_layout(layout)) return check_k8(w, layout - kLayout8, k);
   if (layout >= kLayout16) return check_x16(w, x16_qtype(layout), k);
   if (layout >= kLayout8) return check_x8(w, x8_qtype(layout), k);
   check_args(w, layout, k, at::empty({0, k}, at::kFloat));
 }
 
 int64_t output_columns(const at::Tensor& w, int64_t layout) {
-  if (layout == kQ4KByRows8 || (layout >= kLayout8 && layout < kLayout16)) return w.size(0) * 8;
+  if (layout >= kLayout8 && layout < kLayout16) return w.size(0) * 8;  // x8 and the K-quants' x8
   if (layout >= kLayout16) return w.size(0) * kRows16;
   return w.size(0);
 }
@@ -1827,9 +1984,9 @@ void run_units(const at::Tensor& w, int64_t layout, int64_t k, const uint8_t* ac
   static_assert(kUnitColumns == kColumns && kColumns == kRows16 && kPerSweep8 * 8 == kColumns, "unit of 16 columns");
   const int64_t qtype = layout_qtype(layout);
   const Job job{w.data_ptr<uint8_t>(), w.size(1), act, k / file_block(qtype), y, ldy};
-  if (layout == kQ4KByRows8) {
+  if (k8_layout(layout)) {
     sweeps8(w.size(0), m, u0, u1, [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-      q4k8_tile(false, job, g0, g1, r0, r1);
+      k8_tile(qtype, false, job, g0, g1, r0, r1);
     });
   } else if (layout >= kLayout16) {
     x16_groups(qtype, false, job, m, u0, u1);
@@ -1861,20 +2018,11 @@ void dequantize_rows(const at::Tensor& w, int64_t qtype, int64_t k, const int64_
     } else if (qtype == Q6_K) {
       for (int64_t b = 0; b < k / 256; ++b) {
         const uint8_t* blk = row + b * 210;
-        const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = half(blk + 208);
-        float* ob = o + 256 * b;
-        for (int h = 0; h < 2; ++h)
-          for (int l = 0; l < 32; ++l) {
-            const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + 32 + l], hi = qh[32 * h + l];
-            const int v[4] = {(lo0 & 0x0F) | ((hi & 3) << 4), (lo1 & 0x0F) | (((hi >> 2) & 3) << 4),
-                              (lo0 >> 4) | (((hi >> 4) & 3) << 4), (lo1 >> 4) | (((hi >> 6) & 3) << 4)};
-            for (int j = 0; j < 4; ++j) {
-              const int at = 128 * h + 32 * j + l;
-              ob[at] = d * sc[at / 16] * (v[j] - 32);
-            }
-          }
+        int q[256];
+        unpack_q6k(blk, q);
+        for (int i = 0; i < 256; ++i) o[256 * b + i] = d * sc[i / 16] * (q[i] - 32);
       }
     } else {
       const int64_t bytes = block_bytes(qtype);

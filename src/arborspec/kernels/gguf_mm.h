@@ -18,6 +18,7 @@ enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, IQ4_N
 // Packed layouts: the same bits as the file's blocks, rearranged for the products (see gguf_mm.cpp)
 enum Layout : int64_t {
   kQ4KByRows8 = 1000 + Q4_K,  // Q4_K, 8 rows interleaved ("q4_K x8"; AVX2)
+  kQ6KByRows8 = 1000 + Q6_K,  // Q6_K, the same ("q6_K x8"; AVX2)
   // the 32-blocks, 8 rows interleaved, one 32-bit lane of a 256-bit register per row ("x8"; AVX2)
   kQ4_0ByRows8 = 1000 + Q4_0,
   kIQ4NLByRows8 = 1000 + IQ4_NL,

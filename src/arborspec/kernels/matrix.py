@@ -7,9 +7,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 SUPPORTED_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.IQ4_NL)
-# the 32-blocks with an AVX2 layout of 8 interleaved rows (x8, gguf_mm.cpp): on an AVX2-only build the 0.5B draft's
-# Q4_0 products ran at ~2x the memory roofline at M = 1 in the file's rows, at ~1.0x in x8 (docs/kernels.md)
-ROWS8_TYPES = (QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
+# the types with an AVX2 layout of 8 interleaved rows (gguf_mm.cpp: q4_K x8, q6_K x8, x8): on an AVX2-only build the
+# 0.5B draft's Q4_0 products ran at ~2x the memory roofline at M = 1 in the file's rows, at ~1.0x in x8; the K-quants'
+# extra rows of X cost ~30-45% less (docs/kernels.md)
+ROWS8_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q4_0, QT.IQ4_NL, QT.Q5_0, QT.Q8_0)
 VNNI_ROWS, AVX2_ROWS = 16, 8  # weight rows a packed group interleaves: x16 (AVX-512 VNNI); x8, q4_K x8 (AVX2)
 
 
@@ -25,9 +26,8 @@ class QuantMatrix:
 
     At load the blocks are repacked (the same bits, rearranged; see gguf_mm.cpp) for the best code the build runs:
     where it has AVX-512 VNNI, every type with a multiple of 16 rows into groups of 16 interleaved rows (one 32-bit
-    lane of a 512-bit register per row); otherwise, with a multiple of 8 rows, Q4_K and (where the build has AVX2) the
-    32-blocks into groups of 8 (x8: about half the multiply instructions per row of X for Q4_K, Q4_0 and Q5_0, and
-    the 32-blocks' float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
+    lane of a 512-bit register per row); otherwise, where it has AVX2 and with a multiple of 8 rows, every type into
+    groups of 8 (x8: fewer multiply instructions per row of X, and the float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
     table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best
     (benchmarks: "avx2" on a VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512
     build).
@@ -57,8 +57,7 @@ class QuantMatrix:
                  QT.IQ4_NL: "iq4_nl"}
         if pack and isa == "avx512vnni" and self.n % VNNI_ROWS == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows16"]
-        rows8 = self.qtype == QT.Q4_K or (self.qtype in ROWS8_TYPES and isa != "scalar")
-        if pack and rows8 and self.n % AVX2_ROWS == 0:
+        if pack and isa != "scalar" and self.qtype in ROWS8_TYPES and self.n % AVX2_ROWS == 0:
             return self.kernels.layouts[f"{names[self.qtype]}_rows8"]
         return int(self.qtype)
 
