@@ -1,4 +1,5 @@
-"""The 32-block AVX2 layout ("x8", kernels/gguf_mm.cpp) against the file's row layout, on an AVX2-only build.
+"""The AVX2 layouts of 8 interleaved rows (x8, q4_K x8, q6_K x8: kernels/gguf_mm.cpp) against the file's row
+layout, on an AVX2-only build.
 
 Why a build of its own: the production build is compiled with -march=native, so on an AVX-512 host (Zen 4) even its
 AVX2 code is compiled with 32 vector registers and AVX-512 encodings, which an AVX2-only CPU (Zen 3) does not have.
@@ -13,12 +14,15 @@ for an AVX2-only one: the same instructions, another core.
 (b) `--part drafts`: whole-model forwards d(n) (`tuning.costs.measure_forward_cost`, n-node tree after a 200-token
     prefix) of GGUF drafts loaded on the AVX2 build, each twice (32-blocks in the row layout / in x8), and of the 1.5B
     target, interleaved over rounds, fastest round kept.
-(c) `--part bench ARGS`: `arborspec bench ARGS` with every native model on the AVX2-only build, end to end (the
+(c) `--part target --target PATH.gguf [--sizes 1,2,4,8]`: the target's t(n), its K-quants in the file's rows, with
+    Q4_K in x8 (the layouts before q6_K x8), and with both in x8, interleaved over rounds, fastest round kept.
+(d) `--part bench ARGS`: `arborspec bench ARGS` with every native model on the AVX2-only build, end to end (the
     Zen 3 proxy; `--methods ar,auto`: llama.cpp's own build is not AVX2-only).
 
 Usage: python benchmarks/avx2_x8.py --part matrices [--types q4_0,iq4_nl,q5_0,q8_0] [--sizes 1,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part drafts --drafts PATH.gguf,... [--target PATH.gguf] [--rounds 5]
            [--heads 0,65536]
+       python benchmarks/avx2_x8.py --part target --target PATH.gguf [--sizes 1,2,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part bench --backend native --methods ar,auto [other `arborspec bench` flags]
 Prints markdown tables (ratios are what to compare: absolute times move with the shared host's state).
 """
@@ -111,16 +115,16 @@ def matrices(types: list[str], sizes: list[int], rounds: int) -> str:
 
 
 @contextlib.contextmanager
-def on_avx2_build(x8: bool = True):
-    """Within: native models load and run on the AVX2-only build (products and step); `x8=False` keeps every
-    matrix in the file's row layout (what ran before the 8-row layouts). Everything is put back on leaving."""
+def on_avx2_build(rows: tuple = ()):
+    """Within: native models load and run on the AVX2-only build (products and step); the GGUF types in `rows` keep
+    the file's row layout (what ran before their 8-row layouts). Everything is put back on leaving."""
     from arborspec.backends import native_step
     kernels = avx2_library()
     original_layout = QuantMatrix._layout
 
     def layout(self, pack, isa):
         chosen = original_layout(self, pack, isa)
-        return int(self.qtype) if not x8 and self.qtype in matrix_module.ROWS8_TYPES else chosen
+        return int(self.qtype) if self.qtype in rows else chosen
 
     saved = (matrix_module._kernels, native_step.Step.__init__.__defaults__, QuantMatrix._layout)
     matrix_module._kernels = lambda: kernels
@@ -132,12 +136,12 @@ def on_avx2_build(x8: bool = True):
         matrix_module._kernels, native_step.Step.__init__.__defaults__, QuantMatrix._layout = saved
 
 
-def load_on_avx2(path: str, x8: bool, head: int = 0):
+def load_on_avx2(path: str, rows: tuple = (), head: int = 0):
     """A GGUF model on the native backend, its products on the AVX2-only build (`on_avx2_build`); `head` > 0 prunes
     its head to that many tokens (tuning/draft_levers.prune_native_draft: what `auto` runs as "+vocabK")."""
     from arborspec.loading import load_model
     from arborspec.tuning.draft_levers import prune_native_draft
-    with on_avx2_build(x8):
+    with on_avx2_build(rows):
         loaded = load_model(path, backend="native", progress=False)
         return (prune_native_draft(loaded, head, progress=False) if head else loaded).model
 
@@ -146,12 +150,12 @@ def drafts(paths: list[str], target: str | None, rounds: int, heads: list[int]) 
     from arborspec.tuning.costs import measure_forward_cost
     models = {}
     if target:
-        models["target " + Path(target).name] = load_on_avx2(target, True)
+        models["target " + Path(target).name] = load_on_avx2(target)
     for path in paths:
         for x8 in (False, True):
             for head in heads:
                 name = f"{Path(path).name}{f' +vocab{head}' if head else ''} {'x8' if x8 else 'rows'}"
-                models[name] = load_on_avx2(path, x8, head)
+                models[name] = load_on_avx2(path, () if x8 else matrix_module.ROWS8_TYPES, head)
     runs = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
@@ -164,6 +168,26 @@ def drafts(paths: list[str], target: str | None, rounds: int, heads: list[int]) 
     for name, (one, four) in fastest.items():
         lines.append(f"| {name} | {one * 1e3:.2f} | {four * 1e3:.2f} | {four / one:.2f} |"
                      + (f" {one / t1:.3f} |" if t1 else ""))
+    return "\n".join(lines)
+
+
+def target(path: str, sizes: list[int], rounds: int) -> str:
+    """The target's t(n) with its K-quants in the file's rows, with Q4_K in x8 (the layouts before q6_K x8), and with
+    both in x8: which of its extra rows the 8-row layouts make cheaper."""
+    from arborspec.tuning.costs import measure_forward_cost
+    variants = {"Q4_K, Q6_K rows": (QT.Q4_K, QT.Q6_K), "Q4_K x8, Q6_K rows": (QT.Q6_K,), "Q4_K x8, Q6_K x8": ()}
+    models = {name: load_on_avx2(path, rows) for name, rows in variants.items()}
+    runs = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            time.sleep(0.3)
+            runs[name].append(measure_forward_cost(model, sizes, prefix=200, repeats=3))
+    lines = ["| layouts | " + " | ".join(f"t({n}) ms" for n in sizes) + " | "
+             + " | ".join(f"t({n})/t(1)" for n in sizes[1:]) + " |", "|---" * (2 * len(sizes)) + "|"]
+    for name, rs in runs.items():
+        best = [min(r[i] for r in rs) for i in range(len(sizes))]
+        lines.append(f"| {name} | " + " | ".join(f"{t * 1e3:.1f}" for t in best) + " | "
+                     + " | ".join(f"{t / best[0]:.2f}" for t in best[1:]) + " |")
     return "\n".join(lines)
 
 
@@ -186,7 +210,7 @@ def bench(bench_args: list[str]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("matrices", "drafts", "bench"), required=True)
+    parser.add_argument("--part", choices=("matrices", "drafts", "target", "bench"), required=True)
     parser.add_argument("--types", default="q4_0,iq4_nl,q5_0,q8_0")
     parser.add_argument("--sizes", default="1,4,8")
     parser.add_argument("--rounds", type=int, default=5)
@@ -200,8 +224,13 @@ def main() -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     print(f"host: {Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
           f"{torch.get_num_threads()} threads, build {NAMESPACE} ({HERE.name}, -march=x86-64-v3)\n")
+    sizes = [int(s) for s in args.sizes.split(",")]
     if args.part == "matrices":
-        print(matrices(args.types.split(","), [int(s) for s in args.sizes.split(",")], args.rounds))
+        print(matrices(args.types.split(","), sizes, args.rounds))
+    elif args.part == "target":
+        if not args.target:
+            parser.error("--part target needs --target PATH.gguf")
+        print(target(args.target, sizes, args.rounds))
     else:
         print(drafts([p for p in args.drafts.split(",") if p], args.target, args.rounds,
                      [int(h) for h in args.heads.split(",")]))

@@ -48,7 +48,11 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
     """Median seconds of one forward over an N-token complete binary tree, for each N in `sizes`.
 
     One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
-    prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). One untimed warm-up call per size.
+    prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). The sizes are measured in rounds, one
+    call of each per round (the first round untimed, a warm-up), not one size after the other: this host's memory
+    speed drifts within minutes, and size by size a slow minute fell on a few sizes alone (an AVX2 profile read
+    t(1) = 35.6 ms above t(2) = 30.7 ms, where decoding ran at 27 ms a token; Zen 4, 2026-11-26), so the draft
+    choice and the gate compared sizes measured in different states.
     `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind.
     """
     rng = random.Random(seed)
@@ -56,10 +60,9 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
     context = [rng.randrange(vocab) for _ in range(prefix)]
     session = new_session(model, "target") if new_session else make_session(model, "target", ssm_tree=ssm_tree)
     session.prefill(context[:-1])
-    out = []
-    for n in sizes:
-        times = []
-        for rep in range(repeats + 1):
+    times: list[list[float]] = [[] for _ in sizes]
+    for rep in range(repeats + 1):
+        for i, n in enumerate(sizes):
             tree = full_tree(n, context[-1], [rng.randrange(vocab) for _ in range(max(n - 1, 1))])
             start = time.perf_counter()
             session.forward(context, tree, list(range(len(tree))))
@@ -67,9 +70,8 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
             session.commit([0])
             context.append(rng.randrange(vocab))
             if rep:
-                times.append(elapsed)
-        out.append(statistics.median(times))
-    return out
+                times[i].append(elapsed)
+    return [statistics.median(t) for t in times]
 
 
 # ---- cost curves ----------------------------------------------------------------------------------------------------
