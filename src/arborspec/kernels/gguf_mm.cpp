@@ -630,6 +630,18 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// m[0] + ... + m[N - 1] (16- or 32-bit lanes) added as a tree, a chain of log2(N) dependent adds instead of N - 1: the
+// same integers (no partial sum overflows where the whole does not), but the q4_K x8 kernel ran 7-25% faster at
+// M = 2..8 (M = 1 unchanged; cache-resident, Zen 4 cores, AVX2-only build, alternating runs): a row's serial chain
+// of 7 adds had bounded it. The 32-blocks' x8 kernels stayed within the runs' noise.
+template <int N, bool Wide = false>
+inline __m256i tree_sum(__m256i* m) {
+  for (int n = N; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      m[i] = Wide ? _mm256_add_epi32(m[2 * i], m[2 * i + 1]) : _mm256_add_epi16(m[2 * i], m[2 * i + 1]);
+  return m[0];
+}
+
 void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
   const ActK* act = static_cast<const ActK*>(j.act);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -654,8 +666,9 @@ void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
         }
         for (int64_t r = r0; r < r1; ++r) {
           const int8_t* aq = act[r * j.blocks + b].qs + 32 * s;
-          __m256i p = _mm256_maddubs_epi16(w[0], bcast4(aq));  // (8 columns x 2,) int16
-          for (int i = 1; i < 8; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[i], bcast4(aq + 4 * i)));
+          __m256i m[8];  // (8 columns x 2,) int16 each
+          for (int i = 0; i < 8; ++i) m[i] = _mm256_maddubs_epi16(w[i], bcast4(aq + 4 * i));
+          const __m256i p = tree_sum<8>(m);
           isum[r - r0] = _mm256_add_epi32(isum[r - r0], _mm256_madd_epi16(p, scale));  // (8 columns,) int32
         }
       }
@@ -854,25 +867,20 @@ void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const Act32& a = act[r * j.blocks + b];
         __m256i dot;  // (8 rows,) int32
+        __m256i m[8];  // per chunk: (8 rows x 2,) int16 products, or (signed types) (8 rows,) int32
         if constexpr (is_signed) {
-          dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[0], _mm256_sign_epi8(bcast4(a.qs), s[0])), ones);
-          for (int t = 1; t < 8; ++t) {
-            const __m256i p = _mm256_maddubs_epi16(w[t], _mm256_sign_epi8(bcast4(a.qs + 4 * t), s[t]));
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+          for (int t = 0; t < 8; ++t)
+            m[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], _mm256_sign_epi8(bcast4(a.qs + 4 * t), s[t])), ones);
+          dot = tree_sum<8, true>(m);
+        } else {
+          for (int t = 0; t < 8; ++t) m[t] = _mm256_maddubs_epi16(w[t], bcast4(a.qs + 4 * t));
+          if constexpr (qtype == Q5_0) {  // each half's 16-bit sums alone (4 x 2 x 31 x 127 < 32767)
+            dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<4>(m), ones),
+                                   _mm256_madd_epi16(tree_sum<4>(m + 4), ones));
+            dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.offset16));
+          } else {  // Q4_0
+            dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<8>(m), ones), _mm256_set1_epi32(a.offset8));
           }
-        } else if constexpr (qtype == Q5_0) {
-          __m256i p[2];
-          for (int h = 0; h < 2; ++h) {
-            p[h] = _mm256_maddubs_epi16(w[4 * h], bcast4(a.qs + 16 * h));
-            for (int t = 1; t < 4; ++t)
-              p[h] = _mm256_add_epi16(p[h], _mm256_maddubs_epi16(w[4 * h + t], bcast4(a.qs + 16 * h + 4 * t)));
-          }
-          dot = _mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones));
-          dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.offset16));
-        } else {  // Q4_0
-          __m256i p = _mm256_maddubs_epi16(w[0], bcast4(a.qs));
-          for (int t = 1; t < 8; ++t) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[t], bcast4(a.qs + 4 * t)));
-          dot = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_set1_epi32(a.offset8));
         }
         acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r - r0]);
       }
