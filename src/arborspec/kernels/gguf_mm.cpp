@@ -1647,98 +1647,71 @@ void unpack_q4k_group(const uint8_t* grp, uint8_t* dst, int64_t row_bytes, int64
   }
 }
 
-// ---- the K-quants by 8 rows (q4_K x8, q6_K x8): repack, unpack, product ------------------------------------------
+// ---- the 8-row layouts (q4_K x8, q6_K x8, the 32-blocks' x8): repack, unpack, product -----------------------------
 
-bool k8_layout(int64_t layout) { return layout == arborspec::kQ4KByRows8 || layout == arborspec::kQ6KByRows8; }
-
-int64_t k8_bytes(int64_t qtype) { return qtype == Q4_K ? kGroupBytes : kQ6Group; }
-
-void check_k8(const at::Tensor& packed, int64_t qtype, int64_t k) {
-  TORCH_CHECK(k > 0 && k % 256 == 0, "row length ", k, " is not a multiple of 256");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == k / 256 * k8_bytes(qtype),
-              "packed K-quant groups: contiguous uint8 (groups, ", k / 256 * k8_bytes(qtype), ")");
-}
-
-// W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes), and back.
-at::Tensor repack_k8(const at::Tensor& w, int64_t qtype, int64_t k) {
-  check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
-  return repack_groups(w, kRows8, k / 256, k8_bytes(qtype), "K-quant x8",
-                       qtype == Q4_K ? repack_q4k_group : repack_q6k_group);
-}
-
-at::Tensor unpack_k8(const at::Tensor& packed, int64_t qtype, int64_t k) {
-  check_k8(packed, qtype, k);
-  return unpack_groups(packed, kRows8, k / 256, k8_bytes(qtype), k / 256 * block_bytes(qtype),
-                       qtype == Q4_K ? unpack_q4k_group : unpack_q6k_group);
-}
-
-void k8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-#ifdef ARB_AVX2
-  if (!scalar) return qtype == Q4_K ? q4k8_avx2(job, g0, g1, r0, r1) : q6k8_avx2(job, g0, g1, r0, r1);
-#endif
-  (void)scalar;
-  return qtype == Q4_K ? q4k8_scalar(job, g0, g1, r0, r1) : q6k8_scalar(job, g0, g1, r0, r1);
-}
-
-// Y (m, 8 x groups) from repacked groups (repack_k8) and X (m, k).
-at::Tensor matmul_k8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
-  check_k8(packed, qtype, k);
-  const int64_t groups = packed.size(0);
-  const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows8, qtype, k, x);
-  sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-    k8_tile(qtype, scalar, p.job, g0, g1, r0, r1);
-  });
-  return p.y;
-}
-
-// ---- x8 layouts of the 32-blocks: repack, unpack, product --------------------------------------------------------
-
-int64_t x8_qtype(int64_t layout) {
+int64_t rows8_qtype(int64_t layout) {
   const int64_t qtype = layout - kLayout8;
-  TORCH_CHECK(qtype == Q4_0 || qtype == IQ4_NL || qtype == Q5_0 || qtype == Q8_0, "no x8 layout numbered ", layout);
+  TORCH_CHECK(covered(qtype), "no 8-row layout numbered ", layout);
   return qtype;
 }
 
-void check_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
-  TORCH_CHECK(k > 0 && k % 32 == 0, "row length ", k, " is not a multiple of the block of 32");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(1) == k / 32 * x8_bytes(qtype),
-              "x8 groups: contiguous uint8 (groups, ", k / 32 * x8_bytes(qtype), ")");
+// bytes of one packed block of 8 rows (256 weights a row for the K-quants, 32 for the others)
+int64_t rows8_bytes(int64_t qtype) {
+  return qtype == Q4_K ? kGroupBytes : qtype == Q6_K ? kQ6Group : x8_bytes(qtype);
 }
 
-// W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes).
-at::Tensor repack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
+void check_rows8(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  const int64_t block = file_block(qtype);
+  TORCH_CHECK(k > 0 && k % block == 0, "row length ", k, " is not a multiple of the block of ", block);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == k / block * rows8_bytes(qtype),
+              "8-row groups: contiguous uint8 (groups, ", k / block * rows8_bytes(qtype), ")");
+}
+
+// W (n, row_bytes) in the file's layout, n a multiple of 8 -> (n / 8, blocks x group bytes), and back.
+at::Tensor repack_rows8(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_args(w, qtype, k, at::empty({0, k}, at::kFloat));
-  return repack_groups(w, kRows8, k / 32, x8_bytes(qtype), "x8",
+  return repack_groups(w, kRows8, k / file_block(qtype), rows8_bytes(qtype), "8-row",
                        [qtype](const uint8_t* src, int64_t row_bytes, int64_t b, uint8_t* out) {
+                         if (qtype == Q4_K) return repack_q4k_group(src, row_bytes, b, out);
+                         if (qtype == Q6_K) return repack_q6k_group(src, row_bytes, b, out);
                          repack_x8_block(qtype, src, row_bytes, b, out);
                        });
 }
 
-at::Tensor unpack_x8(const at::Tensor& packed, int64_t qtype, int64_t k) {
-  check_x8(packed, qtype, k);
-  return unpack_groups(packed, kRows8, k / 32, x8_bytes(qtype), k / 32 * block_bytes(qtype),
+at::Tensor unpack_rows8(const at::Tensor& packed, int64_t qtype, int64_t k) {
+  check_rows8(packed, qtype, k);
+  const int64_t blocks = k / file_block(qtype);
+  return unpack_groups(packed, kRows8, blocks, rows8_bytes(qtype), blocks * block_bytes(qtype),
                        [qtype](const uint8_t* in, uint8_t* dst, int64_t row_bytes, int64_t b) {
+                         if (qtype == Q4_K) return unpack_q4k_group(in, dst, row_bytes, b);
+                         if (qtype == Q6_K) return unpack_q6k_group(in, dst, row_bytes, b);
                          unpack_x8_block(qtype, in, dst, row_bytes, b);
                        });
 }
 
-void x8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+// groups [g0, g1) x rows [r0, r1) of X: the AVX2 kernel where the build has it, else the scalar one
+void rows8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 #ifdef ARB_AVX2
-  if (!scalar) return x8_avx2(qtype, job, g0, g1, r0, r1);
+  if (!scalar) {
+    if (qtype == Q4_K) return q4k8_avx2(job, g0, g1, r0, r1);
+    if (qtype == Q6_K) return q6k8_avx2(job, g0, g1, r0, r1);
+    return x8_avx2(qtype, job, g0, g1, r0, r1);
+  }
 #endif
   (void)scalar;
+  if (qtype == Q4_K) return q4k8_scalar(job, g0, g1, r0, r1);
+  if (qtype == Q6_K) return q6k8_scalar(job, g0, g1, r0, r1);
   x8_scalar(qtype, job, g0, g1, r0, r1);
 }
 
-// Y (m, 8 x groups) from x8 groups and X (m, k): the AVX2 kernel where the build has it, else the scalar one.
-at::Tensor matmul_x8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
-  check_x8(packed, qtype, k);
+// Y (m, 8 x groups) from 8-row groups and X (m, k).
+at::Tensor matmul_rows8(const at::Tensor& packed, int64_t qtype, int64_t k, const at::Tensor& x, bool scalar) {
+  check_rows8(packed, qtype, k);
   const int64_t groups = packed.size(0);
   const Product p = start_product(packed.data_ptr<uint8_t>(), packed.size(1), groups * kRows8, qtype, k, x);
   sweep_groups8(groups, x.size(0), [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-    x8_tile(qtype, scalar, p.job, g0, g1, r0, r1);
+    rows8_tile(qtype, scalar, p.job, g0, g1, r0, r1);
   });
   return p.y;
 }
@@ -1803,21 +1776,18 @@ at::Tensor matmul_x16(const at::Tensor& packed, int64_t qtype, int64_t k, const 
 // ---- any layout, by number (what matrix.py calls) -----------------------------------------------------------------
 
 at::Tensor repack(const at::Tensor& w, int64_t layout, int64_t k) {
-  if (k8_layout(layout)) return repack_k8(w, layout - kLayout8, k);
-  if (layout >= kLayout8 && layout < kLayout16) return repack_x8(w, x8_qtype(layout), k);
+  if (layout >= kLayout8 && layout < kLayout16) return repack_rows8(w, rows8_qtype(layout), k);
   return repack_x16(w, x16_qtype(layout), k);
 }
 
 at::Tensor unpack(const at::Tensor& packed, int64_t layout, int64_t k) {
-  if (k8_layout(layout)) return unpack_k8(packed, layout - kLayout8, k);
-  if (layout >= kLayout8 && layout < kLayout16) return unpack_x8(packed, x8_qtype(layout), k);
+  if (layout >= kLayout8 && layout < kLayout16) return unpack_rows8(packed, rows8_qtype(layout), k);
   return unpack_x16(packed, x16_qtype(layout), k);
 }
 
 // y = x · Wᵀ for W in `layout` (a GGUF type: the file's rows; or a packed layout); `scalar` runs the portable code.
 at::Tensor linear(const at::Tensor& w, int64_t layout, int64_t k, const at::Tensor& x, bool scalar) {
-  if (k8_layout(layout)) return matmul_k8(w, layout - kLayout8, k, x, scalar);
-  if (layout >= kLayout8 && layout < kLayout16) return matmul_x8(w, x8_qtype(layout), k, x, scalar);
+  if (layout >= kLayout8 && layout < kLayout16) return matmul_rows8(w, rows8_qtype(layout), k, x, scalar);
   if (layout >= kLayout16) return matmul_x16(w, x16_qtype(layout), k, x, scalar);
   return matmul(w, layout, k, x, scalar);
 }
@@ -1944,9 +1914,8 @@ at::Tensor quant_linear(const at::Tensor& w, int64_t layout, int64_t k, const at
 
 namespace {
 int64_t layout_qtype(int64_t layout) {
-  if (k8_layout(layout)) return layout - kLayout8;
   if (layout >= kLayout16) return x16_qtype(layout);
-  if (layout >= kLayout8) return x8_qtype(layout);
+  if (layout >= kLayout8) return rows8_qtype(layout);
   return layout;
 }
 }  // namespace
@@ -1969,14 +1938,13 @@ void quantize_blocks(bool kq, const float* x, int64_t b0, int64_t b1, uint8_t* o
 }
 
 void check_weights(const at::Tensor& w, int64_t layout, int64_t k) {
-  if (k8_layout(layout)) return check_k8(w, layout - kLayout8, k);
   if (layout >= kLayout16) return check_x16(w, x16_qtype(layout), k);
-  if (layout >= kLayout8) return check_x8(w, x8_qtype(layout), k);
+  if (layout >= kLayout8) return check_rows8(w, rows8_qtype(layout), k);
   check_args(w, layout, k, at::empty({0, k}, at::kFloat));
 }
 
 int64_t output_columns(const at::Tensor& w, int64_t layout) {
-  if (layout >= kLayout8 && layout < kLayout16) return w.size(0) * 8;  // x8 and the K-quants' x8
+  if (layout >= kLayout8 && layout < kLayout16) return w.size(0) * kRows8;
   if (layout >= kLayout16) return w.size(0) * kRows16;
   return w.size(0);
 }
@@ -1992,15 +1960,11 @@ void run_units(const at::Tensor& w, int64_t layout, int64_t k, const uint8_t* ac
   static_assert(kUnitColumns == kColumns && kColumns == kRows16 && kPerSweep8 * 8 == kColumns, "unit of 16 columns");
   const int64_t qtype = layout_qtype(layout);
   const Job job{w.data_ptr<uint8_t>(), w.size(1), act, k / file_block(qtype), y, ldy};
-  if (k8_layout(layout)) {
-    sweeps8(w.size(0), m, u0, u1, [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-      k8_tile(qtype, false, job, g0, g1, r0, r1);
-    });
-  } else if (layout >= kLayout16) {
+  if (layout >= kLayout16) {
     x16_groups(qtype, false, job, m, u0, u1);
   } else if (layout >= kLayout8) {
     sweeps8(w.size(0), m, u0, u1, [&](int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-      x8_tile(qtype, false, job, g0, g1, r0, r1);
+      rows8_tile(qtype, false, job, g0, g1, r0, r1);
     });
   } else {
     file_sweeps(qtype, false, job, w.size(0), m, u0, u1);
