@@ -125,6 +125,32 @@ def test_a_tree_row_has_the_bits_of_its_token_decoded_after_its_path(native, nam
     assert torch.equal(logits, chains), row_errors(logits, chains).max()
 
 
+def test_the_step_runs_the_8_row_layouts_an_avx2_cpu_gets(tmp_path, monkeypatch):
+    """Every matrix in the layouts an AVX2-only build picks (q4_K x8, q6_K x8, the 32-blocks' x8; on a VNNI host the
+    step otherwise runs x16): the step equals the Python forward, and a tree row has the bits of its chain."""
+    from arborspec.kernels import QuantMatrix
+    from arborspec.loading import load_model
+
+    from .tiny_gguf import write_tiny_gguf
+    chosen = QuantMatrix._layout
+    monkeypatch.setattr(QuantMatrix, "_layout", lambda self, pack, isa: chosen(self, pack, "avx2"))
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", **FILES["mixed"])
+    model = load_model(str(path), backend="native", progress=False).model
+    fast = model.forward
+    layouts = {lin.matrix.qtype.name: lin.matrix.layout for layer in fast.layers
+               for lin in (*layer.qkv, layer.o, *layer.gate_up, layer.down)}
+    assert set(layouts) >= {"Q4_K", "Q6_K", "Q5_0"} and all(1000 < v < 2000 for v in layouts.values()), layouts
+    rng = random.Random(12)
+    context = [rng.randrange(VOCAB) for _ in range(15)]
+    tree = random_tree(rng, context[-1], 9)
+    logits = forward_tree(make_session(model), context, tree, prefilled=10, layers=2)
+    python = forward_tree(TreeSession(model), context, tree, prefilled=10)
+    assert row_errors(logits, python).max() < STEP
+    chains = torch.stack([chain_logits(model, context, [tree.tokens[n] for n in tree.path(node)])
+                          for node in range(len(tree))])
+    assert torch.equal(logits, chains), row_errors(logits, chains).max()
+
+
 @pytest.mark.parametrize("name", ["g6", "g7", "mixed"])
 def test_the_logits_do_not_depend_on_the_number_of_threads(native, name):
     """forward.cpp runs a forward in one parallel region, its steps split between the threads (the other tests run
