@@ -27,10 +27,10 @@ class QuantMatrix:
     At load the blocks are repacked (the same bits, rearranged; see gguf_mm.cpp) for the best code the build runs:
     where it has AVX-512 VNNI, every type with a multiple of 16 rows into groups of 16 interleaved rows (one 32-bit
     lane of a 512-bit register per row); otherwise, where it has AVX2 and with a multiple of 8 rows, every type into
-    groups of 8 (x8: fewer multiply instructions per row of X, and the float scaling once per block for 8 rows). `pack=False` keeps the file's layout (an embedding
-    table, whose rows are looked up one by one); `isa` picks the layouts of another path than the build's best
-    (benchmarks: "avx2" on a VNNI host); `kernels` is the compiled library to run on (tests: the emulated AVX-512
-    build).
+    groups of 8 (x8: fewer multiply instructions per row of X, and the float scaling once per block for 8 rows).
+    `pack=False` keeps the file's layout (an embedding table, whose rows are looked up one by one); `isa` picks the
+    layouts of another path than the build's best (benchmarks: "avx2" on a VNNI host); `kernels` is the compiled
+    library to run on (tests: the emulated AVX-512 build).
     """
 
     def __init__(self, data: np.ndarray | torch.Tensor, qtype, n: int, k: int, pack: bool = True, kernels=None,

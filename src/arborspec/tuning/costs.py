@@ -49,8 +49,8 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
 
     One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
     prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). The sizes are measured in rounds, one
-    call of each per round (the first round untimed, a warm-up), not one size after the other: this host's memory
-    speed drifts within minutes, and size by size a slow minute fell on a few sizes alone (an AVX2 profile read
+    call of each per round (the first round untimed, a warm-up), not one size after the other: a shared host's memory
+    speed can drift within minutes, and size by size a slow minute fell on a few sizes alone (an AVX2 profile read
     t(1) = 35.6 ms above t(2) = 30.7 ms, where decoding ran at 27 ms a token; Zen 4, 2026-11-26), so the draft
     choice and the gate compared sizes measured in different states. Each round runs the largest size first: after
     a 128-node forward the caches hold none of a small forward's data, which read the q4_0 draft's d(1) ~8% high.
