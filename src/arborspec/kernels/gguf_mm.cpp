@@ -642,49 +642,58 @@ inline __m256i tree_sum(__m256i* m) {
   return m[0];
 }
 
+// One q4_K x8 block for `rows` (<= R) rows of X (`act`: the first row's activation block, `stride` blocks between
+// rows), added to acc[0..rows).
+template <int R>
+inline void q4k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 columns,)
+  const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16)));
+  __m256i isum[R];
+  for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
+  for (int s = 0; s < 8; ++s) {
+    const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 32 + 8 * s));
+    const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each column's scale twice
+    __m256i w[8];
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i v = load(grp + 160 + (s * 4 + ch) * 32);
+      w[2 * ch] = _mm256_and_si256(v, low4);
+      w[2 * ch + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int8_t* aq = act[r * stride].qs + 32 * s;
+      __m256i m[8];  // (8 columns x 2,) int16 each
+      for (int i = 0; i < 8; ++i) m[i] = _mm256_maddubs_epi16(w[i], bcast4(aq + 4 * i));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(tree_sum<8>(m), scale));  // (8 columns,) int32
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const ActK& a = act[r * stride];
+    __m256i msum = _mm256_setzero_si256();
+    for (int pr = 0; pr < 4; ++pr) {
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 96 + 16 * pr)));
+      int32_t pair;
+      std::memcpy(&pair, a.bsum32 + 2 * pr, 4);
+      msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
+    }
+    const __m256 ad = _mm256_set1_ps(a.d);
+    const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), f);
+  }
+}
+
 void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
   const ActK* act = static_cast<const ActK*>(j.act);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
     __m256 acc[kTile];
     for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
     for (int64_t b = 0; b < j.blocks; ++b) {
       const uint8_t* grp = j.w + g * j.row_bytes + b * kGroupBytes;
       for (int64_t line = 0; line < kGroupBytes; line += 64) prefetch(grp + kPrefetch + line);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 columns,)
-      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16)));
-      __m256i isum[kTile];
-      for (int64_t r = r0; r < r1; ++r) isum[r - r0] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 32 + 8 * s));
-        const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each column's scale twice
-        __m256i w[8];
-        for (int ch = 0; ch < 4; ++ch) {
-          const __m256i v = load(grp + 160 + (s * 4 + ch) * 32);
-          w[2 * ch] = _mm256_and_si256(v, low4);
-          w[2 * ch + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-        for (int64_t r = r0; r < r1; ++r) {
-          const int8_t* aq = act[r * j.blocks + b].qs + 32 * s;
-          __m256i m[8];  // (8 columns x 2,) int16 each
-          for (int i = 0; i < 8; ++i) m[i] = _mm256_maddubs_epi16(w[i], bcast4(aq + 4 * i));
-          const __m256i p = tree_sum<8>(m);
-          isum[r - r0] = _mm256_add_epi32(isum[r - r0], _mm256_madd_epi16(p, scale));  // (8 columns,) int32
-        }
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        const ActK& a = act[r * j.blocks + b];
-        __m256i msum = _mm256_setzero_si256();
-        for (int pr = 0; pr < 4; ++pr) {
-          const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 96 + 16 * pr)));
-          int32_t pair;
-          std::memcpy(&pair, a.bsum32 + 2 * pr, 4);
-          msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins, _mm256_set1_epi32(pair)));
-        }
-        const __m256 ad = _mm256_set1_ps(a.d);
-        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r - r0]), _mm256_mul_ps(d, ad), acc[r - r0]);
-        acc[r - r0] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), f);
-      }
+      if (r1 - r0 == 1)  // one row: its sums in registers (as q6k8_avx2)
+        q4k8_rows<1>(grp, act + r0 * j.blocks + b, j.blocks, acc);
+      else
+        q4k8_rows<kTile>(grp, act + r0 * j.blocks + b, j.blocks, acc, (int)(r1 - r0));
     }
     for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kGroup, acc[r - r0]);
   }
@@ -824,16 +833,18 @@ void x8_scalar(int64_t qtype, const Job& j, int64_t g0, int64_t g1, int64_t r0, 
 // x8 for groups [g0, g1), rows [r0, r1) of X (at most kTile): per block the 8 chunk registers and the 8 rows'
 // scales are made once, then each row costs 8 broadcasts of 4 activation bytes, 8 u8 x s8 multiply-adds, their
 // widening (unsigned types: one for the block; signed: one per chunk), and one conversion and multiply-add in float.
-template <int64_t qtype>
-void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+// Group g for `rows` (<= R) rows of X from r0: R = 1 keeps the row's accumulator in a register across the blocks
+// (with a loop over the rows it lives on the stack: the q4_K x8 kernel ran 1.4x faster at M = 1 so).
+template <int64_t qtype, int R>
+void q32x8_group(const Job& j, int64_t g, int64_t r0, int rows = R) {
   const Act32* act = static_cast<const Act32*>(j.act);
   constexpr int64_t bytes = x8_bytes(qtype);
   constexpr bool is_signed = qtype == IQ4_NL || qtype == Q8_0;
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
-  for (int64_t g = g0; g < g1; ++g) {
-    __m256 acc[kTile];
-    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
+  {
+    __m256 acc[R];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < j.blocks; ++b) {
       const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
       for (int64_t line = 0; line < bytes; line += 64) prefetch(blk + kAhead8 + line);
@@ -864,8 +875,8 @@ void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
             w[t] = _mm256_abs_epi8(s[t]);
           }
       }
-      for (int64_t r = r0; r < r1; ++r) {
-        const Act32& a = act[r * j.blocks + b];
+      for (int r = 0; r < rows; ++r) {
+        const Act32& a = act[(r0 + r) * j.blocks + b];
         __m256i dot;  // (8 rows,) int32
         __m256i m[8];  // per chunk: (8 rows x 2,) int16 products, or (signed types) (8 rows,) int32
         if constexpr (is_signed) {
@@ -882,10 +893,20 @@ void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
             dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<8>(m), ones), _mm256_set1_epi32(a.offset8));
           }
         }
-        acc[r - r0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r - r0]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r]);
       }
     }
-    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.n + g * kRows8, acc[r]);
+  }
+}
+
+template <int64_t qtype>
+void q32x8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    if (r1 - r0 == 1)
+      q32x8_group<qtype, 1>(j, g, r0);
+    else
+      q32x8_group<qtype, kTile>(j, g, r0, (int)(r1 - r0));
   }
 }
 
