@@ -1,6 +1,6 @@
 """Cost profiles: what one forward over a tree of n tokens costs a given model on this machine, measured and cached.
 
-`measure_forward_cost` times a model's tree forwards (median of repeats, on a ~200-token prefix) through the same
+`measure_forward_cost` times a model's tree forwards (the fastest of repeats, on a ~200-token prefix) through the same
 sessions generation uses (`models.make_session`), so it times any backend, a llama.cpp model included.
 
 The auto policy (drafting/auto/) sizes every tree from two such curves: the target's t(n) (one forward over n tree
@@ -15,7 +15,6 @@ two curves the auto policy uses (`arborspec profile --model` / `--pair`).
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree
 
 def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3, ssm_tree: str = "packed",
                          seed: int = 0, new_session=None) -> list[float]:
-    """Median seconds of one forward over an N-token complete binary tree, for each N in `sizes`.
+    """Seconds of one forward over an N-token complete binary tree, for each N in `sizes`: the fastest of `repeats`.
 
     One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
     prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). The sizes are measured in rounds, one
@@ -54,6 +53,10 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
     t(1) = 35.6 ms above t(2) = 30.7 ms, where decoding ran at 27 ms a token; Zen 4, 2026-11-26), so the draft
     choice and the gate compared sizes measured in different states. Each round runs the largest size first: after
     a 128-node forward the caches hold none of a small forward's data, which read the q4_0 draft's d(1) ~8% high.
+    Why the fastest and not the median: a forward's time only grows with what else runs, and on a shared host calls
+    stall at random. The 1.5B target's one-token forwards (22.7 ms) took +15-30 ms stalls, about one call in eight,
+    so a median of 3 read its t(1) at 31-35 ms in two of five profiles while t(8) read right: its extra rows then
+    looked nearly free, and `auto` drafted and grafted at a loss (AVX2 build, Zen 4, 2026-11-26).
     `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind.
     """
     rng = random.Random(seed)
@@ -74,7 +77,7 @@ def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats:
             context.append(rng.randrange(vocab))
             if rep:
                 times[i].append(elapsed)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 # ---- cost curves ----------------------------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def plot_profile(sizes, times, model: RuntimeModel, out: str, title: str = "", n
     Fig. 2)."""
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     grid = np.linspace(min(sizes), max(sizes), 200)
-    ax1.plot(sizes, [t * 1e3 for t in times], "o", label="measured (median)")
+    ax1.plot(sizes, [t * 1e3 for t in times], "o", label="measured (fastest of repeats)")
     ax1.plot(grid, [model(g) * 1e3 for g in grid], "-", label=model.describe())
     ax1.set_xlabel("tree tokens N")
     ax1.set_ylabel("forward time (ms)")
