@@ -569,7 +569,6 @@ void q32_avx2(int64_t qtype, const Job& j, int64_t c0, int64_t c1, int64_t r0, i
 //   32 s + 8 q + i (low nibble) and 32 s + 8 q + 4 + i (high nibble).
 constexpr int64_t kGroup = 8;
 constexpr int64_t kGroupBytes = 16 + 16 + 64 + 64 + 1024;
-constexpr int64_t kPrefetch = 2 * kGroupBytes;  // read ahead: M = 1 is 15% faster (43 -> 37 ms, whole model)
 
 void repack_q4k_group(const uint8_t* src, int64_t row_bytes, int64_t block, uint8_t* out) {
   for (int c = 0; c < kGroup; ++c) {
@@ -679,23 +678,6 @@ inline void q4k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m25
     const __m256 ad = _mm256_set1_ps(a.d);
     const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, ad), acc[r]);
     acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), f);
-  }
-}
-
-void q4k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
-  const ActK* act = static_cast<const ActK*>(j.act);
-  for (int64_t g = g0; g < g1; ++g) {
-    __m256 acc[kTile];
-    for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < j.blocks; ++b) {
-      const uint8_t* grp = j.w + g * j.row_bytes + b * kGroupBytes;
-      for (int64_t line = 0; line < kGroupBytes; line += 64) prefetch(grp + kPrefetch + line);
-      if (r1 - r0 == 1)  // one row: its sums in registers (as q6k8_avx2)
-        q4k8_rows<1>(grp, act + r0 * j.blocks + b, j.blocks, acc);
-      else
-        q4k8_rows<kTile>(grp, act + r0 * j.blocks + b, j.blocks, acc, (int)(r1 - r0));
-    }
-    for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kGroup, acc[r - r0]);
   }
 }
 #endif
@@ -830,11 +812,11 @@ void x8_scalar(int64_t qtype, const Job& j, int64_t g0, int64_t g1, int64_t r0, 
 }
 
 #ifdef ARB_AVX2
-// x8 for groups [g0, g1), rows [r0, r1) of X (at most kTile): per block the 8 chunk registers and the 8 rows'
-// scales are made once, then each row costs 8 broadcasts of 4 activation bytes, 8 u8 x s8 multiply-adds, their
-// widening (unsigned types: one for the block; signed: one per chunk), and one conversion and multiply-add in float.
-// Group g for `rows` (<= R) rows of X from r0: R = 1 keeps the row's accumulator in a register across the blocks
-// (with a loop over the rows it lives on the stack: the q4_K x8 kernel ran 1.4x faster at M = 1 so).
+// x8 for group g and `rows` (<= R) rows of X from r0: per block the 8 chunk registers and the 8 rows' scales are
+// made once, then each row costs 8 broadcasts of 4 activation bytes, 8 u8 x s8 multiply-adds, their widening
+// (unsigned types: one for the block; signed: one per chunk), and one conversion and multiply-add in float. R = 1
+// keeps the row's accumulator in a register across the blocks (with a loop over the rows it lives on the stack:
+// Q4_0 x8 at M = 1 ran 92 -> 122 G multiply-adds a second so).
 template <int64_t qtype, int R>
 void q32x8_group(const Job& j, int64_t g, int64_t r0, int rows = R) {
   const Act32* act = static_cast<const Act32*>(j.act);
@@ -842,62 +824,60 @@ void q32x8_group(const Job& j, int64_t g, int64_t r0, int rows = R) {
   constexpr bool is_signed = qtype == IQ4_NL || qtype == Q8_0;
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL)));
-  {
-    __m256 acc[R];
-    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < j.blocks; ++b) {
-      const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
-      for (int64_t line = 0; line < bytes; line += 64) prefetch(blk + kAhead8 + line);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // (8 rows,)
-      __m256i w[8];  // unsigned types: the stored values; signed: |w|
-      __m256i s[8];  // signed types: w (its sign goes to the activations)
-      if constexpr (qtype == Q8_0) {
+  __m256 acc[R];
+  for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
+    for (int64_t line = 0; line < bytes; line += 64) prefetch(blk + kAhead8 + line);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // (8 rows,)
+    __m256i w[8];  // unsigned types: the stored values; signed: |w|
+    __m256i s[8];  // signed types: w (its sign goes to the activations)
+    if constexpr (qtype == Q8_0) {
+      for (int t = 0; t < 8; ++t) {
+        s[t] = load(blk + 16 + 32 * t);
+        w[t] = _mm256_abs_epi8(s[t]);  // -128 -> 0x80, read as 128 unsigned
+      }
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = load(blk + 16 + 32 * p);
+        w[2 * p] = _mm256_and_si256(v, low4);
+        w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+      if constexpr (qtype == Q5_0) {
+        const __m256i high = load(blk + 144);  // bit t of each byte: chunk t's 5th bit
         for (int t = 0; t < 8; ++t) {
-          s[t] = load(blk + 16 + 32 * t);
-          w[t] = _mm256_abs_epi8(s[t]);  // -128 -> 0x80, read as 128 unsigned
+          const __m256i at4 = t <= 4 ? _mm256_slli_epi16(high, 4 - t) : _mm256_srli_epi16(high, t - 4);
+          w[t] = _mm256_or_si256(w[t], _mm256_and_si256(at4, bit4));
         }
-      } else {
-        for (int p = 0; p < 4; ++p) {
-          const __m256i v = load(blk + 16 + 32 * p);
-          w[2 * p] = _mm256_and_si256(v, low4);
-          w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        }
-        if constexpr (qtype == Q5_0) {
-          const __m256i high = load(blk + 144);  // bit t of each byte: chunk t's 5th bit
-          for (int t = 0; t < 8; ++t) {
-            const __m256i at4 = t <= 4 ? _mm256_slli_epi16(high, 4 - t) : _mm256_srli_epi16(high, t - 4);
-            w[t] = _mm256_or_si256(w[t], _mm256_and_si256(at4, bit4));
-          }
-        }
-        if constexpr (qtype == IQ4_NL)
-          for (int t = 0; t < 8; ++t) {
-            s[t] = _mm256_shuffle_epi8(table, w[t]);
-            w[t] = _mm256_abs_epi8(s[t]);
-          }
       }
-      for (int r = 0; r < rows; ++r) {
-        const Act32& a = act[(r0 + r) * j.blocks + b];
-        __m256i dot;  // (8 rows,) int32
-        __m256i m[8];  // per chunk: (8 rows x 2,) int16 products, or (signed types) (8 rows,) int32
-        if constexpr (is_signed) {
-          for (int t = 0; t < 8; ++t)
-            m[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], _mm256_sign_epi8(bcast4(a.qs + 4 * t), s[t])), ones);
-          dot = tree_sum<8, true>(m);
-        } else {
-          for (int t = 0; t < 8; ++t) m[t] = _mm256_maddubs_epi16(w[t], bcast4(a.qs + 4 * t));
-          if constexpr (qtype == Q5_0) {  // each half's 16-bit sums alone (4 x 2 x 31 x 127 < 32767)
-            dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<4>(m), ones),
-                                   _mm256_madd_epi16(tree_sum<4>(m + 4), ones));
-            dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.offset16));
-          } else {  // Q4_0
-            dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<8>(m), ones), _mm256_set1_epi32(a.offset8));
-          }
+      if constexpr (qtype == IQ4_NL)
+        for (int t = 0; t < 8; ++t) {
+          s[t] = _mm256_shuffle_epi8(table, w[t]);
+          w[t] = _mm256_abs_epi8(s[t]);
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r]);
-      }
     }
-    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.n + g * kRows8, acc[r]);
+    for (int r = 0; r < rows; ++r) {
+      const Act32& a = act[(r0 + r) * j.blocks + b];
+      __m256i dot;  // (8 rows,) int32
+      __m256i m[8];  // per chunk: (8 rows x 2,) int16 products, or (signed types) (8 rows,) int32
+      if constexpr (is_signed) {
+        for (int t = 0; t < 8; ++t)
+          m[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], _mm256_sign_epi8(bcast4(a.qs + 4 * t), s[t])), ones);
+        dot = tree_sum<8, true>(m);
+      } else {
+        for (int t = 0; t < 8; ++t) m[t] = _mm256_maddubs_epi16(w[t], bcast4(a.qs + 4 * t));
+        if constexpr (qtype == Q5_0) {  // each half's 16-bit sums alone (4 x 2 x 31 x 127 < 32767)
+          dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<4>(m), ones),
+                                 _mm256_madd_epi16(tree_sum<4>(m + 4), ones));
+          dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.offset16));
+        } else {  // Q4_0
+          dot = _mm256_add_epi32(_mm256_madd_epi16(tree_sum<8>(m), ones), _mm256_set1_epi32(a.offset8));
+        }
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[r]);
+    }
   }
+  for (int r = 0; r < rows; ++r) _mm256_storeu_ps(j.y + (r0 + r) * j.n + g * kRows8, acc[r]);
 }
 
 template <int64_t qtype>
@@ -1057,20 +1037,33 @@ inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m25
   }
 }
 
-void q6k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+// The K-quants' 8-row kernels (q4_K x8, q6_K x8) for groups [g0, g1), rows [r0, r1) of X (at most kTile): per block,
+// read two blocks ahead (M = 1 15% faster for the 1.5B's matrices: 43 -> 37 ms), then one row with its sums and
+// accumulator in registers, or the rows in a loop with theirs on the stack (faster than passes of 2-4 rows in
+// registers, each of which unpacks the weights again: q6_K x8 at M = 8 198 against 157 G multiply-adds a second).
+template <int64_t qtype, int R>
+inline void k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+  if constexpr (qtype == Q4_K)
+    q4k8_rows<R>(grp, act, stride, acc, rows);
+  else
+    q6k8_rows<R>(grp, act, stride, acc, rows);
+}
+
+template <int64_t qtype>
+void k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  constexpr int64_t bytes = qtype == Q4_K ? kGroupBytes : kQ6Group;
   const ActK* act = static_cast<const ActK*>(j.act);
   for (int64_t g = g0; g < g1; ++g) {
     __m256 acc[kTile];
     for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
     for (int64_t b = 0; b < j.blocks; ++b) {
-      const uint8_t* grp = j.w + g * j.row_bytes + b * kQ6Group;
-      for (int64_t line = 0; line < kQ6Group; line += 64) prefetch(grp + 2 * kQ6Group + line);
-      // one row: its accumulator in registers; more: a loop over the rows (faster than passes of 2-4 rows, whose
-      // accumulators stay in registers but which unpack the weights once a pass: M = 8 198 against 157 G a second)
+      const uint8_t* grp = j.w + g * j.row_bytes + b * bytes;
+      for (int64_t line = 0; line < bytes; line += 64) prefetch(grp + 2 * bytes + line);
+      const ActK* first = act + r0 * j.blocks + b;
       if (r1 - r0 == 1)
-        q6k8_rows<1>(grp, act + r0 * j.blocks + b, j.blocks, acc);
+        k8_rows<qtype, 1>(grp, first, j.blocks, acc);
       else
-        q6k8_rows<kTile>(grp, act + r0 * j.blocks + b, j.blocks, acc, (int)(r1 - r0));
+        k8_rows<qtype, kTile>(grp, first, j.blocks, acc, (int)(r1 - r0));
     }
     for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
   }
@@ -1715,8 +1708,8 @@ at::Tensor unpack_rows8(const at::Tensor& packed, int64_t qtype, int64_t k) {
 void rows8_tile(int64_t qtype, bool scalar, const Job& job, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 #ifdef ARB_AVX2
   if (!scalar) {
-    if (qtype == Q4_K) return q4k8_avx2(job, g0, g1, r0, r1);
-    if (qtype == Q6_K) return q6k8_avx2(job, g0, g1, r0, r1);
+    if (qtype == Q4_K) return k8_avx2<Q4_K>(job, g0, g1, r0, r1);
+    if (qtype == Q6_K) return k8_avx2<Q6_K>(job, g0, g1, r0, r1);
     return x8_avx2(qtype, job, g0, g1, r0, r1);
   }
 #endif
