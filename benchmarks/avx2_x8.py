@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType as QT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.blocks: random GGUF blocks
 
+from arborspec.core.host import this_cpu  # noqa: E402
 from arborspec.kernels import QuantMatrix, matrix as matrix_module  # noqa: E402
 from arborspec.kernels.build import HERE, Kernels, build_dir, compile_extension  # noqa: E402
 from tests.kernels.blocks import random_blocks  # noqa: E402
@@ -222,7 +223,7 @@ def main() -> None:
         sys.exit(bench(rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    print(f"host: {Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
+    print(f"host: {this_cpu().describe()}, "
           f"{torch.get_num_threads()} threads, build {NAMESPACE} ({HERE.name}, -march=x86-64-v3)\n")
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.part == "matrices":

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from arborspec.backends.hf import TreeSession
-from arborspec.bench.runner import cpu_model
+from arborspec.core.host import this_cpu
 from arborspec.kernels.build import library
 from arborspec.loading import load_model
 from arborspec.tuning.costs import measure_forward_cost
@@ -49,7 +49,7 @@ def measure(model_name: str, sizes: list[int], rounds: int) -> dict:
         for name, timer in timers.items():
             time.sleep(0.5)  # the previous timer's threads (torch's or llama.cpp's pool) stop spinning first
             runs[name].append(timer())
-    result = {"model": model_name, "sizes": sizes, "rounds": rounds, "cpu": cpu_model(), "isa": library().isa,
+    result = {"model": model_name, "sizes": sizes, "rounds": rounds, "cpu": this_cpu().describe(), "isa": library().isa,
               "threads": torch.get_num_threads(),
               "ms": {b: [1e3 * statistics.median(r[i] for r in runs[b]) for i in range(len(sizes))] for b in runs}}
     result["rounds_ms"] = {b: [[1e3 * t for t in r] for r in runs[b]] for b in ("native", "kernels")}  # every round

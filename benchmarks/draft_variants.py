@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from arborspec.bench.runner import cpu_model
+from arborspec.core.host import this_cpu
 from arborspec.loading import load_model
 from arborspec.tuning.agreement import agreement_with, fitting, reference_ids, target_choices
 from arborspec.tuning.costs import measure_forward_cost
@@ -58,7 +58,7 @@ def main() -> None:
         agree = {name: agreement_with(choices, m.model, texts) for name, m in models.items() if name != "target"}
     best = {name: [min(t[i] for t in ts) for i in range(2)] for name, ts in times.items()}
     t1 = best["target"][0]
-    print(f"\nhost: {cpu_model()}, {torch.get_num_threads()} threads; fastest of {args.rounds} rounds; "
+    print(f"\nhost: {this_cpu().describe()}, {torch.get_num_threads()} threads; fastest of {args.rounds} rounds; "
           f"target t(1) = {t1 * 1e3:.1f} ms, t(4)/t(1) = {best['target'][1] / t1:.2f}\n")
     print("| draft variant | head MB | d(1) ms | d(1)/t(1) | d(4)/d(1) | top-1 agreement | top-4 coverage |")
     print("|---|---|---|---|---|---|---|")
@@ -73,7 +73,7 @@ def main() -> None:
               f"{a.top1:.3f} | {a.cover:.3f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(host=cpu_model(), threads=torch.get_num_threads(),
+        Path(args.out).write_text(json.dumps(dict(host=this_cpu().describe(), threads=torch.get_num_threads(),
                                                   rounds=args.rounds, target=dict(t1=t1, t4=best["target"][1]),
                                                   variants=rows, times=times), indent=1))
 

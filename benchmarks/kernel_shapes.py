@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 import torch
 
-from arborspec.bench.runner import cpu_model
+from arborspec.core.host import this_cpu
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import library
 from arborspec.viz.canvas import pyplot, save_figure
@@ -118,7 +118,7 @@ def measure(path: Path, sizes, repeats: int, isa: str | None = None) -> dict:
             rows.append({"group": name, "matrices": len(mats), "bytes": nbytes, "m": m, "seconds": sum(best[name, m]),
                          "memory_roofline": sum(best[name, 0]), "compute_roofline": m * macs / rate})
     return {"model": str(path), "bandwidth_GBps": bw / 1e9, "multiply_add_G_per_s": rate / 1e9,
-            "threads": torch.get_num_threads(), "isa": isa or library().isa, "cpu": cpu_model(),
+            "threads": torch.get_num_threads(), "isa": isa or library().isa, "cpu": this_cpu().describe(),
             "rows": rows}
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import httpx
 
 from arborspec.bench.datasets import DATASETS, fetch
-from arborspec.core.disk_cache import machine_id, write_json
+from arborspec.core.disk_cache import write_json
+from arborspec.core.host import machine_id
 
 START_TIMEOUT_S = 900  # loading the real pair (and, with --ray, starting Ray) on a busy 2-core machine
 

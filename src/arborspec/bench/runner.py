@@ -46,6 +46,7 @@ import transformers
 from tqdm import tqdm
 
 from ..backends.model_info import eos_ids
+from ..core.host import this_cpu
 from ..core.options import parse_int_list
 from ..loading.aliases import ALIASES, alias_gguf
 from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_draft
@@ -138,23 +139,13 @@ def peak_rss_mb() -> float:
     return kb / 2**20 if sys.platform == "darwin" else kb / 1024  # macOS reports bytes, Linux KiB
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(settings: BenchSettings) -> dict:
     try:
         ours = version("arborspec")
     except PackageNotFoundError:
         ours = "unknown"
     return dict(arborspec=ours, torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), cpu=cpu_model(), cores=os.cpu_count(),
+                python=platform.python_version(), cpu=this_cpu().describe(), cores=os.cpu_count(),
                 threads=torch.get_num_threads(), dtype=settings.dtype, command=settings.command,
                 llama_cpp=llamacpp_info())
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -60,19 +59,6 @@ def library_versions() -> dict:
 
     return {"format": PROFILE_FORMAT, "arborspec": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__}
-
-
-def machine_id() -> str:
-    """CPU model, logical cores and architecture (not the host name: containers rename hosts, not CPUs)."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu or platform.processor() or 'cpu'} x{os.cpu_count()} {platform.machine()}"
 
 
 def model_fingerprint(model) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.host import this_cpu
+
 HERE = Path(__file__).parent
 SOURCES = [HERE / "gguf_mm.cpp", HERE / "forward.cpp"]  # one library; forward.cpp calls gguf_mm.h
 # the packed layouts' names, in the order gguf_mm.cpp's layouts() gives their numbers
@@ -71,7 +73,7 @@ def emulated_library() -> "Kernels":
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
         raise KernelBuildError(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
-    missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - set(cpu_flags().split())
+    missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - this_cpu().flags
     if missing:  # the emulated code still runs AVX2 instructions natively
         raise KernelBuildError("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
                                f"lacks {', '.join(sorted(missing))}")
@@ -122,21 +124,9 @@ def explain(exc: Exception) -> str:
 
 
 @functools.cache
-def cpu_flags() -> str:
-    """This CPU's flags line from /proc/cpuinfo ("" where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-@functools.cache
 def cache_key() -> str:
     """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
-    flags = cpu_flags()
+    flags = " ".join(sorted(this_cpu().flags))
     sources = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")) + [Path(__file__)]
     text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode()
     return hashlib.sha256(text).hexdigest()[:16]

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.disk_cache import machine_id, read_record, write_record
+from ..core.disk_cache import read_record, write_record
 from ..core.downloads import say
+from ..core.host import machine_id
 from ..drafting.auto.policy import predicted_rates
 from ..tuning.costs import CostCurve, confirm_profile, profile_model
 

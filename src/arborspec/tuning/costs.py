@@ -24,7 +24,8 @@ import torch
 
 from ..backends import make_session
 from ..backends.model_info import context_window
-from ..core.disk_cache import machine_id, model_fingerprint, read_record, record_path, sha256_key, write_record
+from ..core.disk_cache import model_fingerprint, read_record, record_path, sha256_key, write_record
+from ..core.host import machine_id
 from ..core.isotonic import pool_adjacent_violators
 from ..core.tree import TokenTree
 from ..viz.canvas import pyplot, save_figure
