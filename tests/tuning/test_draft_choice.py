@@ -50,3 +50,8 @@ def test_the_choice_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert draft_choice.choose_draft_quant(*pair, refresh=True, **kw)[2] == "measured"
     rows = draft_choice.describe(record)
     assert len(rows) == 4 and sum("<- default" in r for r in rows) == 1 and "unavailable" in rows[-1]
+    chosen = record["variants"][quant]
+    d = dict(zip(chosen["draft_sizes"], chosen["draft_times"]))
+    t1 = record["target_times"][record["target_sizes"].index(1)]
+    cells = next(r for r in rows if "<- default" in r).split()
+    assert cells[2:4] == [f"{d[1] / t1:.2f}", f"{d[4] / d[1]:.2f}"] and cells[4] == "-"  # no d(32): sizes 1, 2, 4

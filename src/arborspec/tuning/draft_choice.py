@@ -163,18 +163,21 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
 
 
 def describe(record: dict) -> list[str]:
-    """Table rows: one line per variant, side by side."""
-    rows = [f"{'variant':>16} {'d(1) ms':>8} {'d(8) ms':>8} {'d(32) ms':>9} {'top-1 agree':>11} {'top-4 cover':>11} "
-            f"{'best chain':>10} {'est. tok/s':>10}"]
+    """Table rows: one line per variant, side by side; d(1) / t(1) (a drafted token's price in target tokens) and
+    d(4) / d(1) (what a tree's extra rows cost) are the figures the lean drafts were built to bring down."""
+    t1 = dict(zip(record["target_sizes"], record["target_times"])).get(1)
+    rows = [f"{'variant':>16} {'d(1) ms':>8} {'d(1)/t(1)':>9} {'d(4)/d(1)':>9} {'d(32) ms':>9} {'top-1 agree':>11} "
+            f"{'top-4 cover':>11} {'best chain':>10} {'est. tok/s':>10}"]
     for quant, v in record["variants"].items():
         if "unavailable" in v:
             rows.append(f"{quant:>16}  unavailable: {v['unavailable']}")
             continue
         d = dict(zip(v["draft_sizes"], v["draft_times"]))
-        cell = lambda n: f"{d[n] * 1e3:.1f}" if n in d else "-"  # noqa: E731
+        ms = lambda n: f"{d[n] * 1e3:.1f}" if n in d else "-"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
         mark = "  <- default" if quant == record["choice"] else ""
-        rows.append(f"{quant:>16} {cell(1):>8} {cell(8):>8} {cell(32):>9} {v['agreement']:11.3f} "
-                    f"{v['coverage4']:11.3f} {v['best_chain']:10d} {v['score']:10.2f}{mark}")
+        rows.append(f"{quant:>16} {ms(1):>8} {ratio(d.get(1), t1):>9} {ratio(d.get(4), d.get(1)):>9} {ms(32):>9} "
+                    f"{v['agreement']:11.3f} {v['coverage4']:11.3f} {v['best_chain']:10d} {v['score']:10.2f}{mark}")
     return rows
 
 
