@@ -31,6 +31,7 @@ from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
 from .bench.concurrency import bench_from_args
 from .bench.report import report_from_args
 from .core.options import option_parser, parse_int_list
+from .core.sampling import SamplingConfig
 from .drafting import POLICIES
 from .flags import (
     add_backend_arguments,
@@ -215,6 +216,11 @@ def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
+def _check_sampling(args) -> None:
+    """The sampling values, checked before minutes of loading (the decoder checks them again)."""
+    SamplingConfig(temperature=args.temperature, top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0))
+
+
 def _read_prompt(args) -> str:
     if args.prompt_file:
         try:
@@ -237,6 +243,7 @@ def _summary(stats) -> str:
 def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
+    _check_sampling(args)
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
@@ -315,6 +322,9 @@ def cmd_methods(args) -> int:
 def cmd_trees(args) -> int:
     if args.num_trees < 1 or args.max_new_tokens < 1:
         raise CliError("--num-trees and --max-new-tokens must be at least 1")
+    _check_sampling(args)
+    if not Path(args.out).resolve().parent.is_dir():
+        raise CliError(f"--out {args.out!r}: its folder does not exist")
     prompt = _read_prompt(args)
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
@@ -336,6 +346,7 @@ def cmd_calibrate(args) -> int:
         except OSError as err:
             raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
     prompts = prompts or DEFAULT_PROMPTS
+    _check_sampling(args)
     target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype, backend=args.backend,
                               draft_backend=args.draft_backend, llama=llama_options(args))
     result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

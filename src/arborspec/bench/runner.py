@@ -48,12 +48,13 @@ from tqdm import tqdm
 from ..backends.model_info import eos_ids
 from ..core.host import this_cpu
 from ..core.options import parse_int_list
+from ..core.sampling import SamplingConfig
 from ..loading.aliases import ALIASES, alias_gguf
 from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_draft
 from ..runspec import RunSpec, build_decoder, options_for, parse, split_methods
 from . import metrics, records
 from .args import DEFAULT_METHODS
-from .datasets import Prompt, load_prompt_file, load_prompts, prompt_ids
+from .datasets import DATASETS, Prompt, load_prompt_file, load_prompts, prompt_ids
 from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
 from .methods import hf_generate
 from .report import write_report
@@ -314,6 +315,15 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
     return list(unique.values())
 
 
+def check_settings(settings: BenchSettings) -> None:
+    """The datasets' names and the sampling values, checked as the run would check them later."""
+    for name in settings.datasets:
+        if name not in DATASETS:
+            raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
+    for t in settings.temperatures:
+        SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
+
+
 def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
     per_dataset = [load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
                                 progress=settings.progress) for name in settings.datasets]
@@ -345,6 +355,7 @@ def _run_bench(settings: BenchSettings, models) -> Path:
     configs = _configs(settings, warnings)
     if not configs:
         raise ValueError("none of the methods can run: " + "; ".join(warnings))
+    check_settings(settings)  # before minutes of loading: a typo fails at once
     need_draft = any(c.spec.needs_draft for c in configs)
     # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
     target, draft = models if models is not None else load_models(settings, configs)
