@@ -1,5 +1,7 @@
 """Lean GGUF drafts (tuning/gguf_requant.py): the requantized file, the variant levers, greedy identity, and `auto`
 measuring the lean variants of a native draft."""
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -51,6 +53,19 @@ def test_the_lean_file_is_built_once(files, monkeypatch):
     assert gguf_requant.requantized(files["draft"], "q4_0", progress=False) == first
     with pytest.raises(ValueError, match="unknown lean draft type"):
         gguf_requant.requantized(files["draft"], "q3_x")
+
+
+def test_a_new_copy_replaces_the_stale_ones_of_its_variant(files, tmp_path):
+    draft, lookalike = tmp_path / "draft.gguf", tmp_path / "draft-q4_0-x.gguf"  # its copies' names start alike
+    for path in (draft, lookalike):
+        path.write_bytes(files["draft"].read_bytes())
+    old_q4, old_nl, other = (gguf_requant.requantized(path, kind, progress=False)
+                             for path, kind in ((draft, "q4_0"), (draft, "iq4_nl"), (lookalike, "q4_0")))
+    assert other.name.startswith(old_q4.name[:len("draft-q4_0-")])
+    os.utime(draft, (draft.stat().st_atime, draft.stat().st_mtime + 60))  # the file changed: a new key
+    new_q4 = gguf_requant.requantized(draft, "q4_0", progress=False)
+    assert new_q4 != old_q4 and new_q4.exists() and not old_q4.exists()
+    assert old_nl.exists() and other.exists()  # another variant, another file's copy: left alone
 
 
 def test_the_levers_name_the_lean_variants_and_refuse_the_wrong_backend(files):

@@ -71,4 +71,18 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"llama.cpp could not requantize {source} to {kind}: {llama_error(f'status {rc}')}")
         tmp.replace(out)
+        drop_stale(out, f"{source.stem}-{kind}-", progress)
     return out
+
+
+def drop_stale(kept: Path, prefix: str, progress: bool = True) -> None:
+    """Delete the earlier copies of one variant (`prefix`*.gguf beside `kept`): made from an older file of the same
+    name or by another llama.cpp, they would never be read again, and each holds ~430 MB for the 0.5B draft (its
+    Q8_0 embedding table stays whole). A process that has one open keeps reading it (the file lives until closed)."""
+    freed = 0
+    for old in kept.parent.glob(f"{prefix}*.gguf"):
+        if old != kept and len(old.name) == len(kept.name):  # the same name but for the key's hash
+            freed += old.stat().st_size
+            old.unlink(missing_ok=True)
+    if freed:
+        say(f"removed earlier copies of {prefix.rstrip('-')} ({freed / 1e6:.0f} MB)", progress)
