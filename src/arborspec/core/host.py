@@ -13,7 +13,7 @@ import functools
 import hashlib
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -82,8 +82,7 @@ def this_cpu() -> Cpu:
         cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
         cpu = Cpu(name="")
-    return cpu if cpu.name else Cpu(name=platform.processor() or platform.machine() or "cpu", vendor=cpu.vendor,
-                                    family=cpu.family, model=cpu.model, flags=cpu.flags)
+    return cpu if cpu.name else replace(cpu, name=platform.processor() or platform.machine() or "cpu")
 
 
 def machine_id(cpu: Cpu | None = None) -> str:
