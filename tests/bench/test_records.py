@@ -2,6 +2,7 @@
 both, and the reports come out the same from either."""
 import gzip
 import json
+import os
 
 import pytest
 
@@ -83,3 +84,19 @@ def test_the_bench_writes_and_resumes_a_gzipped_record(loaded_pair, tmp_path, mo
     data = records.read(grown)
     assert grown == first and data["finished"] and data["resumed"][0]["prompts_done"] == 1
     assert [r["prompt_key"] for r in data["runs"]] == ["p/0", "p/1"]
+
+
+def test_a_second_run_into_the_same_folder_stops_before_it_writes(tmp_path, capsys):
+    from arborspec.cli import main
+
+    (tmp_path / records.NAME).write_text('{"first": "run"}')
+    with records.writing(tmp_path):
+        with pytest.raises(ValueError, match=rf"another `arborspec bench` \(pid {os.getpid()}\) is writing"):
+            with records.writing(tmp_path):
+                pass
+        # the command line: the error comes before any model loads (this target does not exist)
+        assert main(["bench", "--out", str(tmp_path), "--target", "/nonexistent/model"]) == 2
+        assert "another `arborspec bench`" in capsys.readouterr().err
+    assert (tmp_path / records.NAME).read_text() == '{"first": "run"}'  # the first run's record untouched
+    with records.writing(tmp_path):  # free again once the first run ends
+        pass

@@ -15,16 +15,45 @@ results/ was compressed).
 """
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.disk_cache import atomic_write
 
 NAME = "results.json"
+LOCK = ".bench.lock"  # held by the run writing the folder (git ignores it)
 GZ = ".gz"
 COMPRESS_ABOVE = 128 * 1024  # bytes of JSON; a 20-prompt x 10-method record is ~1-5 MB, a test's a few KB
+
+
+@contextmanager
+def writing(directory: str | Path) -> Iterator[None]:
+    """Hold `directory` for one bench run. Two runs with the same --out each rewrite results.json as they go (and the
+    writer removes the other form), so the later one silently replaced the earlier's record with its first prompts:
+    a whole 20 + 20 run was lost so on 2026-11-26. The second run now stops at once and names the first one's pid."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ValueError(f"another `arborspec bench` (pid {f.read().strip() or '?'}) is writing {directory}; wait "
+                             "for it to end or give another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def find(path: str | Path) -> Path | None:

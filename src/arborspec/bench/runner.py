@@ -343,7 +343,8 @@ def run_bench(settings: BenchSettings, models=None) -> Path:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        return _run_bench(settings, models)
+        with records.writing(settings.out):
+            return _run_bench(settings, models)
     finally:
         torch.set_num_threads(threads)
 
