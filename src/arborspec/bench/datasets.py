@@ -161,11 +161,15 @@ DATASETS = {  # name -> (source, loader)
 }
 
 
+def check_dataset(name: str) -> None:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
+
+
 def load_prompts(name: str, n: int, tokenizer, max_prompt_tokens: int = 1024, text_tokens: int = 128,
                  progress: bool = True) -> list[Prompt]:
     """The first `n` prompts of dataset `name` whose token count is at most `max_prompt_tokens`."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
+    check_dataset(name)
     source, loader = DATASETS[name]
     prompts = loader(fetch(source, progress), tokenizer, text_tokens=text_tokens, progress=progress)
     return _take(prompts, n, tokenizer, max_prompt_tokens)

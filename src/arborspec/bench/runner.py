@@ -54,7 +54,7 @@ from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, 
 from ..runspec import RunSpec, build_decoder, options_for, parse, split_methods
 from . import metrics, records
 from .args import DEFAULT_METHODS
-from .datasets import DATASETS, Prompt, load_prompt_file, load_prompts, prompt_ids
+from .datasets import Prompt, check_dataset, load_prompt_file, load_prompts, prompt_ids
 from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
 from .methods import hf_generate
 from .report import write_report
@@ -318,8 +318,7 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
 def check_settings(settings: BenchSettings) -> None:
     """The datasets' names and the sampling values, checked as the run would check them later."""
     for name in settings.datasets:
-        if name not in DATASETS:
-            raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)} (or --prompt-file)")
+        check_dataset(name)
     for t in settings.temperatures:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
 
