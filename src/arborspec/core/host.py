@@ -50,9 +50,10 @@ class Cpu:
 
     def describe(self) -> str:
         """One line for a report: 'AMD EPYC (Zen 5, family 26 model 2; AVX-512 VNNI)'."""
-        ident = f"family {self.family} model {self.model}" if self.family is not None else ""
-        parts = "; ".join(p for p in (", ".join(p for p in (self.core, ident) if p), self.isa) if p)
-        return f"{self.name} ({parts})"
+        which = [self.core] if self.core else []
+        if self.family is not None:
+            which.append(f"family {self.family} model {self.model}")
+        return f"{self.name} ({', '.join(which)}; {self.isa})" if which else f"{self.name} ({self.isa})"
 
 
 def parse_cpuinfo(text: str) -> Cpu:
