@@ -59,42 +59,154 @@ namespace {
 // Why our own: std::exp costs ~5 ns a value, and SiLU alone takes 28 x 8960 of them per row of the 1.5B target
 // (1.3 ms a row); ATen's vectorized exp handles a buffer's tail (and each thread's chunk's tail) with a different
 // scalar formula, so a value's result would depend on where it sits, i.e. on which other rows share the forward.
-// Here every value goes through the same 8-lane code (a tail is padded), Cody-Waite reduction and a degree-6
+// Here every value goes through the same lane code (a tail is padded), Cody-Waite reduction and a degree-6
 // polynomial: within 2 ulp of expf over [-87, 88], 0 below, +inf above.
 
 #ifdef ARB_STEP_AVX2
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+// 8 and 16 float lanes under one set of names, so that exp and SiLU are written once: each lane of either goes
+// through the same IEEE operations, hence the same bits (16 lanes: where the build has AVX-512 and attention runs
+// wide; at 4 rows of the 0.5B draft the 8-lane exp and SiLU loops took ~3% of a forward's CPU time, Zen 5).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int n = 8;
+  static V set(float a) { return _mm256_set1_ps(a); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {  // 2^n for whole n in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
+
+#ifdef ARB_STEP_AVX512
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int n = 16;
+  static V set(float a) { return _mm512_set1_ps(a); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n as Lanes8::pow2, its integer read from the bits of n + 1.5 * 2^23 (whose low bits are then n in two's
+  // complement, the rest shifted out): SIMDe, which the emulated build uses, has no _mm512_cvtps_epi32
+  static V pow2(V n) {
+    const __m512i bits = _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(12582912.f)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23));
+  }
+};
+#endif
+
+template <class L>
+inline typename L::V exp_lanes(typename L::V x) {
+  x = L::min(L::max(x, L::set(-87.3f)), L::set(88.7f));
+  const typename L::V n = L::round(L::mul(x, L::set(1.44269504088896341f)));
+  typename L::V r = L::fnmadd(n, L::set(0.693359375f), x);
+  r = L::fnmadd(n, L::set(-2.12194440e-4f), r);
+  typename L::V p = L::set(1.9875691500e-4f);
+  p = L::fmadd(p, r, L::set(1.3981999507e-3f));
+  p = L::fmadd(p, r, L::set(8.3334519073e-3f));
+  p = L::fmadd(p, r, L::set(4.1665795894e-2f));
+  p = L::fmadd(p, r, L::set(1.6666665459e-1f));
+  p = L::fmadd(p, r, L::set(5.0000001201e-1f));
+  p = L::fmadd(p, L::mul(r, r), L::add(r, L::set(1.f)));
+  return L::mul(p, L::pow2(n));
 }
 
-// out[i] = exp(x[i] + shift) for i < count (x and out may be the same)
-void exp_shifted(const float* x, float shift, float* out, int64_t count) {
-  const __m256 s = _mm256_set1_ps(shift);
+// out[i] = f(x[i]) for i < count, L::n values at a time, a tail padded with zeros (x and out may be the same)
+template <class L, class F>
+inline void each_lanes(const float* x, float* out, int64_t count, F f) {
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, exp8(_mm256_add_ps(_mm256_loadu_ps(x + i), s)));
+  for (; i + L::n <= count; i += L::n) L::store(out + i, f(L::load(x + i), i));
   if (i < count) {
-    alignas(32) float tail[8] = {0};
+    alignas(64) float tail[L::n] = {0};
     std::copy(x + i, x + count, tail);
-    _mm256_store_ps(tail, exp8(_mm256_add_ps(_mm256_load_ps(tail), s)));
+    L::store(tail, f(L::load(tail), i));
     std::copy(tail, tail + (count - i), out + i);
   }
 }
+
+template <class L>
+void exp_shifted_lanes(const float* x, float shift, float* out, int64_t count) {
+  const typename L::V s = L::set(shift);
+  each_lanes<L>(x, out, count, [&](typename L::V v, int64_t) { return exp_lanes<L>(L::add(v, s)); });
+}
+
+// silu(g) * u = g / (1 + exp(-g + 0)) * u, the operations (and so the bits) of the scalar formula
+template <class L>
+void silu_mul_lanes(const float* gate, const float* up, float* out, int64_t count) {
+  each_lanes<L>(gate, out, count, [&](typename L::V g, int64_t i) {
+    typename L::V u = L::set(0.f);
+    if (i + L::n <= count) {
+      u = L::load(up + i);
+    } else {
+      alignas(64) float tail[L::n] = {0};
+      std::copy(up + i, up + count, tail);
+      u = L::load(tail);
+    }
+    const typename L::V e = exp_lanes<L>(L::add(L::mul(g, L::set(-1.f)), L::set(0.f)));
+    return L::mul(L::div(g, L::add(L::set(1.f), e)), u);
+  });
+}
+
+// out[i] = exp(x[i] + shift) for i < count (x and out may be the same), in 16 lanes where `wide`
+void exp_shifted(bool wide, const float* x, float shift, float* out, int64_t count) {
+#ifdef ARB_STEP_AVX512
+  if (wide) return exp_shifted_lanes<Lanes16>(x, shift, out, count);
+#endif
+  (void)wide;
+  exp_shifted_lanes<Lanes8>(x, shift, out, count);
+}
+
+// out[i] = silu(gate[i]) * up[i] for i < count, in 16 lanes where `wide`
+void silu_mul_span(bool wide, const float* gate, const float* up, float* out, int64_t count) {
+#ifdef ARB_STEP_AVX512
+  if (wide) return silu_mul_lanes<Lanes16>(gate, up, out, count);
+#endif
+  (void)wide;
+  silu_mul_lanes<Lanes8>(gate, up, out, count);
+}
+
+// the largest of x[0..count), NaNs skipped as std::max(top, x) skips them (max_ps(a, b) returns b where a is NaN);
+// -inf where there is none. Why not std::max in a loop: its one chain of dependent vmaxss was ~25% of the layer loop's
+// own time at n = 4 rows (0.5B draft, Zen 5, `perf annotate`).
+float largest(const float* x, int64_t count) {
+  __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    a = _mm256_max_ps(_mm256_loadu_ps(x + i), a), b = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), b);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(a, b));
+  float top = -INFINITY;
+  for (float v : lanes) top = std::max(top, v);
+  for (; i < count; ++i) top = std::max(top, x[i]);
+  return top;
+}
 #else
-void exp_shifted(const float* x, float shift, float* out, int64_t count) {
+void exp_shifted(bool, const float* x, float shift, float* out, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = std::exp(x[i] + shift);
+}
+
+void silu_mul_span(bool, const float* gate, const float* up, float* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+float largest(const float* x, int64_t count) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) top = std::max(top, x[i]);
+  return top;
 }
 #endif
 
@@ -540,18 +652,6 @@ struct Team {
   }
 };
 
-// silu(gate[i]) * up[i] for i < count, through exp_shifted in chunks (every value the same bits wherever it sits)
-void silu_mul_span(const float* gate, const float* up, float* out, int64_t count) {
-  constexpr int64_t kChunk = 1024;
-  float e[kChunk];
-  for (int64_t i0 = 0; i0 < count; i0 += kChunk) {
-    const int64_t c = std::min(kChunk, count - i0);
-    for (int64_t i = 0; i < c; ++i) e[i] = -gate[i0 + i];
-    exp_shifted(e, 0.f, e, c);
-    for (int64_t i = 0; i < c; ++i) out[i0 + i] = gate[i0 + i] / (1.f + e[i]) * up[i0 + i];
-  }
-}
-
 // One forward's rows, as the session described them (all int64 tensors checked by Python first).
 struct Rows {
   int64_t n;
@@ -620,7 +720,7 @@ class Model : public torch::CustomClassHolder {
     head_vocab_ = vocab;
   }
 
-  // attention's vector width: 16 (AVX-512 builds' default) or 8 (AVX2); both give the same bits
+  // the vector width of attention, exp and SiLU: 16 (AVX-512 builds' default) or 8 (AVX2); both give the same bits
   void set_lanes(int64_t lanes) {
 #ifdef ARB_STEP_AVX512
     TORCH_CHECK(lanes == 8 || lanes == 16, "attention runs in 8 or 16 lanes, not ", lanes);
@@ -662,7 +762,7 @@ class Model : public torch::CustomClassHolder {
   at::Tensor embed_, final_norm_;
   int64_t embed_type_ = 0;
 #ifdef ARB_STEP_AVX512
-  bool wide_ = true;  // attention in 16 lanes (set_lanes(8): the 8-lane code, for the tests)
+  bool wide_ = true;  // attention, exp and SiLU in 16 lanes (set_lanes(8): the 8-lane code, for the tests)
 #else
   bool wide_ = false;
 #endif
@@ -781,14 +881,14 @@ class Model : public torch::CustomClassHolder {
   }
 
   // silu(gate) * up of the gate_up output (n, 2 I) into X (n, I), quantized for down: a share of the blocks each
-  static void silu_quantize(Team& team, const Product& down, Buffers& b, int64_t n) {
+  void silu_quantize(Team& team, const Product& down, Buffers& b, int64_t n) const {
     const int64_t inner = down.k, unit = block_of(down);
     const auto [b0, b1] = team.share(inner / unit);
     const int64_t j0 = b0 * unit, j1 = b1 * unit;
     const float* gu = b.gate_up.data_ptr<float>();
     float* x = b.x.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
-      silu_mul_span(gu + r * 2 * inner + j0, gu + r * 2 * inner + inner + j0, x + r * inner + j0, j1 - j0);
+      silu_mul_span(wide_, gu + r * 2 * inner + j0, gu + r * 2 * inner + inner + j0, x + r * inner + j0, j1 - j0);
       quantize(down, x + r * inner, inner, j0, j1, r, b);
     }
   }
@@ -847,9 +947,7 @@ class Model : public torch::CustomClassHolder {
     scores(wide_, q, G, s.kp.data(), s.vp.data(), count, d, scale, s.score.data(), count);
     for (int64_t h = 0; h < G; ++h) {
       float* sh = s.score.data() + h * count;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < count; ++j) top = std::max(top, sh[j]);
-      exp_shifted(sh, -top, sh, count);
+      exp_shifted(wide_, sh, -largest(sh, count), sh, count);
     }
     totals(s.score.data(), G, count, s.inv.data());
     for (int64_t h = 0; h < G; ++h) s.inv[h] = 1.f / s.inv[h];
@@ -905,19 +1003,29 @@ class Model : public torch::CustomClassHolder {
     return rows;
   }
 
-  // total[h] = p[h, 0] + p[h, 1] + ... in that order (4 heads' sums advancing side by side)
+  // total[h] = p[h, 0] + p[h, 1] + ... in that order, up to 8 heads' sums advancing side by side (one head at a time,
+  // each add waited ~4 cycles for the one before: ~10% of the layer loop's own time at n = 4, 0.5B draft, Zen 5)
+  template <int NH>
+  static void sums(const float* p, int64_t count, float* total) {
+    float t[NH] = {};
+    for (int64_t j = 0; j < count; ++j)
+      for (int h = 0; h < NH; ++h) t[h] += p[h * count + j];
+    for (int h = 0; h < NH; ++h) total[h] = t[h];
+  }
+
   static void totals(const float* p, int64_t G, int64_t count, float* total) {
-    int64_t h0 = 0;
-    for (; h0 + 4 <= G; h0 += 4) {
-      const float *a = p + h0 * count, *b = a + count, *c = b + count, *e = c + count;
-      float ta = 0.f, tb = 0.f, tc = 0.f, te = 0.f;
-      for (int64_t j = 0; j < count; ++j) ta += a[j], tb += b[j], tc += c[j], te += e[j];
-      total[h0] = ta, total[h0 + 1] = tb, total[h0 + 2] = tc, total[h0 + 3] = te;
-    }
-    for (; h0 < G; ++h0) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < count; ++j) sum += p[h0 * count + j];
-      total[h0] = sum;
+    for (int64_t h0 = 0; h0 < G; h0 += 8) {
+      const float* ph = p + h0 * count;
+      switch (std::min<int64_t>(8, G - h0)) {
+        case 1: sums<1>(ph, count, total + h0); break;
+        case 2: sums<2>(ph, count, total + h0); break;
+        case 3: sums<3>(ph, count, total + h0); break;
+        case 4: sums<4>(ph, count, total + h0); break;
+        case 5: sums<5>(ph, count, total + h0); break;
+        case 6: sums<6>(ph, count, total + h0); break;
+        case 7: sums<7>(ph, count, total + h0); break;
+        default: sums<8>(ph, count, total + h0); break;
+      }
     }
   }
 
