@@ -29,6 +29,11 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be compiled here (no C++ compiler, no ninja, ...): the message says what is missing."""
 
 
+class NoEmulation(KernelBuildError):
+    """This host cannot build the emulated AVX-512 kernels at all (not x86-64-v3, or no SIMDe): the tests skip the
+    16-lane checks here. A compile error of a host that can is a KernelBuildError, and fails them."""
+
+
 @functools.cache
 def library() -> "Kernels":
     """The kernels, compiled for this CPU on first use (about a minute) and loaded from the cache afterwards."""
@@ -72,13 +77,13 @@ def emulated_library() -> "Kernels":
     process holds both."""
     import platform
     if platform.machine() not in ("x86_64", "AMD64"):
-        raise KernelBuildError(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
+        raise NoEmulation(f"the emulated AVX-512 build needs an x86-64 CPU, this one is {platform.machine()}")
     missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - this_cpu().flags
     if missing:  # the emulated code still runs AVX2 instructions natively
-        raise KernelBuildError("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
+        raise NoEmulation("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
                                f"lacks {', '.join(sorted(missing))}")
     if not simde_found():
-        raise KernelBuildError(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
+        raise NoEmulation(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
                                "apt-get install libsimde-dev)")
     try:
         compile_extension("arborspec_kernels_emulated", build_dir() / "emulated",

@@ -439,6 +439,50 @@ inline void mix8(const float* p, int64_t stride, const float* const* v, int64_t 
 #ifdef ARB_STEP_AVX512
 inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
+// the 128-bit quarters Q0..Q3 of (a, b) as one register: quarters 0-3 are a's, 4-7 b's
+template <int Q0, int Q1, int Q2, int Q3>
+inline __m512 quarters(__m512 a, __m512 b) {
+  const __m512i idx = _mm512_setr_epi32(4 * Q0, 4 * Q0 + 1, 4 * Q0 + 2, 4 * Q0 + 3, 4 * Q1, 4 * Q1 + 1, 4 * Q1 + 2,
+                                        4 * Q1 + 3, 4 * Q2, 4 * Q2 + 1, 4 * Q2 + 2, 4 * Q2 + 3, 4 * Q3, 4 * Q3 + 1,
+                                        4 * Q3 + 2, 4 * Q3 + 3);
+  return _mm512_permutex2var_ps(a, idx, b);
+}
+
+// s[h * stride + j] = hsum8(s0 + s1) * scale for the NH x NK (<= 16) accumulators acc[h NK + j] of a tile (lanes
+// 0-7: s0, 8-15: s1), 16 at a time through the additions hsum8x8 makes, of the same pairs: (s0 + s1) of two
+// accumulators side by side, lanes i + (i + 4), then i + (i + 2), then 0 + 1 in each 128-bit quarter. Why: with
+// 64-wide heads a score is 4 FMAs, and summing each alone (an extract, an add, a third of hsum8x8, a scalar store)
+// took more instructions than the FMAs.
+template <int NH, int NK>
+inline void store_dots16(const __m512* acc, float scale, float* s, int64_t stride) {
+  constexpr int N = NH * NK;
+  static_assert(N <= 16, "a tile of at most 16 scores");
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 r[8];  // r[k] = [t_2k | t_2k+1], t = s0 + s1
+  for (int k = 0; k < 8; ++k) {
+    const __m512 a = 2 * k < N ? acc[2 * k] : zero, b = 2 * k + 1 < N ? acc[2 * k + 1] : zero;
+    const __m512 s0 = quarters<0, 1, 4, 5>(a, b), s1 = quarters<2, 3, 6, 7>(a, b);  // (SIMDe's names are macros)
+    r[k] = _mm512_add_ps(s0, s1);
+  }
+  __m512 u[4];  // quarter q of u[p]: t_4p+q's lanes i + (i + 4)
+  for (int p = 0; p < 4; ++p) {
+    const __m512 lo = quarters<0, 2, 4, 6>(r[2 * p], r[2 * p + 1]), hi = quarters<1, 3, 5, 7>(r[2 * p], r[2 * p + 1]);
+    u[p] = _mm512_add_ps(lo, hi);
+  }
+  __m512 w[2];  // quarter q of w[x]: t_8x+q's and t_8x+4+q's lanes 0 + 2, 1 + 3
+  for (int x = 0; x < 2; ++x)
+    w[x] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * x], u[2 * x + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * x], u[2 * x + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // element 4 q + m: the score of t_q+4m; reordered to t_0..t_15
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, _mm512_mul_ps(_mm512_permutexvar_ps(order, z), _mm512_set1_ps(scale)));
+  for (int h = 0; h < NH; ++h)
+    for (int j = 0; j < NK; ++j) s[h * stride + j] = out[h * NK + j];
+}
+
 template <int NH, int NK>
 inline void dots16(const float* q, const float* const* k, int64_t d, float scale, float* s, int64_t stride) {
   __m512 acc[NH][NK];  // lanes 0-7: s0, lanes 8-15: s1
@@ -453,6 +497,7 @@ inline void dots16(const float* q, const float* const* k, int64_t d, float scale
       for (int j = 0; j < NK; ++j) acc[h][j] = _mm512_fmadd_ps(qh, kj[j], acc[h][j]);
     }
   }
+  if (i == d) return store_dots16<NH, NK>(&acc[0][0], scale, s, stride);
   __m256 t[NH * NK];
   for (int h = 0; h < NH; ++h)
     for (int j = 0; j < NK; ++j) {
