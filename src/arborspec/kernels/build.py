@@ -8,8 +8,12 @@ machine never runs code built for another CPU. Nothing prebuilt is downloaded.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -42,11 +46,39 @@ def library() -> "Kernels":
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
         raise KernelBuildError(f"could not compile arborspec's kernels ({explain(exc)}); they need a C++ compiler "
                                "(g++ or clang++) and ninja (pip install ninja)") from exc
+    with contextlib.suppress(OSError):  # tidying the cache never stops a load
+        prune_builds(build_dir())
     kernels = Kernels("arborspec_kernels")
     if kernels.isa == "scalar":
         warnings.warn("this CPU has no AVX2: arborspec's kernels run their portable scalar code (several times "
                       "slower); the llama.cpp backend is the faster choice here", stacklevel=2)
     return kernels
+
+
+KEEP_BUILDS = 4  # kernel builds kept in the cache, the most recently used (~2 MB each, a few more with the tests'
+# and benchmarks' builds inside): every change of the sources, the CPU's flags or torch's version makes a new one,
+# and 98 builds had gathered to 213 MB in one development cache
+
+
+def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove the kernel builds beside `current` but the `keep` - 1 most recently used (by their build.lock, which
+    every load opens and so stamps); never `current`, nor a build whose lock another process holds (it is compiling
+    or loading there). Returns the removed folders. Two arborspec versions sharing one cache keep their builds as
+    long as fewer than `keep` are in use."""
+    others = [d for d in current.parent.iterdir()
+              if d.is_dir() and d != current and re.fullmatch(r"[0-9a-f]{16}", d.name)]
+    others.sort(key=lambda d: (d / "build.lock").stat().st_mtime if (d / "build.lock").exists() else 0.0,
+                reverse=True)
+    removed = []
+    for old in others[max(keep - 1, 0):]:
+        try:
+            with open(old / "build.lock", "a") as f:  # "a": opening does not stamp it
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(old)
+        except OSError:  # held by another process (BlockingIOError), or gone already
+            continue
+        removed.append(old)
+    return removed
 
 
 def compile_extension(name: str, directory: Path, cflags: list[str]) -> None:
