@@ -84,8 +84,8 @@ def test_the_step_equals_the_python_forward(native, name):
 
 @pytest.mark.parametrize("name", ["g6", "g7", "mixed"])
 def test_16_lanes_give_the_bits_of_the_8_lane_code(native, name, monkeypatch):
-    """forward.cpp's AVX-512 attention, exp and SiLU against its AVX2 code, in one build: the native one where the CPU has
-    AVX-512, else the emulated one (SIMDe), so hosts without AVX-512 still prove the 16-lane code."""
+    """forward.cpp's AVX-512 attention, exp and SiLU against its AVX2 code, in one build: the native one where the
+    CPU has AVX-512, else the emulated one (SIMDe), so hosts without AVX-512 still prove the 16-lane code."""
     model = native(name).model
     step = model.forward.step
     if step.cpp.lanes() != 16:
