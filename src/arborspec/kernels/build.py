@@ -81,8 +81,9 @@ def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
     return removed
 
 
-def compile_extension(name: str, directory: Path, cflags: list[str]) -> None:
-    """Build (or find built) and load SOURCES as the operator library `name` in `directory`.
+def compile_extension(name: str, directory: Path, cflags: list[str], sources: list[Path] = SOURCES) -> None:
+    """Build (or find built) and load `sources` (the kernels' own, or another commit's copy of them:
+    benchmarks/kernels_ab.py) as the operator library `name` in `directory`.
 
     Why the lock of our own: torch's builder marks a build in progress with a file `lock` in the directory and waits,
     polling forever, for it to go; a process killed in there (Ctrl-C in a first run's compile, a timeout) leaves the
@@ -95,7 +96,7 @@ def compile_extension(name: str, directory: Path, cflags: list[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with file_lock(directory / "build.lock"):
         (directory / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(directory),
+        cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
