@@ -25,7 +25,7 @@ import time
 from arborspec.backends import make_session, native_step
 from arborspec.core.disk_cache import cache_dir
 from arborspec.core.host import this_cpu
-from arborspec.kernels.build import HERE, SOURCES, compile_extension
+from arborspec.kernels.build import HERE, SOURCES, compile_extension, prune_builds
 from arborspec.loading import load_model
 from arborspec.tuning.costs import full_tree
 from arborspec.tuning.draft_choice import variant
@@ -46,6 +46,7 @@ def build_base(rev: str) -> None:
         (sources / path.name).write_bytes(text.stdout)
     compile_extension(NAMESPACE, folder, ["-O3", "-march=native", "-fopenmp", f"-DARB_OPS={NAMESPACE}",
                                           "-Darborspec=arborspec_base"], sources=[sources / p.name for p in SOURCES])
+    prune_builds(folder)  # the baselines built before, as the native builds are
 
 
 def time_forwards(session, context: list[int], n: int, count: int, rng: random.Random, vocab: int) -> list[float]:
