@@ -57,7 +57,7 @@ def library() -> "Kernels":
 
 KEEP_BUILDS = 4  # kernel builds kept in the cache, the most recently used (~2 MB each, a few more with the tests'
 # and benchmarks' builds inside): every change of the sources, the CPU's flags or torch's version makes a new one,
-# and 98 builds had gathered to 213 MB in one development cache
+# and 98 builds had gathered to 240 MB in one development cache
 
 
 def prune_builds(current: Path, keep: int = KEEP_BUILDS) -> list[Path]:
@@ -114,10 +114,10 @@ def emulated_library() -> "Kernels":
     missing = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} - this_cpu().flags
     if missing:  # the emulated code still runs AVX2 instructions natively
         raise NoEmulation("the emulated AVX-512 build needs an x86-64-v3 CPU (AVX2, FMA, F16C, BMI); this one "
-                               f"lacks {', '.join(sorted(missing))}")
+                          f"lacks {', '.join(sorted(missing))}")
     if not simde_found():
         raise NoEmulation(f"the emulated AVX-512 build needs SIMDe's headers ({SIMDE_HEADER}; Debian: "
-                               "apt-get install libsimde-dev)")
+                          "apt-get install libsimde-dev)")
     try:
         compile_extension("arborspec_kernels_emulated", build_dir() / "emulated",
                           ["-O2", "-march=x86-64-v3", "-fopenmp", "-DARB_SIMDE", "-DARB_OPS=arborspec_kernels_emulated",

@@ -125,37 +125,31 @@ inline typename L::V exp_lanes(typename L::V x) {
   return L::mul(p, L::pow2(n));
 }
 
-// out[i] = f(x[i]) for i < count, L::n values at a time, a tail padded with zeros (x and out may be the same)
+// out[i] = f(x[i], y[i]) for i < count, L::n values at a time, a tail padded with zeros (y: a second input, or
+// null for zeros; x and out may be the same)
 template <class L, class F>
-inline void each_lanes(const float* x, float* out, int64_t count, F f) {
+inline void each_lanes(const float* x, const float* y, float* out, int64_t count, F f) {
   int64_t i = 0;
-  for (; i + L::n <= count; i += L::n) L::store(out + i, f(L::load(x + i), i));
+  for (; i + L::n <= count; i += L::n) L::store(out + i, f(L::load(x + i), y ? L::load(y + i) : L::set(0.f)));
   if (i < count) {
-    alignas(64) float tail[L::n] = {0};
-    std::copy(x + i, x + count, tail);
-    L::store(tail, f(L::load(tail), i));
-    std::copy(tail, tail + (count - i), out + i);
+    alignas(64) float tail[2][L::n] = {};
+    std::copy(x + i, x + count, tail[0]);
+    if (y) std::copy(y + i, y + count, tail[1]);
+    L::store(tail[0], f(L::load(tail[0]), L::load(tail[1])));
+    std::copy(tail[0], tail[0] + (count - i), out + i);
   }
 }
 
 template <class L>
 void exp_shifted_lanes(const float* x, float shift, float* out, int64_t count) {
   const typename L::V s = L::set(shift);
-  each_lanes<L>(x, out, count, [&](typename L::V v, int64_t) { return exp_lanes<L>(L::add(v, s)); });
+  each_lanes<L>(x, nullptr, out, count, [&](typename L::V v, typename L::V) { return exp_lanes<L>(L::add(v, s)); });
 }
 
 // silu(g) * u = g / (1 + exp(-g + 0)) * u, the operations (and so the bits) of the scalar formula
 template <class L>
 void silu_mul_lanes(const float* gate, const float* up, float* out, int64_t count) {
-  each_lanes<L>(gate, out, count, [&](typename L::V g, int64_t i) {
-    typename L::V u = L::set(0.f);
-    if (i + L::n <= count) {
-      u = L::load(up + i);
-    } else {
-      alignas(64) float tail[L::n] = {0};
-      std::copy(up + i, up + count, tail);
-      u = L::load(tail);
-    }
+  each_lanes<L>(gate, up, out, count, [](typename L::V g, typename L::V u) {
     const typename L::V e = exp_lanes<L>(L::add(L::mul(g, L::set(-1.f)), L::set(0.f)));
     return L::mul(L::div(g, L::add(L::set(1.f), e)), u);
   });
@@ -554,15 +548,16 @@ inline void dots_heads(bool wide, int64_t nh, const float* q, const float* const
   return dots8<2, NK>(q, k, d, scale, s, stride);
 }
 
-// scores (G, stride): s[h * stride + j] = q_h · k_j * scale for the `count` keys k[0..count); the values v[j] are
-// prefetched beside their keys, so the value rows stream from memory while the scores are computed (the cache is
-// read from memory at every step, the weights having passed through since: the 0.5B draft's attention at n = 1,
-// 200-400 cached tokens, took ~13% less time, Zen 4)
 // keys are prefetched this many ahead of the tile being read: the weights streaming through between two forwards
 // evict the cache, so a row's first pass over a layer's keys reads memory (the FMAs reading the first lines of each
 // key tile held ~50% of the score code's samples, `perf annotate`). 8 keys ahead, paired in one process against none
 // (0.5B lean draft, Zen 5, 40 rounds): d(1) x0.96-0.99, d(4) x0.99; 16 ahead was no better.
 constexpr int64_t kKeysAhead = 8;
+
+// scores (G, stride): s[h * stride + j] = q_h · k_j * scale for the `count` keys k[0..count); the values v[j] are
+// prefetched beside their keys, so the value rows stream from memory while the scores are computed (the cache is
+// read from memory at every step, the weights having passed through since: the 0.5B draft's attention at n = 1,
+// 200-400 cached tokens, took ~13% less time, Zen 4)
 void scores(bool wide, const float* q, int64_t G, const float* const* k, const float* const* v, int64_t count,
             int64_t d, float scale, float* s, int64_t stride) {
   const int64_t tiles = head_tiles(wide, G), tile_keys = wide ? 4 : 2;
