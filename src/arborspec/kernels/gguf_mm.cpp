@@ -420,6 +420,20 @@ float hsum(__m256 v) {
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
+// Part `part` of `parts` of a block's cache lines (the K-quant kernels call it once per sub-block, so a block two
+// ahead is requested a few lines at a time between the arithmetic). Why not all of it at the block's start: that
+// burst of 37 (Q4_K) or 53 (Q6_K) prefetches held up the demand loads behind it. On a Zen 4 host (2 threads,
+// 2026-11-27) spreading them took the 1.5B target's forward from t(1) 39 / t(4) 50-61 / t(8) 87-102 ms to 31 / 34 /
+// 48 ms, in alternating processes; its Q6_K head alone ran 9.0 -> 3.3-5.0 ms at M = 1 and 17.2 -> 7.8 ms at M = 8
+// (prefetching 1, 3 or 4 blocks ahead instead of 2, into L2 instead of L1, or not at all did no better).
+// The AVX2 build's q4_K x8 / q6_K x8 (on the same host's cores, benchmarks/avx2_x8.py --part target, alternating
+// processes): t(1) 38.5-41.4 -> 21.3-22.2 ms, t(4) 49.5-51.3 -> 40.6-41.9, t(8) 71.5-77.5 -> 68.0-68.8.
+inline void prefetch_part(const uint8_t* p, int64_t bytes, int part, int parts) {
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; ++line)
+    prefetch(p + 64 * line);
+}
+
 inline float half_avx(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -691,13 +705,15 @@ inline __m256i tree_sum(__m256i* m) {
 // One q4_K x8 block for `rows` (<= R) rows of X (`act`: the first row's activation block, `stride` blocks between
 // rows), added to acc[0..rows).
 template <int R>
-inline void q4k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+inline void q4k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
+                      int rows = R) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 columns,)
   const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16)));
   __m256i isum[R];
   for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
   for (int s = 0; s < 8; ++s) {
+    prefetch_part(ahead, kGroupBytes, s, 8);
     const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 32 + 8 * s));
     const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each column's scale twice
     __m256i w[8];
@@ -1035,7 +1051,8 @@ void q6k8_scalar(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 // 8 scaled widenings of the 16-sums. Cache-resident (1536 x 1536, 2 threads, Zen 4 cores on the AVX2-only build):
 // 87 / 119 / 166 / 202 G multiply-adds a second at M = 1 / 2 / 4 / 8, against the row layout's 51 / 75 / 98 / 117.
 template <int R>
-inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+inline void q6k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
+                      int rows = R) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
   // byte shuffles: each row's int16 0 (group 2p) / 1 (group 2p + 1) of its pair, twice
   const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8,
@@ -1044,6 +1061,7 @@ inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m25
   __m256i isum[R];
   for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
   for (int p = 0; p < 8; ++p) {
+    prefetch_part(ahead, kQ6Group, p, 8);
     // (8 rows x (scale of group 2p, of 2p + 1)) int16
     const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 + 16 * p)));
     for (int h = 0; h < 2; ++h) {
@@ -1085,15 +1103,17 @@ inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m25
 }
 
 // The K-quants' 8-row kernels (q4_K x8, q6_K x8) for groups [g0, g1), rows [r0, r1) of X (at most kTile): per block,
-// read two blocks ahead (M = 1 15% faster for the 1.5B's matrices: 43 -> 37 ms), then one row with its sums and
+// read two blocks ahead (M = 1 15% faster for the 1.5B's matrices: 43 -> 37 ms; a few lines per sub-block, see
+// prefetch_part), then one row with its sums and
 // accumulator in registers, or the rows in a loop with theirs on the stack (faster than passes of 2-4 rows in
 // registers, each of which unpacks the weights again: q6_K x8 at M = 8 198 against 157 G multiply-adds a second).
 template <int64_t qtype, int R>
-inline void k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
+inline void k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
+                    int rows = R) {
   if constexpr (qtype == Q4_K)
-    q4k8_rows<R>(grp, act, stride, acc, rows);
+    q4k8_rows<R>(grp, ahead, act, stride, acc, rows);
   else
-    q6k8_rows<R>(grp, act, stride, acc, rows);
+    q6k8_rows<R>(grp, ahead, act, stride, acc, rows);
 }
 
 template <int64_t qtype>
@@ -1105,12 +1125,11 @@ void k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) acc[r - r0] = _mm256_setzero_ps();
     for (int64_t b = 0; b < j.blocks; ++b) {
       const uint8_t* grp = j.w + g * j.row_bytes + b * bytes;
-      for (int64_t line = 0; line < bytes; line += 64) prefetch(grp + 2 * bytes + line);
       const ActK* first = act + r0 * j.blocks + b;
       if (r1 - r0 == 1)
-        k8_rows<qtype, 1>(grp, first, j.blocks, acc);
+        k8_rows<qtype, 1>(grp, grp + 2 * bytes, first, j.blocks, acc);
       else
-        k8_rows<qtype, kTile>(grp, first, j.blocks, acc, (int)(r1 - r0));
+        k8_rows<qtype, kTile>(grp, grp + 2 * bytes, first, j.blocks, acc, (int)(r1 - r0));
     }
     for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
   }
@@ -1375,18 +1394,6 @@ inline __m512 halves16(const uint8_t* p) {
 
 inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
-}
-
-// Part `part` of `parts` of a block's cache lines (the K-quant kernels call it once per sub-block, so a block two
-// ahead is requested a few lines at a time between the arithmetic). Why not all of it at the block's start: that
-// burst of 37 (Q4_K) or 53 (Q6_K) prefetches held up the demand loads behind it. On a Zen 4 host (2 threads,
-// 2026-11-27) spreading them took the 1.5B target's forward from t(1) 39 / t(4) 50-61 / t(8) 87-102 ms to 31 / 34 /
-// 48 ms, in alternating processes; its Q6_K head alone ran 9.0 -> 3.3-5.0 ms at M = 1 and 17.2 -> 7.8 ms at M = 8
-// (prefetching 1, 3 or 4 blocks ahead instead of 2, into L2 instead of L1, or not at all did no better).
-inline void prefetch_part(const uint8_t* p, int64_t bytes, int part, int parts) {
-  const int64_t lines = (bytes + 63) / 64;
-  for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
 }
 
 constexpr int kRowsVnni = 8;  // rows of X a kernel call keeps in registers (accumulators + one chunk's weights)
