@@ -249,6 +249,32 @@ def test_tree_properties(vocab, seed, sharpness, temperature, max_depth, max_nod
         assert all(r is DrawRule.WITHOUT_REPLACEMENT for r in tree.child_rule.values())
 
 
+class RootSureSession(FakeSession):
+    """A draft sure of its next token at the root (top probability ~0.98) and unsure below it (~0.3)."""
+
+    def forward(self, context, tree, nodes):
+        logits = super().forward(context, tree, nodes)
+        for i, node in enumerate(nodes):
+            if node == 0:
+                logits[i, int(logits[i].argmax())] += 8.0
+        return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_child_predictor_learns_from_the_roots_rows_only(temperature):
+    """c_j predicts the root's children (whether to draft at all): rows of deeper nodes, where the draft is often
+    unsure and the tree stops, must not pull it down (tree_builder.PREDICTOR_RATE)."""
+    greedy = temperature == 0
+    policy = auto(CostModel(T_CPU, flat(0.001)), max_children=4)
+    policy.child_probs[greedy][0] = 0.5
+    for seed in range(30):
+        ctx = fake_context(RootSureSession(12, seed, 1.0), context=(3, 1, seed), temperature=temperature, seed=seed)
+        tree = policy.draft(ctx)
+        assert tree.depth >= 2  # rows below the root were forwarded too
+    root_top = 0.97 if greedy else 0.94  # E[q(y)] = sum q^2 at the root for the first draw
+    assert policy.child_probs[greedy][0] > root_top - 0.03
+
+
 def test_draws_without_replacement_have_the_residual_distribution():
     """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, draws once
     from q with the taken tokens zeroed): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
@@ -703,7 +729,7 @@ def test_auto_drafts_only_when_the_expected_rate_beats_plain_decoding_by_the_gua
 def test_auto_judges_sampled_steps_by_the_measured_acceptance_of_the_first_child():
     """At T > 0 a node's score (E[q(y)] = sum q^2) says little about its acceptance, and a(.) of the mean score fell
     far below the measured acceptance (0.41 against 0.86-0.92 on the default pair): once the root's first child has
-    been drafted often enough, uses_draft reads its measured acceptance instead. Greedy steps keep a(c_1 ** i)."""
+    been drafted often enough, uses_draft reads its measured acceptance instead, at T = 0 as well."""
     sizes = (1, 2, 4, 8, 16, 32)
     costs = CostModel(CostCurve.from_measurements(sizes, [0.020 * (1 + 0.05 * (n - 1)) for n in sizes]), flat(0.006))
     target, draft = make_pair("llama", seed=3, noise=0.0)
@@ -720,9 +746,13 @@ def test_auto_judges_sampled_steps_by_the_measured_acceptance_of_the_first_child
     assert policy.uses_draft(3, 10_000)
     policy.first_child.set_evidence(30, 100)
     assert not policy.uses_draft(3, 10_000)
-    policy._greedy = True  # a greedy setting: the calibration decides, whatever the first child did
+    policy._greedy = True  # greedy steps read the same evidence (the mean top probability under-reads a chain)
     policy.child_probs[True][0] = 0.353
     policy.first_child.set_evidence(100, 100)
+    assert policy.uses_draft(3, 10_000)
+    policy.first_child.set_evidence(30, 100)
+    assert not policy.uses_draft(3, 10_000)
+    policy.first_child.set_evidence(9, 10)  # too few steps: a(c_1 ** i) decides
     assert not policy.uses_draft(3, 10_000)
 
 

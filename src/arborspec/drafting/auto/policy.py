@@ -190,13 +190,18 @@ class AutoPolicy(Policy):
         return self.options.guard_margin if self.options.guard else 0.0
 
     def _expected_rate(self) -> float:
-        """The best chain's rate at the acceptance measured so far (`expected_ceiling`). At T > 0, with evidence of
+        """The best chain's rate at the acceptance measured so far (`expected_ceiling`). With evidence of
         `MIN_FIRST_EVIDENCE` steps, nodes are accepted at the root's first child's measured rate and its powers, not
-        at a(.) of the mean score: a sampled node's score sum q^2 says little about its acceptance sum min(p, q), and
-        on the default pair a(0.353) = 0.41 stood against 0.86-0.92 measured, so auto decoded plainly where drafting
-        ran 1.14-1.29x (docs/kernels.md, "Which backend auto picks"). T = 0 keeps a(c_1 ** i), which tracks it."""
+        at a(.) of the mean score c_1 ** i. At T > 0 a sampled node's score sum q^2 says little about its acceptance
+        sum min(p, q): on the default pair a(0.353) = 0.41 stood against 0.86-0.92 measured, so auto decoded plainly
+        where drafting ran 1.14-1.29x (docs/kernels.md, "Which backend auto picks"). At T = 0 too: c_1, the running
+        mean of the draft's top probability over every forwarded row, siblings' rows included, had fallen to 0.66
+        on the default pair (0.47 for another variant) while the root's first child was accepted 0.79-0.81 of the
+        time (top-1 agreement 0.906): on a Zen 4 host that under-read made auto leave the draft unused at T = 0
+        (docs/kernels.md, "A real Zen 4 host"). Without that evidence a(c_1 ** i) decides, c_1 starting from the
+        pair's measured agreement."""
         first = None
-        if not self._greedy and self.first_child.trials[0] >= MIN_FIRST_EVIDENCE:
+        if self.first_child.trials[0] >= MIN_FIRST_EVIDENCE:
             first = float(self.first_child.curve()[0])
         return expected_ceiling(self.costs, self.calibrator, float(self.child_probs[self._greedy][0]),
                                 first_accept=first)
