@@ -404,6 +404,11 @@ def test_guard_forces_a_probe_after_a_long_plain_stretch():
     assert guard.plan() == "probe"
     guard.observe(0.1, 2, "probe", True, 0.1)
     assert guard.plan() == "spec"
+    for _ in range(3):  # steps with grafted free branches only: the draft model still unused
+        guard.observe(0.1, 3, "spec", True, 0.1, draft_used=False)
+    assert guard.plan() == "probe"
+    guard.observe(0.1, 2, "probe", True, 0.1, draft_used=True)
+    assert guard.plan() == "spec"
 
 
 def test_policy_obeys_the_guard_and_explains_it():

@@ -4,8 +4,10 @@ The measured rate of the last `window` drafted steps (committed tokens / measure
 out) is compared with the plain-decoding rate (the median of recent measured root-only steps when there are some,
 else 1 / (t(1) + c) from the scaled profile). If it falls below (1 - `margin`) times that, the next `cooldown` steps
 are plain (root-only trees, no draft call), then speculation is probed again; each failed probe doubles the cooldown
-(up to 16x), a passed one resets it. After `cooldown` consecutive steps in which the objective itself chose plain
-decoding, one step drafts anyway (a probe), so the calibration can recover.
+(up to 16x), a passed one resets it. After `cooldown` consecutive steps in which the objective itself chose not to
+call the draft (plain steps, and steps with grafted free branches only), one step drafts anyway (a probe), so the
+calibration can recover: counting grafted steps as drafted had left the draft unused for whole runs on a Zen 4 host,
+every step carrying suffix branches, while a stale predictor said no layer would pay.
 """
 from __future__ import annotations
 
@@ -44,9 +46,11 @@ class Guard:
             return float(np.median(self.plain)), "measured"
         return model_estimate, "profile"
 
-    def observe(self, seconds: float, tokens: int, mode: str, drafted: bool, model_plain: float) -> dict | None:
+    def observe(self, seconds: float, tokens: int, mode: str, drafted: bool, model_plain: float,
+                draft_used: bool | None = None) -> dict | None:
         """Record one finished step (its measured seconds and committed tokens; `mode` as planned, `drafted` whether
-        the tree had drafted nodes); returns the decision it caused, if any."""
+        the tree had drafted nodes, `draft_used` whether the draft model was called: None, as `drafted`); returns
+        the decision it caused, if any."""
         self.steps += 1
         if not self.enabled:
             return None
@@ -62,7 +66,7 @@ class Guard:
         if not drafted:
             self.idle += 1
             return None
-        self.idle = 0
+        self.idle = 0 if (drafted if draft_used is None else draft_used) else self.idle + 1
         self.recent.append((seconds, tokens))
         if len(self.recent) < self.window:
             return None

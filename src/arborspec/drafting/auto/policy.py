@@ -285,7 +285,7 @@ class AutoPolicy(Policy):
             self._adapt(step, built)
         drafted = step.tree_size > 0
         decision = self.guard.observe(step.t_draft + step.t_verify + step.t_other, step.committed, built.mode,
-                                      drafted, self.costs.plain_step())
+                                      drafted, self.costs.plain_step(), draft_used=bool(rec.get("forwarded")))
         if decision is not None:
             self.run["guard"].append(decision)
         self.run["steps"].append(rec)
