@@ -420,6 +420,11 @@ float hsum(__m256 v) {
 inline __m256i load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
+// every cache line of a block (the 32-block kernels, whose blocks are a few lines each)
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) prefetch(p + line);
+}
+
 // Part `part` of `parts` of a block's cache lines (the K-quant kernels call it once per sub-block, so a block two
 // ahead is requested a few lines at a time between the arithmetic). Why not all of it at the block's start: that
 // burst of 37 (Q4_K) or 53 (Q6_K) prefetches held up the demand loads behind it. On a Zen 4 host (2 threads,
@@ -705,15 +710,14 @@ inline __m256i tree_sum(__m256i* m) {
 // One q4_K x8 block for `rows` (<= R) rows of X (`act`: the first row's activation block, `stride` blocks between
 // rows), added to acc[0..rows).
 template <int R>
-inline void q4k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
-                      int rows = R) {
+inline void q4k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp)));  // (8 columns,)
   const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16)));
   __m256i isum[R];
   for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
   for (int s = 0; s < 8; ++s) {
-    prefetch_part(ahead, kGroupBytes, s, 8);
+    prefetch_part(grp + 2 * kGroupBytes, kGroupBytes, s, 8);
     const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(grp + 32 + 8 * s));
     const __m256i scale = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // each column's scale twice
     __m256i w[8];
@@ -891,7 +895,7 @@ void q32x8_group(const Job& j, int64_t g, int64_t r0, int rows = R) {
   for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < j.blocks; ++b) {
     const uint8_t* blk = j.w + g * j.row_bytes + b * bytes;
-    for (int64_t line = 0; line < bytes; line += 64) prefetch(blk + kAhead8 + line);
+    prefetch_block(blk + kAhead8, bytes);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));  // (8 rows,)
     __m256i w[8];  // unsigned types: the stored values; signed: |w|
     __m256i s[8];  // signed types: w (its sign goes to the activations)
@@ -1051,8 +1055,7 @@ void q6k8_scalar(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
 // 8 scaled widenings of the 16-sums. Cache-resident (1536 x 1536, 2 threads, Zen 4 cores on the AVX2-only build):
 // 87 / 119 / 166 / 202 G multiply-adds a second at M = 1 / 2 / 4 / 8, against the row layout's 51 / 75 / 98 / 117.
 template <int R>
-inline void q6k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
-                      int rows = R) {
+inline void q6k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), high2 = _mm256_set1_epi8(0x30);
   // byte shuffles: each row's int16 0 (group 2p) / 1 (group 2p + 1) of its pair, twice
   const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8,
@@ -1061,7 +1064,7 @@ inline void q6k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act,
   __m256i isum[R];
   for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
   for (int p = 0; p < 8; ++p) {
-    prefetch_part(ahead, kQ6Group, p, 8);
+    prefetch_part(grp + 2 * kQ6Group, kQ6Group, p, 8);
     // (8 rows x (scale of group 2p, of 2p + 1)) int16
     const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 + 16 * p)));
     for (int h = 0; h < 2; ++h) {
@@ -1108,12 +1111,11 @@ inline void q6k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act,
 // accumulator in registers, or the rows in a loop with theirs on the stack (faster than passes of 2-4 rows in
 // registers, each of which unpacks the weights again: q6_K x8 at M = 8 198 against 157 G multiply-adds a second).
 template <int64_t qtype, int R>
-inline void k8_rows(const uint8_t* grp, const uint8_t* ahead, const ActK* act, int64_t stride, __m256* acc,
-                    int rows = R) {
+inline void k8_rows(const uint8_t* grp, const ActK* act, int64_t stride, __m256* acc, int rows = R) {
   if constexpr (qtype == Q4_K)
-    q4k8_rows<R>(grp, ahead, act, stride, acc, rows);
+    q4k8_rows<R>(grp, act, stride, acc, rows);
   else
-    q6k8_rows<R>(grp, ahead, act, stride, acc, rows);
+    q6k8_rows<R>(grp, act, stride, acc, rows);
 }
 
 template <int64_t qtype>
@@ -1127,9 +1129,9 @@ void k8_avx2(const Job& j, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
       const uint8_t* grp = j.w + g * j.row_bytes + b * bytes;
       const ActK* first = act + r0 * j.blocks + b;
       if (r1 - r0 == 1)
-        k8_rows<qtype, 1>(grp, grp + 2 * bytes, first, j.blocks, acc);
+        k8_rows<qtype, 1>(grp, first, j.blocks, acc);
       else
-        k8_rows<qtype, kTile>(grp, grp + 2 * bytes, first, j.blocks, acc, (int)(r1 - r0));
+        k8_rows<qtype, kTile>(grp, first, j.blocks, acc, (int)(r1 - r0));
     }
     for (int64_t r = r0; r < r1; ++r) _mm256_storeu_ps(j.y + r * j.n + g * kRows8, acc[r - r0]);
   }
@@ -1392,9 +1394,6 @@ inline __m512 halves16(const uint8_t* p) {
 }
 #endif
 
-inline void prefetch_block(const uint8_t* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
-}
 
 constexpr int kRowsVnni = 8;  // rows of X a kernel call keeps in registers (accumulators + one chunk's weights)
 

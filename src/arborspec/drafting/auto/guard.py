@@ -47,10 +47,10 @@ class Guard:
         return model_estimate, "profile"
 
     def observe(self, seconds: float, tokens: int, mode: str, drafted: bool, model_plain: float,
-                draft_used: bool | None = None) -> dict | None:
+                draft_used: bool = True) -> dict | None:
         """Record one finished step (its measured seconds and committed tokens; `mode` as planned, `drafted` whether
-        the tree had drafted nodes, `draft_used` whether the draft model was called: None, as `drafted`); returns
-        the decision it caused, if any."""
+        the tree had drafted nodes, `draft_used` whether the draft model was called for them); returns the decision
+        it caused, if any."""
         self.steps += 1
         if not self.enabled:
             return None
@@ -66,7 +66,7 @@ class Guard:
         if not drafted:
             self.idle += 1
             return None
-        self.idle = 0 if (drafted if draft_used is None else draft_used) else self.idle + 1
+        self.idle = 0 if draft_used else self.idle + 1
         self.recent.append((seconds, tokens))
         if len(self.recent) < self.window:
             return None

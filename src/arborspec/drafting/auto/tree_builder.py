@@ -12,7 +12,8 @@ scores its children. A node's expected accepted tokens (its gain) is a(score), t
 Growing the tree, one draft call per layer; F = the newest layer (the frontier), best score first:
 
 1. Whether to call the draft (before the call, `plan_forward`). Children are predicted as x_u * c_j, with c_j a
-   running mean of the draft's j-th largest probability (T = 0) or of the j-th draw's expected probability (T > 0).
+   running mean, over the root's rows, of the draft's j-th largest probability (T = 0) or of the j-th draw's
+   expected probability (T > 0).
    For f in 1, 2, 3, 4, 5, 6, 8, ..., 64 (f <= |F|):
 
        R_pred(f) = max_m (E + [m best predicted gains among the children of the f best frontier nodes])
