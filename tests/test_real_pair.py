@@ -6,7 +6,6 @@ nearly tied an argmax may flip (a known effect in vLLM and transformers). A dive
 whose top-2 logit gap is below NEAR_TIE, and the test prints how often that happened.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
+from tests.conftest import usable_cores
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -28,9 +28,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def all_threads():
-    """The real models use every core (tests/conftest.py runs the tiny ones single-threaded)."""
+    """The real models use every core this process has (tests/conftest.py runs the tiny ones single-threaded)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     yield
     torch.set_num_threads(before)
 

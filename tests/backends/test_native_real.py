@@ -1,13 +1,13 @@
 """The native backend's C++ step on the real default pair (Qwen2.5-Coder 1.5B / 0.5B, Q4_K_M GGUFs): speculative
 decoding is token for token plain greedy decoding, for tree policies of every shape, with no near-tie allowance
 (each row is computed alone: kernels/forward.cpp)."""
-import os
 
 import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.backends.native_step import NativeSession
+from tests.conftest import usable_cores
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ def pair():
     from arborspec.loading import load_model
 
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # tests/conftest.py runs the tiny models single-threaded
+    torch.set_num_threads(usable_cores())  # tests/conftest.py runs the tiny models single-threaded
     target = load_model("qwen2.5-coder-1.5b", backend="native", progress=False)
     draft = load_model("qwen2.5-coder-0.5b", backend="native", progress=False)
     yield target, draft
