@@ -5,10 +5,11 @@ pruned head) is loaded in one process beside the target, and all are timed in tu
 sees the same machine state; a model's figure is its fastest round (interference on a shared host only ever adds
 time). One forward over n tree nodes after a 200-token prefix (`tuning.costs.measure_forward_cost`, the measurement
 `arborspec profile` makes). Agreement: greedy top-1 and top-4 coverage of the draft against the target, teacher-forced
-on `tuning/reference_texts.py` (the measurement `auto` scores variants by).
+on `tuning/reference_texts.py` (the measurement `auto` scores variants by), and with `--held-out` on the first 768
+tokens of each of those files too (text the pruned heads' token counts never saw).
 
 Usage: python benchmarks/draft_variants.py [--target ALIAS] [--draft ALIAS] [--quants none,q4_0,iq4_nl]
-           [--heads 0,65536,32768] [--rounds 7] [--out results/lean-draft/variants.json]
+           [--heads 0,65536,32768] [--rounds 7] [--held-out FILE,...] [--out results/lean-draft/variants.json]
 Prints a markdown table: d(1) ms, d(1)/t(1), d(4)/d(1), agreement, MB the head reads.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--quants", default="none,q4_0,iq4_nl")
     p.add_argument("--heads", default="0,65536,32768", help="head sizes (0: the whole vocabulary)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--held-out", default="", help="comma-separated files: agreement on their first 768 tokens too")
     p.add_argument("--out", default="")
     args = p.parse_args()
     target = load_model(args.target, backend="native", progress=False)
@@ -52,25 +54,37 @@ def main() -> None:
         for name, loaded in models.items():
             times[name].append(measure_forward_cost(loaded.model, [1, 4], prefix=200, repeats=3, seed=r))
         print(f"round {r + 1}/{args.rounds}", flush=True)
-    texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
-    with torch.inference_mode():
-        choices = target_choices(target.model, texts)
-        agree = {name: agreement_with(choices, m.model, texts) for name, m in models.items() if name != "target"}
+    text_sets = {"reference": reference_ids(target.tokenizer)}
+    if args.held_out:
+        text_sets["held-out"] = [target.tokenizer(Path(f).read_text(), add_special_tokens=False)["input_ids"][:768]
+                                 for f in args.held_out.split(",")]
+    agree = {}
+    for kind, ids in text_sets.items():
+        texts = fitting(ids, target.model, draft.model)
+        with torch.inference_mode():
+            choices = target_choices(target.model, texts)
+            agree[kind] = {name: agreement_with(choices, m.model, texts) for name, m in models.items()
+                           if name != "target"}
     best = {name: [min(t[i] for t in ts) for i in range(2)] for name, ts in times.items()}
     t1 = best["target"][0]
     print(f"\nhost: {this_cpu().describe()}, {torch.get_num_threads()} threads; fastest of {args.rounds} rounds; "
           f"target t(1) = {t1 * 1e3:.1f} ms, t(4)/t(1) = {best['target'][1] / t1:.2f}\n")
-    print("| draft variant | head MB | d(1) ms | d(1)/t(1) | d(4)/d(1) | top-1 agreement | top-4 coverage |")
-    print("|---|---|---|---|---|---|---|")
+    extra = " top-1 agreement, held-out |" if args.held_out else ""
+    print(f"| draft variant | head MB | d(1) ms | d(1)/t(1) | d(4)/d(1) | top-1 agreement | top-4 coverage |{extra}")
+    print("|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
     rows = {}
     for name, (d1, d4) in best.items():
         if name == "target":
             continue
-        a = agree[name]
+        a = agree["reference"][name]
         rows[name] = dict(d1=d1, d4=d4, d1_over_t1=d1 / t1, d4_over_d1=d4 / d1, agreement=a.top1, coverage4=a.cover,
                           head_mb=head_mb(models[name].model))
+        held = ""
+        if "held-out" in agree:
+            rows[name]["agreement_held_out"] = agree["held-out"][name].top1
+            held = f" {agree['held-out'][name].top1:.3f} |"
         print(f"| {name} | {rows[name]['head_mb']:.0f} | {d1 * 1e3:.2f} | {d1 / t1:.3f} | {d4 / d1:.2f} | "
-              f"{a.top1:.3f} | {a.cover:.3f} |")
+              f"{a.top1:.3f} | {a.cover:.3f} |{held}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(host=this_cpu().describe(), threads=torch.get_num_threads(),

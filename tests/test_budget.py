@@ -171,6 +171,28 @@ def test_profile_measures_a_tiny_model_for_real(tmp_path, monkeypatch):
     assert record["prefix"] < 64 and record["sizes"] == [1, 2, 4]
 
 
+def test_models_compared_with_each_other_are_measured_in_the_same_rounds(tmp_path, monkeypatch):
+    """profile_together: round by round every model once (a drifting host slows them alike), each model's fastest
+    round kept and cached as its profile."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    calls = []
+
+    def drifting(model, sizes, prefix=200, repeats=3, seed=0, **kw):  # the host slows down call by call
+        calls.append((model, repeats, seed))
+        base = 0.001 if model is a else 0.002
+        return [base * n + 0.01 * len(calls) for n in sizes]
+
+    monkeypatch.setattr(costs, "measure_forward_cost", drifting)
+    curves = costs.profile_together([a, b], sizes=(1, 4), repeats=3)
+    assert [(m is a, r, s) for m, r, s in calls] == [(True, 1, 0), (False, 1, 0), (True, 1, 1), (False, 1, 1),
+                                                     (True, 1, 2), (False, 1, 2)]
+    assert curves[0].times == pytest.approx((0.011, 0.014)) and curves[1].times == pytest.approx((0.022, 0.028))
+    assert curves[0](1) < curves[1](1)  # measured one after the other, b's first round would have beaten a's last
+    for model, curve in zip((a, b), curves):
+        assert costs.profile_model(model) == (curve, "cache")
+
+
 def test_calibration_is_saved_and_reloaded(counted_measure, monkeypatch):
     from arborspec import SpeculativeDecoder
 

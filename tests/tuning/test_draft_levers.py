@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
+from arborspec.tuning import draft_levers
 from arborspec.tuning.draft_levers import PrunedHead, frequent_tokens, prune_head, quantize, token_counts
 from tests.conftest import noisy_copy, tiny_model
 
@@ -32,6 +33,28 @@ def test_frequent_tokens_and_counts(tokenizer):
     assert a in top.tolist() and 1 in top.tolist() and len(top) == 3
     with pytest.raises(ValueError):
         frequent_tokens(counts, 0)
+
+
+def test_a_pruned_head_counts_chat_and_code_as_equal_halves(tokenizer, tmp_path, monkeypatch):
+    """Code weighs as much as chat however few tokens it has (ShareGPT alone left code out of small heads), and the
+    counts are computed once per tokenizer."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(draft_levers, "sharegpt_turns", lambda records, progress: iter(["aaa b"] * 20))
+    monkeypatch.setattr(draft_levers, "stdlib_sources", lambda: iter(["c"]))
+    counts = draft_levers.corpus_counts(tokenizer, 64, progress=False)
+    a, b, c = tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    assert counts.sum().item() == pytest.approx(2.0)  # each half sums to 1
+    assert counts[c] == pytest.approx(1.0) and counts[a] == pytest.approx(3 * counts[b])
+    assert frequent_tokens(counts, 1).tolist() == [c]  # one code token outranks chat's commonest
+    monkeypatch.setattr(draft_levers, "stdlib_sources", lambda: iter(["b b b b"]))
+    assert torch.equal(draft_levers.corpus_counts(tokenizer, 64, progress=False), counts)  # from the cache
+
+
+def test_the_code_half_is_the_python_standard_library():
+    from arborspec.tuning.corpus import stdlib_sources
+    texts = list(stdlib_sources())
+    assert len(texts) > 100 and sum(map(len, texts)) > 1_000_000  # ~4.7 MB of Python
+    assert sum(t.count("\ndef ") for t in texts) > 1000
 
 
 @pytest.mark.parametrize("lever", ["prune", "int8", "int4", "prune+int8"])

@@ -140,17 +140,49 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
     if progress:
         print(f"[arborspec] profiling {key['name'] or type(model).__name__} ({key['dtype']}, {key['threads']} threads)"
               " for tree sizes " + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
-    measure = measure or measure_forward_cost
-    window = context_window(model, default=0)
-    if window:  # the profile's prefix grows by one token per timed call and must leave room for the deepest tree
-        prefix = max(2, min(prefix, window - len(sizes) * (repeats + 1) - max(sizes) - 2))
     start = time.perf_counter()
-    times = measure(model, sizes, prefix=prefix, repeats=repeats)
+    prefix = fitting_prefix(model, prefix, sizes, repeats)
+    times = (measure or measure_forward_cost)(model, sizes, prefix=prefix, repeats=repeats)
+    return save_profile(model, key, sizes, times, prefix, repeats, time.perf_counter() - start), "measured"
+
+
+def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
+    """`prefix`, cut so that it still leaves room in the model's context window for the timed calls (the prefix
+    grows by one token per call) and the deepest tree."""
+    window = context_window(model, default=0)
+    return max(2, min(prefix, window - len(sizes) * (repeats + 1) - max(sizes) - 2)) if window else prefix
+
+
+def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seconds: float) -> CostCurve:
+    """Cache `times` as the model's profile; returns its curve."""
     curve = CostCurve.from_measurements(sizes, times)
     write_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
-                               "repeats": repeats, "seconds": time.perf_counter() - start})
+                               "repeats": repeats, "seconds": seconds})
     _checked.add(sha256_key(key))  # measured in this process: nothing to check it against
-    return curve, "measured"
+    return curve
+
+
+def profile_together(models: list, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
+                     progress: bool = False) -> list[CostCurve]:
+    """Cost curves of models that are to be compared with each other (the draft's variants), measured in the same
+    rounds: each round times every size of every model once (`measure_forward_cost`, one timed call a size), and a
+    model's figure is its fastest round. Each is cached as its profile, as `profile_model` would.
+
+    Why not one model after another: a shared host's memory speed drifts within a minute, and whichever variant is
+    measured in the slow minute loses. On the Zen 4 host (2026-11-27) the q4_0 draft's d(1) read 10.3 ms against the
+    shipped file's 9.8, measured a minute apart, so `auto` kept the shipped file; in the same rounds the two read
+    10.1 and 15.0 ms, and 6.9 and 10.2 in a faster minute."""
+    if progress:
+        print(f"[arborspec] profiling {len(models)} models in the same rounds for tree sizes "
+              + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    prefixes = [fitting_prefix(m, prefix, sizes, 1) for m in models]
+    rounds = [[measure_forward_cost(m, sizes, prefix=p, repeats=1, seed=r) for m, p in zip(models, prefixes)]
+              for r in range(repeats)]
+    seconds = (time.perf_counter() - start) / len(models)
+    return [save_profile(m, profile_key(m), sizes, [min(r[i][j] for r in rounds) for j in range(len(sizes))], p,
+                         repeats, seconds)
+            for i, (m, p) in enumerate(zip(models, prefixes))]
 
 
 # ---- cached curves checked against live forwards ------------------------------------------------------------------

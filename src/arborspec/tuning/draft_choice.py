@@ -6,7 +6,9 @@ loaded, int8, and int4 when torchao is installed; a GGUF draft on the native bac
 4-bit copies of tuning/gguf_requant.py the kernels here run, then the best of those with its head pruned to the
 `HEAD_SIZES` most frequent tokens) it measures
 
-- the draft's cost curve d(w) (one call over w tree nodes; `profile.profile_model`, cached per model fingerprint),
+- the draft's cost curve d(w) (one call over w tree nodes, cached per model fingerprint), the variants compared with
+  each other in the same rounds (`costs.profile_together`: the quantizations; then the best one beside its pruned
+  heads),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
   (tuning/agreement.py: one chain forward of each model through its sessions, no generation),
 
@@ -17,7 +19,8 @@ tokens, so
     score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
 
 with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0",
-"q4_0+vocab49152"); the one with the highest score is the default; the whole record (curves, agreement, scores, the
+"q4_0+vocab49152"); the one with the highest score is the default (a native draft: of the best quantization and
+its pruned heads, the last set measured together); the whole record (curves, agreement, scores, the
 choice) is cached beside the cost profiles under the pair's key, and `arborspec profile --pair` prints and plots it.
 """
 from __future__ import annotations
@@ -32,17 +35,25 @@ from ..backends.native import is_native
 from ..core.disk_cache import read_record, write_record
 from ..viz.canvas import pyplot, save_figure
 from .agreement import agreement_with, fitting, reference_ids, target_choices
-from .costs import profile_key, profile_model
-from .draft_levers import QUANT_MODES, TORCHAO_HINT, lean_native_draft, prepare_draft, prune_native_draft
+from .costs import profile_key, profile_model, profile_together
+from .draft_levers import (
+    HEAD_CORPUS,
+    QUANT_MODES,
+    TORCHAO_HINT,
+    lean_native_draft,
+    prepare_draft,
+    prune_native_draft,
+)
 from .gguf_requant import lean_types
 
 MAX_CHAIN = 16
 # Head sizes a native draft is measured with (the types first, at the full head; then the best type with each of
-# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its q4_0 file reads a token: a 65536-row head
-# reads 33 MB at the same top-1 agreement on the reference text (0.884), a 49152-row one 25 MB at 0.876, a 32768-row
-# one 17 MB at 0.849 (Zen 4, 2026-11-26, benchmarks/draft_variants.py). 32768 was never the best (3.5 points for
-# 16 MB); 49152 took d(1) from 0.257 to 0.248 of the target's t(1) in the host's fast memory state (t(1) 15.6 ms),
-# so the two measured are 65536 and 49152: two sizes keep a first run's measurement near a minute.
+# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its 4-bit files read a token. Its ids are ranked by
+# chat and code counts (draft_levers.corpus_counts). With that ranking, the IQ4_NL draft's top-1 agreement on the
+# reference text / on held-out source files was 0.898 / 0.685 with the whole head, 0.898 / 0.679 at 65536 rows
+# (33 MB), 0.896 / 0.673 at 49152 (25 MB), 0.896 / 0.663 at 32768 (17 MB), against the shipped draft's 0.906 / 0.702
+# (Zen 4, 2026-11-27, benchmarks/draft_variants.py --held-out). 32768 falls more than 3 points below the shipped draft
+# on held-out code, so the two measured are 65536 and 49152: two sizes keep a first run's measurement near a minute.
 HEAD_SIZES = (65536, 49152)
 
 
@@ -83,48 +94,54 @@ def available_variants(native: bool = False) -> list[str]:
 
 def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
-    A native draft's pruned heads are measured for its best quantization only (each variant costs seconds).
-    `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model`."""
+    The quantizations' cost curves are measured in the same rounds (`costs.profile_together`), then a native draft's
+    best one again beside its pruned heads, which decide among themselves: each comparison sees one machine state.
+    `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model` / `profile_together`."""
     native = is_native(draft.model)
     t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
     texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
     with torch.inference_mode():
         choices = target_choices(target.model, texts)
+    variants, prepared = {}, {}
 
-    def measure(quant: str, vocab: int, prepare) -> tuple[dict, object]:  # (the entry, the prepared draft)
+    def prepare(quant: str, vocab: int, make) -> None:  # the variant's model and agreement (its entry waits for costs)
         if progress:
             print(f"[arborspec] measuring the {label(quant, vocab)} draft ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        prepared = prepare()
-        prep = time.perf_counter() - start
-        d_curve, _ = profile_model(prepared.model, refresh=refresh, progress=progress, **profile_kw)
+        loaded = make()
         with torch.inference_mode():
-            measured = agreement_with(choices, prepared.model, texts)
-        score, depth = chain_score(measured.top1, d_curve(1), t_curve)
-        return dict(quant=quant, vocab=vocab, draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times),
-                    agreement=measured.top1, coverage4=measured.cover, score=score, best_chain=depth,
-                    prepare_seconds=prep), prepared
+            measured = agreement_with(choices, loaded.model, texts)
+        prepared[label(quant, vocab)] = loaded
+        variants[label(quant, vocab)] = dict(quant=quant, vocab=vocab, agreement=measured.top1,
+                                             coverage4=measured.cover, prepare_seconds=time.perf_counter() - start)
 
-    variants, best_prepared = {}, None  # the best quantization so far, prepared (each lean copy holds ~250 MB)
+    def cost_together(names: list[str]) -> None:  # their curves from the same rounds, and the scores they give
+        curves = profile_together([prepared[n].model for n in names], progress=progress, **profile_kw)
+        for name, d_curve in zip(names, curves):
+            score, depth = chain_score(variants[name]["agreement"], d_curve(1), t_curve)
+            variants[name].update(draft_sizes=list(d_curve.sizes), draft_times=list(d_curve.times), score=score,
+                                  best_chain=depth)
+
     for quant in available_variants(native):
         try:
-            variants[quant], prepared = measure(quant, 0, lambda: variant(draft, quant, progress=progress))
+            prepare(quant, 0, lambda: variant(draft, quant, progress=progress))
         except Exception as err:  # e.g. a model whose own forward cannot run a quantized head: not a candidate
             if quant == "none":
                 raise
             variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
-            continue
-        if best_variant(variants) == quant:
-            best_prepared = prepared
-        del prepared
+    cost_together(list(prepared))
     if not native and "int4" not in variants:
         variants["int4"] = dict(quant="int4", vocab=0, unavailable=TORCHAO_HINT)
     if native:  # the best quantization's file, its head pruned (sharing the lean file already loaded)
         best = best_variant(variants)
+        for quant in [q for q in prepared if q != best]:
+            del prepared[quant]  # each lean copy holds ~250 MB
         for vocab in head_sizes(draft):
-            variants[label(best, vocab)], _ = measure(
-                best, vocab, lambda: prune_native_draft(best_prepared, vocab, progress=progress))
-    return dict(choice=best_variant(variants), variants=variants, target_sizes=list(t_curve.sizes),
+            prepare(best, vocab, lambda: prune_native_draft(prepared[best], vocab, progress=progress))
+        if len(prepared) > 1:
+            cost_together(list(prepared))
+    choice = best_variant({name: variants[name] for name in prepared} if native else variants)
+    return dict(choice=choice, variants=variants, target_sizes=list(t_curve.sizes),
                 target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
 
 
@@ -153,7 +170,8 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
     machine and library versions are unchanged ('cache'), else measured ('measured')."""
     native = is_native(draft.model)
     key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
-           "variants": available_variants(native), "heads": head_sizes(draft) if native else []}
+           "variants": available_variants(native), "heads": head_sizes(draft) if native else [],
+           "head_corpus": HEAD_CORPUS}
     record = None if refresh else read_record("draft-quant", key)
     if record is not None and record.get("choice") in record.get("variants", {}):
         return record["choice"], record, "cache"
@@ -166,17 +184,17 @@ def describe(record: dict) -> list[str]:
     """Table rows: one line per variant, side by side; d(1) / t(1) (a drafted token's price in target tokens) and
     d(4) / d(1) (what a tree's extra rows cost) are the figures the lean drafts were built to bring down."""
     t1 = dict(zip(record["target_sizes"], record["target_times"])).get(1)
-    rows = [f"{'variant':>16} {'d(1) ms':>8} {'d(1)/t(1)':>9} {'d(4)/d(1)':>9} {'d(32) ms':>9} {'top-1 agree':>11} "
+    rows = [f"{'variant':>17} {'d(1) ms':>8} {'d(1)/t(1)':>9} {'d(4)/d(1)':>9} {'d(32) ms':>9} {'top-1 agree':>11} "
             f"{'top-4 cover':>11} {'best chain':>10} {'est. tok/s':>10}"]
     for quant, v in record["variants"].items():
         if "unavailable" in v:
-            rows.append(f"{quant:>16}  unavailable: {v['unavailable']}")
+            rows.append(f"{quant:>17}  unavailable: {v['unavailable']}")
             continue
         d = dict(zip(v["draft_sizes"], v["draft_times"]))
         ms = lambda n: f"{d[n] * 1e3:.1f}" if n in d else "-"  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}" if a is not None and b else "-"  # noqa: E731
         mark = "  <- default" if quant == record["choice"] else ""
-        rows.append(f"{quant:>16} {ms(1):>8} {ratio(d.get(1), t1):>9} {ratio(d.get(4), d.get(1)):>9} {ms(32):>9} "
+        rows.append(f"{quant:>17} {ms(1):>8} {ratio(d.get(1), t1):>9} {ratio(d.get(4), d.get(1)):>9} {ms(32):>9} "
                     f"{v['agreement']:11.3f} {v['coverage4']:11.3f} {v['best_chain']:10d} {v['score']:10.2f}{mark}")
     return rows
 
