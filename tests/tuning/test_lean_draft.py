@@ -12,7 +12,7 @@ from arborspec import SpeculativeDecoder, runspec
 from arborspec.loading import load_model
 from arborspec.loading import pair as pair_loader
 from arborspec.loading.model import LoadedModel
-from arborspec.tuning import draft_choice, gguf_requant
+from arborspec.tuning import costs, draft_choice, gguf_requant
 from tests.backends.tiny_gguf import write_tiny_gguf
 from tests.conftest import char_tokenizer, tiny_model
 
@@ -93,28 +93,29 @@ def test_a_lean_draft_keeps_greedy_decoding_identical(files, kind):
         assert out.stats.mean_accepted > 0  # the lean draft was used, not bypassed
 
 
-def test_auto_measures_each_lean_variant_then_the_best_one_with_pruned_heads_once(files, monkeypatch):
-    """`auto` on a native draft: every quantization with the whole head, then the best of them with each pruned head
-    size (corpus counts faked: ShareGPT is a download); the choice is the best score of all, and a run resolves
+def test_auto_measures_each_lean_variant_with_each_pruned_head_once(files, monkeypatch):
+    """`auto` on a native draft: every quantization with the whole head and with each pruned head size (corpus counts
+    faked: ShareGPT is a download), all in the same rounds; the choice is the best score of all, and a run resolves
     "auto" to its quantization and head size, or to the best whole-head quantization when the run names a head."""
     import torch
 
     from arborspec.tuning import draft_levers
     monkeypatch.setattr(draft_choice, "HEAD_SIZES", (96, 48, 200))  # 200: over half the 261-token vocabulary
     monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, size, progress=True: torch.arange(size, 0, -1))
+    together = []
+    monkeypatch.setattr(draft_choice, "profile_together",
+                        lambda models, **kw: together.append(len(models)) or costs.profile_together(models, **kw))
     target = load_model(str(files["target"]), backend="native", progress=False)
     draft = load_model(str(files["draft"]), backend="native", progress=False)
     kw = dict(sizes=(1, 2, 4), prefix=8, repeats=1, progress=False)
     choice, record, source = draft_choice.choose_draft_quant(target, draft, **kw)
     variants = record["variants"]
     types = {"none", *gguf_requant.lean_types()}
-    pruned = {name for name in variants if name not in types}
-    best_type = {variants[name]["quant"] for name in pruned}.pop()  # the quantization measured with pruned heads
-    assert source == "measured"
-    assert pruned == {draft_choice.label(best_type, k) for k in (96, 48)}
-    assert variants[best_type]["score"] == max(variants[q]["score"] for q in types)
+    assert source == "measured" and together == [3 * len(types)]  # one measurement of every variant
+    assert set(variants) == {draft_choice.label(q, k) for q in types for k in (0, 96, 48)}
     assert variants[choice]["score"] == max(v["score"] for v in variants.values())
     assert all(0 <= v["agreement"] <= v["coverage4"] <= 1 for v in variants.values())
+    best_type = draft_choice.best_variant(variants, full_head=True)
     pruned = variants[draft_choice.label(best_type, 48)]
     assert (pruned["quant"], pruned["vocab"]) == (best_type, 48)
     assert draft_choice.choose_draft_quant(target, draft, **kw)[2] == "cache"

@@ -3,12 +3,11 @@
 A quantized draft is cheaper per call but agrees less often with the target; which wins depends on the CPU, the
 thread count and the pair, so arborspec measures instead of guessing. For every variant (a PyTorch draft: bf16 as
 loaded, int8, and int4 when torchao is installed; a GGUF draft on the native backend: its file as it is and the lean
-4-bit copies of tuning/gguf_requant.py the kernels here run, then the best of those with its head pruned to the
+4-bit copies of tuning/gguf_requant.py the kernels here run, and each of those with its head pruned to the
 `HEAD_SIZES` most frequent tokens) it measures
 
-- the draft's cost curve d(w) (one call over w tree nodes, cached per model fingerprint), the variants compared with
-  each other in the same rounds (`costs.profile_together`: the quantizations; then the best one beside its pruned
-  heads),
+- the draft's cost curve d(w) (one call over w tree nodes, cached per model fingerprint), every variant in the same
+  rounds (`costs.profile_together`),
 - top-1 agreement a (draft argmax == target argmax) and top-4 coverage, teacher-forced on a fixed reference text
   (tuning/agreement.py: one chain forward of each model through its sessions, no generation),
 
@@ -19,8 +18,7 @@ tokens, so
     score = max over k = 1..16 of (1 - a^(k+1)) / (1 - a) / (k * d(1) + t(k + 1))      [tokens per second]
 
 with t(n) the target's profiled cost. A variant is a quantization and a head size (`label`: "q4_0",
-"q4_0+vocab49152"); the one with the highest score is the default (a native draft: of the best quantization and
-its pruned heads, the last set measured together); the whole record (curves, agreement, scores, the
+"q4_0+vocab49152"); the one with the highest score is the default; the whole record (curves, agreement, scores, the
 choice) is cached beside the cost profiles under the pair's key, and `arborspec profile --pair` prints and plots it.
 """
 from __future__ import annotations
@@ -47,13 +45,14 @@ from .draft_levers import (
 from .gguf_requant import lean_types
 
 MAX_CHAIN = 16
-# Head sizes a native draft is measured with (the types first, at the full head; then the best type with each of
-# these). The 0.5B draft's 151936-row head is 77 MB of the ~280 MB its 4-bit files read a token. Its ids are ranked by
-# chat and code counts (draft_levers.corpus_counts). With that ranking, the IQ4_NL draft's top-1 agreement on the
+# Head sizes a native draft is measured with (each type with the whole head and with each of these). The 0.5B
+# draft's 151936-row head is 77 MB of the ~280 MB its 4-bit files read a token. Its ids are ranked by chat and code
+# counts (draft_levers.corpus_counts). With that ranking, the IQ4_NL draft's top-1 agreement on the
 # reference text / on held-out source files was 0.898 / 0.685 with the whole head, 0.898 / 0.679 at 65536 rows
 # (33 MB), 0.896 / 0.673 at 49152 (25 MB), 0.896 / 0.663 at 32768 (17 MB), against the shipped draft's 0.906 / 0.702
 # (Zen 4, 2026-11-27, benchmarks/draft_variants.py --held-out). 32768 falls more than 3 points below the shipped draft
-# on held-out code, so the two measured are 65536 and 49152: two sizes keep a first run's measurement near a minute.
+# on held-out code, so the two measured are 65536 and 49152: with the three types, nine variants, which the whole
+# `arborspec profile --pair --backend native --refresh` measured in 97 s.
 HEAD_SIZES = (65536, 49152)
 
 
@@ -94,9 +93,9 @@ def available_variants(native: bool = False) -> list[str]:
 
 def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
-    The quantizations' cost curves are measured in the same rounds (`costs.profile_together`), then a native draft's
-    best one again beside its pruned heads, which decide among themselves: each comparison sees one machine state.
-    `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model` / `profile_together`."""
+    All variants' cost curves are measured in the same rounds (`costs.profile_together`), so the choice compares
+    figures taken in one machine state. `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model` /
+    `profile_together`."""
     native = is_native(draft.model)
     t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
     texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
@@ -129,19 +128,14 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
             if quant == "none":
                 raise
             variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
+    if native:  # each quantization's file with its head pruned too (sharing every other weight with the file)
+        for quant in list(prepared):
+            for vocab in head_sizes(draft):
+                prepare(quant, vocab, lambda: prune_native_draft(prepared[quant], vocab, progress=progress))
     cost_together(list(prepared))
     if not native and "int4" not in variants:
         variants["int4"] = dict(quant="int4", vocab=0, unavailable=TORCHAO_HINT)
-    if native:  # the best quantization's file, its head pruned (sharing the lean file already loaded)
-        best = best_variant(variants)
-        for quant in [q for q in prepared if q != best]:
-            del prepared[quant]  # each lean copy holds ~250 MB
-        for vocab in head_sizes(draft):
-            prepare(best, vocab, lambda: prune_native_draft(prepared[best], vocab, progress=progress))
-        if len(prepared) > 1:
-            cost_together(list(prepared))
-    choice = best_variant({name: variants[name] for name in prepared} if native else variants)
-    return dict(choice=choice, variants=variants, target_sizes=list(t_curve.sizes),
+    return dict(choice=best_variant(variants), variants=variants, target_sizes=list(t_curve.sizes),
                 target_times=list(t_curve.times), positions=sum(len(t) - 1 for t in texts))
 
 
