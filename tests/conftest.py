@@ -22,11 +22,6 @@ def pin_xdist_worker() -> None:
         pass
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (one per xdist worker under scripts/test.sh): the real models' threads."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 pin_xdist_worker()  # before torch starts its thread pools
 
 import pytest

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
-from tests.conftest import usable_cores
+from arborspec.core.host import usable_cores
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.backends.native_step import NativeSession
-from tests.conftest import usable_cores
+from arborspec.core.host import usable_cores
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 

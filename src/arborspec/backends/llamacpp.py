@@ -49,6 +49,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..core.disk_cache import sha256_key
+from ..core.host import usable_cores
 from ..core.sampling import check_finite
 from ..core.tree import TokenTree
 from .hf import begin_forward
@@ -290,8 +291,7 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} not found")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    n_threads = cores if n_threads is None else n_threads
+    n_threads = usable_cores() if n_threads is None else n_threads
     n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
     for name, value, low, high in (("n_threads", n_threads, 1, 1024), ("n_threads_batch", n_threads_batch, 1, 1024),
                                    ("n_batch", n_batch, 1, 1 << 16), ("n_seq_max", n_seq_max, 1, MAX_SEQ)):

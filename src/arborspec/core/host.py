@@ -86,6 +86,12 @@ def this_cpu() -> Cpu:
     return cpu if cpu.name else replace(cpu, name=platform.processor() or platform.machine() or "cpu")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask; fewer than os.cpu_count() under taskset or a pinned
+    test worker)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def machine_id(cpu: Cpu | None = None) -> str:
     """What cached measurements are keyed by: the CPU (name, family, model and a hash of its flags), the logical cores
     and the architecture. Not the host name: containers rename hosts, not CPUs."""

@@ -1394,7 +1394,6 @@ inline __m512 halves16(const uint8_t* p) {
 }
 #endif
 
-
 constexpr int kRowsVnni = 8;  // rows of X a kernel call keeps in registers (accumulators + one chunk's weights)
 
 // Q4_K x16, R rows of X from r0, one group of 16 rows of W: per 32-weight sub-block, 8 weight registers unpacked
