@@ -149,6 +149,8 @@ def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dir
     ("wetap", ["--verifier", "wetap"], "--allow-lossy"),
     ("chain(k=3)+fp8", [], "unknown lever"),
     ("chain(k=3)", ["--depth", "2"], "takes no option --depth"),
+    ("static(depth=0)", [], "depth must be a positive integer"),
+    ("static", ["--branch", "0"], "branch must be a positive integer"),
 ])
 def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--method", method, *extra)

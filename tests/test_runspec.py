@@ -41,12 +41,14 @@ def test_a_name_carries_options_budget_and_levers():
 
 @pytest.mark.parametrize("name,words", [
     ("no-such-method", "unknown method 'no-such-method'"), ("Chain", "does not read"), ("chain@", "does not read"),
-    ("dynatree(nope=1)", "not option=value"), ("dynatree(window=x)", "invalid literal"),
+    ("dynatree(nope=1)", "not option=value"), ("dynatree(window=x)", "window takes an integer"),
     ("chain(verifier=nope)", "unknown verifier"), ("ar@4", "no size option"), ("auto@16", "no size option"),
     ("chain+fp8", "unknown lever"), ("hf-assisted+ngram", "baselines"), ("hf-ar(k=1)", "no (option"),
     ("ar+int8", "without a draft"), ("hf-ar+noquant", "without a draft"), ("ar+vocab100", "without a draft"),
     ("wetap-lossy@64", "--allow-lossy"), ("wetap(verifier=wetap)", "--allow-lossy"),
     ("hf-ar+lookahead", "baselines"), ("ar+lookahead4x1", "at least 2 tokens"), ("ar+lookahead0", "at least 1 guess"),
+    ("static(depth=0)", "depth must be a positive integer"), ("chain@0", "N >= 1"), ("static@0", "N >= 1"),
+    ("dyspec(budget=-2)", "budget must be an integer >= 1"), ("chain(k=2.5)", "k takes an integer, got '2.5'"),
 ])
 def test_bad_names_say_what_is_wrong(name, words):
     with pytest.raises(ValueError) as err:

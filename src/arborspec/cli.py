@@ -41,13 +41,21 @@ from .flags import (
     add_tree_layout_arguments,
 )
 from .loading import aliases
-from .loading.pair import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, is_torch_model, llama_options, load_pair,
-                           load_pair_for)
+from .loading.pair import (
+    DEFAULT_DRAFT,
+    DEFAULT_DTYPE,
+    DEFAULT_TARGET,
+    is_torch_model,
+    llama_options,
+    load_pair,
+    load_pair_for,
+)
 from .runspec import (
     NGRAM_LEN,
     RunSpec,
     build_decoder,
     check_lossy,
+    check_options,
     check_verifier,
     option_names,
     parse,
@@ -206,7 +214,7 @@ def run_spec(args) -> RunSpec:
                    vocab=args.draft_vocab or spec.vocab, ngram=args.ngram or spec.ngram, ngram_len=args.ngram_len,
                    suffix=spec.suffix if args.suffix is None else args.suffix,
                    lookahead=args.lookahead or spec.lookahead)
-    return check_lossy(spec)
+    return check_lossy(check_options(spec))
 
 
 def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):

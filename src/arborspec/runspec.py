@@ -156,6 +156,8 @@ def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool =
         if m["budget"] is not None:
             if spec.size is None:
                 raise ValueError(f"{m['base']} has no size option for @{m['budget']}")
+            if int(m["budget"]) < 1:
+                raise ValueError("a tree budget @N needs N >= 1 node")
             spec = replace(spec, budget=int(m["budget"]))
         levers = [lever for lever in m["levers"].split("+") if lever]
         for lever in levers:
@@ -166,7 +168,19 @@ def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool =
         if spec.vocab or any(lever in QUANT_LEVERS for lever in levers):
             raise ValueError(f"method {name!r}: draft levers on a method without a draft")
         spec = replace(spec, quant="none")
-    return check_lossy(spec)
+    return check_lossy(check_options(spec))
+
+
+def check_options(spec: RunSpec) -> RunSpec:
+    """`spec`, once its policy's options (those in its name, sized by a budget its name pins) pass the policy's own
+    checks (ValueError naming the method): a bad value such as `static(depth=0)` is refused when the name is read,
+    not after the ~15 s of loading the pair that building the decoder waits for."""
+    if spec.policy is not None:
+        try:
+            POLICIES[spec.policy].Options(**options_for(spec)[0])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"method {spec.name!r}: {err}") from None
+    return spec
 
 
 def _base(name: str) -> RunSpec:

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from arborspec.core.disk_cache import cache_dir
 from arborspec.loading import aliases, load_model
+from arborspec.loading import model as model_loading
 from arborspec.loading.aliases import ALIASES, MARKER_NAME, AliasSpec, alias_path, fetch_alias, is_fetched
 from arborspec.loading.model import (
     DEFAULT_DTYPE,
@@ -237,11 +238,51 @@ def test_unreachable_hub_id_is_a_load_error(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setattr(aliases.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(model_loading, "hub_reachable", lambda: True)
     with pytest.raises(ModelLoadError, match="hub") as info:
         load_model("someone/some-model", progress=False)
     assert calls == ["someone/some-model"]
     assert "qwen2.5-coder-0.5b" in str(info.value)  # it suggests the aliases
     assert "\n" not in str(info.value)
+
+
+def test_a_hub_id_without_a_route_to_the_hub_reads_its_cache_alone(monkeypatch):
+    # transformers would retry an unreachable hub with back-off (28 s to fail); asked first, it reads its cache only
+    seen = []
+
+    def cache_only(name, **kwargs):
+        seen.append(kwargs.get("local_files_only"))
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(aliases.AutoModelForCausalLM, "from_pretrained", cache_only)
+    monkeypatch.setattr(model_loading, "hub_reachable", lambda: False)
+    with pytest.raises(ModelLoadError, match="unreachable from this machine and the model is not in its local cache"):
+        load_model("someone/some-model", progress=False)
+    assert seen == [True]
+
+
+def test_the_hub_counts_as_unreachable_offline_or_without_a_connection(monkeypatch):
+    asked = []
+
+    class Connection:
+        def close(self):
+            pass
+
+    def connect(address, timeout):
+        asked.append(address)
+        if address[0] != "mirror.example":
+            raise ConnectionRefusedError(address)
+        return Connection()
+
+    monkeypatch.setattr(model_loading.socket, "create_connection", connect)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://mirror.example")
+    assert model_loading.hub_reachable() and asked == [("mirror.example", 443)]
+    monkeypatch.delenv("HF_ENDPOINT")
+    assert not model_loading.hub_reachable() and asked[-1] == ("huggingface.co", 443)
+    monkeypatch.setenv("HF_ENDPOINT", "https://mirror.example")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not model_loading.hub_reachable() and len(asked) == 2  # offline: not even asked
 
 
 def test_unknown_alias():

@@ -37,7 +37,14 @@ def option_parser(f: dataclasses.Field):
     kind = getattr(f.type, "__name__", f.type)
     if kind == "bool":
         return lambda text: parse_bool(text, f.name)
-    return {"int": int, "float": float, "str": str, "int | str": int_or_text}.get(kind, str)
+    convert = {"int": int, "float": float, "str": str, "int | str": int_or_text}.get(kind, str)
+
+    def parse(text: str):
+        try:
+            return convert(text)
+        except ValueError:
+            raise ValueError(f"{f.name} takes {'an integer' if kind == 'int' else 'a number'}, got {text!r}") from None
+    return parse
 
 
 def opt(default, help: str):

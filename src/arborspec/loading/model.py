@@ -8,10 +8,13 @@ memory bandwidth, and bf16 reads half the bytes).
 """
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -169,23 +172,49 @@ def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> 
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(path))
 
 
+HUB_TIMEOUT = 3.0  # seconds a TCP connection to the hub may take before it counts as unreachable
+
+
+def hub_reachable(timeout: float = HUB_TIMEOUT) -> bool:
+    """Whether the HuggingFace hub (HF_ENDPOINT, else huggingface.co) accepts a connection within `timeout` s.
+    Why ask first: transformers retries an unreachable hub five times with back-off, so a mistyped model name took
+    28 s to fail on a machine without a route to it; the hub's own cache is then read alone, at once."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", progress: bool = True) -> LoadedModel:
     """`spec` on transformers: dense weights in `dtype` (a GGUF dequantized), eval mode, no grads."""
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)
-    say(f"loading {spec}", progress)
+    offline = from_hub and not hub_reachable()
+    say(f"loading {spec}" + (" from the HuggingFace hub's local cache (the hub is unreachable)" if offline else ""),
+        progress)
     start = time.perf_counter()
     try:
-        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}))
+        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}),
+                      **({"local_files_only": True} if offline else {}))
         try:
             model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, **kwargs)
         except ValueError as exc:  # models without attention (Mamba2) refuse "sdpa": let transformers pick
             if "does not support an attention implementation" not in str(exc):
                 raise
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}),
+                                                  **({"local_files_only": True} if offline else {}))
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if offline:
+            raise ModelLoadError(
+                f"could not load {spec!r}: the HuggingFace hub is unreachable from this machine and the model is not "
+                f"in its local cache; give a local directory, a .gguf file, or an alias "
+                f"({', '.join(sorted(ALIASES))})") from exc
         if from_hub:
             raise ModelLoadError(
                 f"could not load {spec!r} from the HuggingFace hub (hub unreachable or unknown id: {reason}); "
