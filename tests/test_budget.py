@@ -176,18 +176,23 @@ def test_models_compared_with_each_other_are_measured_in_the_same_rounds(tmp_pat
     round kept and cached as its profile."""
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
-    calls = []
+    calls, sessions = [], []
 
-    def drifting(model, sizes, prefix=200, repeats=3, seed=0, **kw):  # the host slows down call by call
-        calls.append((model, repeats, seed))
-        base = 0.001 if model is a else 0.002
-        return [base * n + 0.01 * len(calls) for n in sizes]
+    class Drifting:  # a session whose forwards the host slows down call by call
+        def __init__(self, model, prefix=200, seed=0, ssm_tree="packed", new_session=None):
+            self.model = model
+            sessions.append(model)
 
-    monkeypatch.setattr(costs, "measure_forward_cost", drifting)
+        def round(self, sizes):
+            calls.append(self.model)
+            base = 0.001 if self.model is a else 0.002
+            return [base * n + 0.01 * len(calls) for n in sizes]
+
+    monkeypatch.setattr(costs, "TreeTimer", Drifting)
     curves = costs.profile_together([a, b], sizes=(1, 4), repeats=3)
-    assert [(m is a, r, s) for m, r, s in calls] == [(True, 1, 0), (False, 1, 0), (True, 1, 1), (False, 1, 1),
-                                                     (True, 1, 2), (False, 1, 2)]
-    assert curves[0].times == pytest.approx((0.011, 0.014)) and curves[1].times == pytest.approx((0.022, 0.028))
+    assert sessions == [a, b]  # one session each, prefilled once
+    assert calls == [a, b] + [a, b] * 3  # a warm-up round each, then the timed rounds interleaved
+    assert curves[0].times == pytest.approx((0.031, 0.034)) and curves[1].times == pytest.approx((0.042, 0.048))
     assert curves[0](1) < curves[1](1)  # measured one after the other, b's first round would have beaten a's last
     for model, curve in zip((a, b), curves):
         assert costs.profile_model(model) == (curve, "cache")

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="with --pair: measure even if a cached profile exists")
     prof.add_argument("--no-variants", action="store_true",
                       help="with --pair: skip the draft variants (a PyTorch draft: bf16 / int8 / int4; a native GGUF "
-                           "draft: as it is / q4_0 / iq4_nl: cost curves and agreement)")
+                           "draft: as it is / iq4_nl, each with its pruned heads: cost curves and agreement)")
     prof.add_argument("--kind", default=None, choices=["linear", "quadratic"],
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
     prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")

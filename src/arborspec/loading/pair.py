@@ -21,7 +21,8 @@ DEFAULT_DTYPE = DEFAULT_DTYPE_NAME  # "bf16", defined once in loading/model.py (
 DEFAULT_DRAFT_QUANT = "auto"
 DEFAULT_BACKEND = "auto"  # GGUF: native or llama.cpp, measured (loading/backend_choice.py); else torch
 # the draft variants: PyTorch drafts quantized by torch (int8, int4), native GGUF drafts requantized to a lean 4-bit
-# file (q4_0, iq4_nl: tuning/gguf_requant.py); "auto" measures which is fastest for the pair here (cached)
+# file (q4_0, iq4_nl: tuning/gguf_requant.py); "auto" measures which is fastest for the pair here (cached; of the
+# lean types it measures IQ4_NL alone: tuning/draft_choice.AUTO_LEAN_TYPES)
 DRAFT_QUANTS = ("auto", *draft_levers.QUANT_MODES, *LEAN_TYPES)
 
 

@@ -43,42 +43,53 @@ def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree
     return tree
 
 
+class TreeTimer:
+    """One session of `model`, prefilled with `prefix` random tokens, whose forwards over complete binary trees are
+    timed a round at a time (`round`). Each timed forward is followed by commit([0]), so the prefix grows by one token
+    per call. `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind."""
+
+    def __init__(self, model, prefix: int = 200, seed: int = 0, ssm_tree: str = "packed", new_session=None):
+        self.rng = random.Random(seed)
+        self.vocab = int(model.config.vocab_size)
+        self.context = [self.rng.randrange(self.vocab) for _ in range(prefix)]
+        self.session = new_session(model, "target") if new_session else make_session(model, "target",
+                                                                                     ssm_tree=ssm_tree)
+        self.session.prefill(self.context[:-1])
+
+    def round(self, sizes) -> list[float]:
+        """Seconds of one forward over an N-node tree for each N in `sizes` (in their order), the largest run first:
+        after a 128-node forward the caches hold none of a small forward's data, which read the q4_0 draft's d(1)
+        ~8% high."""
+        times = [0.0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            n = sizes[i]
+            tree = full_tree(n, self.context[-1], [self.rng.randrange(self.vocab) for _ in range(max(n - 1, 1))])
+            start = time.perf_counter()
+            self.session.forward(self.context, tree, list(range(len(tree))))
+            times[i] = time.perf_counter() - start
+            self.session.commit([0])
+            self.context.append(self.rng.randrange(self.vocab))
+        return times
+
+
 def measure_forward_cost(model, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3, ssm_tree: str = "packed",
                          seed: int = 0, new_session=None) -> list[float]:
     """Seconds of one forward over an N-token complete binary tree, for each N in `sizes`: the fastest of `repeats`.
 
-    One session is prefilled with `prefix` random tokens; each timed forward is followed by commit([0]), so the
-    prefix grows by one token per call (by len(sizes) * (repeats + 1) in all). The sizes are measured in rounds, one
-    call of each per round (the first round untimed, a warm-up), not one size after the other: a shared host's memory
-    speed can drift within minutes, and size by size a slow minute fell on a few sizes alone (an AVX2 profile read
-    t(1) = 35.6 ms above t(2) = 30.7 ms, where decoding ran at 27 ms a token; Zen 4, 2026-11-26), so the draft
-    choice and the gate compared sizes measured in different states. Each round runs the largest size first: after
-    a 128-node forward the caches hold none of a small forward's data, which read the q4_0 draft's d(1) ~8% high.
+    One session (`TreeTimer`) is prefilled with `prefix` random tokens, and the prefix grows by len(sizes) *
+    (repeats + 1) tokens in all. The sizes are measured in rounds, one call of each per round (the first round
+    untimed, a warm-up), not one size after the other: a shared host's memory speed can drift within minutes, and
+    size by size a slow minute fell on a few sizes alone (an AVX2 profile read t(1) = 35.6 ms above t(2) = 30.7 ms,
+    where decoding ran at 27 ms a token; Zen 4, 2026-11-26), so the draft choice and the gate compared sizes measured
+    in different states.
     Why the fastest and not the median: a forward's time only grows with what else runs, and on a shared host calls
     stall at random. The 1.5B target's one-token forwards (22.7 ms) took +15-30 ms stalls, about one call in eight,
     so a median of 3 read its t(1) at 31-35 ms in two of five profiles while t(8) read right: its extra rows then
     looked nearly free, and `auto` drafted and grafted at a loss (AVX2 build, Zen 4, 2026-11-26).
-    `new_session(model, role)` makes the session (a benchmark's alternative), else the model's own kind.
     """
-    rng = random.Random(seed)
-    vocab = int(model.config.vocab_size)
-    context = [rng.randrange(vocab) for _ in range(prefix)]
-    session = new_session(model, "target") if new_session else make_session(model, "target", ssm_tree=ssm_tree)
-    session.prefill(context[:-1])
-    times: list[list[float]] = [[] for _ in sizes]
-    largest_first = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    for rep in range(repeats + 1):
-        for i in largest_first:
-            n = sizes[i]
-            tree = full_tree(n, context[-1], [rng.randrange(vocab) for _ in range(max(n - 1, 1))])
-            start = time.perf_counter()
-            session.forward(context, tree, list(range(len(tree))))
-            elapsed = time.perf_counter() - start
-            session.commit([0])
-            context.append(rng.randrange(vocab))
-            if rep:
-                times[i].append(elapsed)
-    return [min(t) for t in times]
+    timer = TreeTimer(model, prefix, seed, ssm_tree, new_session)
+    rounds = [timer.round(sizes) for _ in range(repeats + 1)][1:]
+    return [min(r[i] for r in rounds) for i in range(len(sizes))]
 
 
 # ---- cost curves ----------------------------------------------------------------------------------------------------
@@ -165,8 +176,10 @@ def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seco
 def profile_together(models: list, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
                      progress: bool = False) -> list[CostCurve]:
     """Cost curves of models that are to be compared with each other (the draft's variants), measured in the same
-    rounds: each round times every size of every model once (`measure_forward_cost`, one timed call a size), and a
-    model's figure is its fastest round. Each is cached as its profile, as `profile_model` would.
+    rounds: each model gets one session (`TreeTimer`) and a warm-up round, then each round times every size of every
+    model once, and a model's figure is its fastest round. Each is cached as its profile, as `profile_model` would.
+    (A session a round, prefilled and warmed up each time, took ~15 s more of the first 97 s profile of the pair's
+    nine variants.)
 
     Why not one model after another: a shared host's memory speed drifts within a minute, and whichever variant is
     measured in the slow minute loses. On the Zen 4 host (2026-11-27) the q4_0 draft's d(1) read 10.3 ms against the
@@ -176,9 +189,11 @@ def profile_together(models: list, sizes=DEFAULT_SIZES, prefix: int = 200, repea
         print(f"[arborspec] profiling {len(models)} models in the same rounds for tree sizes "
               + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    prefixes = [fitting_prefix(m, prefix, sizes, 1) for m in models]
-    rounds = [[measure_forward_cost(m, sizes, prefix=p, repeats=1, seed=r) for m, p in zip(models, prefixes)]
-              for r in range(repeats)]
+    prefixes = [fitting_prefix(m, prefix, sizes, repeats) for m in models]
+    timers = [TreeTimer(m, p) for m, p in zip(models, prefixes)]  # one session each, for every round
+    for timer in timers:
+        timer.round(sizes)  # a warm-up
+    rounds = [[timer.round(sizes) for timer in timers] for _ in range(repeats)]
     seconds = (time.perf_counter() - start) / len(models)
     return [save_profile(m, profile_key(m), sizes, [min(r[i][j] for r in rounds) for j in range(len(sizes))], p,
                          repeats, seconds)

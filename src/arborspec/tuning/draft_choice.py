@@ -2,9 +2,9 @@
 
 A quantized draft is cheaper per call but agrees less often with the target; which wins depends on the CPU, the
 thread count and the pair, so arborspec measures instead of guessing. For every variant (a PyTorch draft: bf16 as
-loaded, int8, and int4 when torchao is installed; a GGUF draft on the native backend: its file as it is and the lean
-4-bit copies of tuning/gguf_requant.py the kernels here run, and each of those with its head pruned to the
-`HEAD_SIZES` most frequent tokens) it measures
+loaded, int8, and int4 when torchao is installed; a GGUF draft on the native backend: its file as it is and its lean
+IQ4_NL copy (tuning/gguf_requant.py; `AUTO_LEAN_TYPES`), and each of those with its head pruned to the `HEAD_SIZES`
+most frequent tokens) it measures
 
 - the draft's cost curve d(w) (one call over w tree nodes, cached per model fingerprint), every variant in the same
   rounds (`costs.profile_together`),
@@ -51,9 +51,15 @@ MAX_CHAIN = 16
 # reference text / on held-out source files was 0.898 / 0.685 with the whole head, 0.898 / 0.679 at 65536 rows
 # (33 MB), 0.896 / 0.673 at 49152 (25 MB), 0.896 / 0.663 at 32768 (17 MB), against the shipped draft's 0.906 / 0.702
 # (Zen 4, 2026-11-27, benchmarks/draft_variants.py --held-out). 32768 falls more than 3 points below the shipped draft
-# on held-out code, so the two measured are 65536 and 49152: with the three types, nine variants, which the whole
-# `arborspec profile --pair --backend native --refresh` measured in 97 s.
+# on held-out code, so the two measured are 65536 and 49152.
 HEAD_SIZES = (65536, 49152)
+# The lean types `auto` measures for a native draft. Q4_0 is left to `--draft-quant q4_0` / `+q4_0`: its greedy top-1
+# agreement with the target falls 3.9 points below the shipped draft's on held-out source files (IQ4_NL: 1.7; the
+# bound the lean draft was built to stay within is 3), while the 490 positions of the reference text that `auto`
+# scores on (a standard error of ~1.4 points) showed it only 2.2 below, so `auto` could prefer it wherever it is the
+# cheaper (AVX2: 13% below IQ4_NL's d(1)). Its pruned heads fell 5.1 points below (Zen 4, 2026-11-27,
+# benchmarks/draft_variants.py --held-out). Six variants instead of nine also cut the first profile of the pair.
+AUTO_LEAN_TYPES = ("iq4_nl",)
 
 
 def label(quant: str, vocab: int = 0) -> str:
@@ -79,11 +85,11 @@ def chain_score(a: float, d1: float, t) -> tuple[float, int]:
 
 
 def available_variants(native: bool = False) -> list[str]:
-    """The variants this installation can run. A native GGUF draft: as it is, and each lean type the kernels cover.
-    A PyTorch draft: int4 needs the optional torchao (imported only here and in `draft_levers.quantize`: it is slow
-    to import and may be absent)."""
+    """The variants `auto` measures on this installation. A native GGUF draft: as it is, and each of
+    `AUTO_LEAN_TYPES` the kernels cover. A PyTorch draft: int4 needs the optional torchao (imported only here and in
+    `draft_levers.quantize`: it is slow to import and may be absent)."""
     if native:
-        return ["none", *lean_types()]
+        return ["none", *(kind for kind in lean_types() if kind in AUTO_LEAN_TYPES)]
     try:
         import torchao  # noqa: F401
     except ImportError:
