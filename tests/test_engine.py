@@ -105,14 +105,18 @@ def test_eos_inside_an_accepted_path_stops_there():
     res = SpeculativeDecoder(target, draft, method="chain", k=8).generate(prompt, max_new_tokens=30)
     assert res.token_ids == free[: free.index(eos) + 1]
     assert res.stats.finish_reason == "eos"
-    assert res.stats.steps[0].accepted > free.index(eos)  # the path ran past EOS and was cut
+    first, chain = res.stats.steps[:2]  # the prompt's forward gives the first token, then the chain follows it
+    assert (first.accepted, first.committed) == (0, 1)
+    assert chain.accepted > free.index(eos)  # the path ran past EOS and was cut
 
 
 def test_perfect_draft_accepts_everything():
     target = tiny_model("qwen2", seed=2)
     res = SpeculativeDecoder(target, noisy_copy(target, 0.0), method="chain", k=4).generate(
         [7, 8, 9], max_new_tokens=25, ignore_eos=True)
-    assert [s.accepted for s in res.stats.steps[:-1]] == [4] * (len(res.stats.steps) - 1)
+    first, *drafted = res.stats.steps  # the first token comes from the prompt's forward
+    assert (first.tree_size, first.committed) == (0, 1)
+    assert [s.accepted for s in drafted[:-1]] == [4] * (len(drafted) - 1)
     assert res.stats.tokens_per_step > 4
 
 
@@ -302,3 +306,23 @@ def test_the_engine_reaches_free_branches_only_through_free_branches():
     reached = {t for m, targets in graph.items() if m.startswith("arborspec.engine") for t in targets
                if t.startswith(grafts)}
     assert reached == {grafts}
+
+
+def test_the_first_token_comes_before_the_draft_reads_the_prompt():
+    # the prompt's forward gives the first token, streamed before the draft's prefill (time to first token is the
+    # target's prefill alone); a request that ends at its first token never runs the draft
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, noise=0.3)
+    calls = []
+    draft.register_forward_hook(lambda module, args, out: calls.append(1))
+    dec = SpeculativeDecoder(target, draft, method="chain", k=3)
+    steps = dec.steps([5, 9, 14, 3], max_new_tokens=12, ignore_eos=True)
+    first = next(steps)
+    assert len(first.token_ids) == 1 and not calls
+    assert first.token_ids == hf_greedy(target, [5, 9, 14, 3], 1)
+    rest = list(steps)
+    assert calls and rest[0].stats.steps[1].tree_size > 0
+    assert rest[-1].token_ids == hf_greedy(target, [5, 9, 14, 3], 12)
+    calls.clear()
+    one = dec.generate([5, 9, 14, 3], max_new_tokens=1)
+    assert len(one.token_ids) == 1 and not calls

@@ -300,7 +300,9 @@ def test_a_perfect_ssm_draft_accepts_everything(mamba_pair):
     target, _ = mamba_pair
     res = SpeculativeDecoder(target, noisy_copy(target, 0.0), method="chain", k=4).generate(
         [7, 8, 9], max_new_tokens=21, ignore_eos=True)
-    assert [s.accepted for s in res.stats.steps[:-1]] == [4] * (len(res.stats.steps) - 1)
+    first, *drafted = res.stats.steps  # the first token comes from the prompt's forward
+    assert (first.tree_size, first.committed) == (0, 1)
+    assert [s.accepted for s in drafted[:-1]] == [4] * (len(drafted) - 1)
 
 
 # ---- backend selection, loading ----------------------------------------------------------------------------------

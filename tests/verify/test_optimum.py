@@ -157,7 +157,11 @@ def test_the_stats_say_none_where_nothing_was_measured_and_keep_the_time_out(mod
     st = res.stats
     assert res.token_ids == off.generate([4, 9, 12], max_new_tokens=10, ignore_eos=True, seed=0).token_ids
     assert 0 < st.root_optimum <= 1 and 0 <= st.root_acceptance <= 1 and st.t_measure > 0
-    assert st.root_acceptance == sum(s.accepted >= 1 for s in st.steps) / len(st.steps)
+    # the first token comes from the prompt's forward (no tree, nothing to measure); a last step without room
+    # for a tree has none either
+    measured = [s for s in st.steps if s.root_optimum is not None]
+    assert st.steps[0].root_optimum is None and len(measured) >= len(st.steps) - 2
+    assert st.root_acceptance == sum(s.accepted >= 1 for s in measured) / len(measured)
 
     def slow(*args):  # measuring takes 20 ms a step: none of it may show in the timings
         time.sleep(0.02)
@@ -167,5 +171,5 @@ def test_the_stats_say_none_where_nothing_was_measured_and_keep_the_time_out(mod
     start = time.perf_counter()
     st = on.generate([4, 9, 12], max_new_tokens=10, ignore_eos=True, seed=0).stats
     wall = time.perf_counter() - start
-    assert st.t_measure >= 0.02 * len(st.steps)
+    assert st.t_measure >= 0.02 * sum(s.root_optimum is not None for s in st.steps)
     assert st.t_total <= wall - st.t_measure + 1e-3 and st.t_first_token < st.t_total

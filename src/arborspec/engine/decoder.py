@@ -145,11 +145,21 @@ class SpeculativeDecoder:
             return
         target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
         draft = make_session(self.draft, "draft", ssm_tree=self.config.ssm_tree) if use_draft else None
-        if len(run.context) > 1:  # the prompt's last token is the first tree's root
-            target.prefill(run.context[:-1])
-            if draft is not None:
+        # The first token comes from the prompt's own forward, as in the plain loop, and is streamed before the draft
+        # reads the prompt: time to the first token is the target's prefill alone (the draft's prefill added ~0.2 s
+        # of the default pair's 0.66 s on HumanEval prompts, Zen 4), and the prompt's forward yields a token where
+        # a prefill of all but its last token yielded none. A request that ends there never prefills the draft.
+        first = self._plain_step(run, target)
+        if run.finished:
+            run.stats.policy = policy.explain()
+        yield first
+        if run.finished:
+            return
+        if draft is not None:  # the draft's cache, like the target's, holds all but the next tree's root
+            t0 = time.perf_counter()
+            with torch_threads(self.step_threads):
                 draft.prefill(run.context[:-1])
-        run.stats.t_prefill = time.perf_counter() - run.t_start
+            run.stats.t_prefill += time.perf_counter() - t0
         free = self.free.start(policy) if self.free else None  # this generation's lookahead window, graft budget
         while not run.finished:
             with torch_threads(self.step_threads):
@@ -234,31 +244,34 @@ class SpeculativeDecoder:
         The general loop would commit the same tokens through root-only trees, but its per-step machinery (tree
         packing, the verifier's warp of every row, the policy's bookkeeping and account) costs milliseconds a step,
         5-10% of a step of llama.cpp's CPU kernels, and the llama.cpp backend must stay within 0.95x of llama.cpp's
-        own loop (issue #15). Here a step is one forward of the last token and one pick from its logits row
-        (`_pick`: the same token the verifiers take from a root-only tree, from the same generator calls). The first
-        forward carries the whole prompt (one call instead of a prefill and a one-token forward, as llama.cpp's own
-        loop does); its time counts as the prefill. The policy is not stepped; `stats.policy` is its account.
+        own loop (issue #15). The policy is not stepped; `stats.policy` is its account.
         """
         target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
         run.stats.policy = self.policy.explain()
         while not run.finished:
-            with torch_threads(self.step_threads):
-                t0 = time.perf_counter()
-                tree = TokenTree.root(run.context[-1])
-                logits = target.forward(run.context, tree, [0])  # (1, vocab)
-                t1 = time.perf_counter()
-                if not run.stats.steps:
-                    run.stats.t_prefill, t0 = t1 - run.t_start, t1
-                token = self._pick(logits, run.generator)
-                t2 = time.perf_counter()
-                kept = run.commit([token])
-                target.commit([0])
-                step = StepStats(tree_size=0, depth=0, widths=[1], accepted=0, committed=len(kept), draft_calls=0,
-                                 t_draft=0.0, t_verify=t2 - t0, t_other=time.perf_counter() - t2)
-                if self.config.record_trees:
-                    step.tree = tree_record(tree, [], token)
-                result = run.record(step)
-            yield result
+            yield self._plain_step(run, target)
+
+    def _plain_step(self, run: Generation, target) -> GenerationResult:
+        """One target token: one forward of the last token and one pick from its logits row (`_pick`: the same token
+        the verifiers take from a root-only tree, from the same generator calls). The first forward of a session
+        carries the whole prompt (one call instead of a prefill and a one-token forward, as llama.cpp's own loop
+        does); its time counts as the prefill."""
+        with torch_threads(self.step_threads):
+            t0 = time.perf_counter()
+            tree = TokenTree.root(run.context[-1])
+            logits = target.forward(run.context, tree, [0])  # (1, vocab)
+            t1 = time.perf_counter()
+            if not run.stats.steps:
+                run.stats.t_prefill, t0 = t1 - run.t_start, t1
+            token = self._pick(logits, run.generator)
+            t2 = time.perf_counter()
+            kept = run.commit([token])
+            target.commit([0])
+            step = StepStats(tree_size=0, depth=0, widths=[1], accepted=0, committed=len(kept), draft_calls=0,
+                             t_draft=0.0, t_verify=t2 - t0, t_other=time.perf_counter() - t2)
+            if self.config.record_trees:
+                step.tree = tree_record(tree, [], token)
+            return run.record(step)
 
     def _pick(self, logits: torch.Tensor, gen) -> int:
         """The next token from a (1, vocab) logits row, as every exact verifier picks it for a root-only tree: the
