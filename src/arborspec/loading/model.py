@@ -194,12 +194,12 @@ def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", p
     torch_dtype = resolve_dtype(dtype)
     source, gguf_file, from_hub = _resolve(spec, progress)
     offline = from_hub and not hub_reachable()
+    cache_only = {"local_files_only": True} if offline else {}  # for the model and its tokenizer alike
     say(f"loading {spec}" + (" from the HuggingFace hub's local cache (the hub is unreachable)" if offline else ""),
         progress)
     start = time.perf_counter()
     try:
-        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}),
-                      **({"local_files_only": True} if offline else {}))
+        kwargs = dict(dtype=torch_dtype, **(_dense_gguf(gguf_file) if gguf_file else {}), **cache_only)
         try:
             model = AutoModelForCausalLM.from_pretrained(source, attn_implementation=attn_implementation, **kwargs)
         except ValueError as exc:  # models without attention (Mamba2) refuse "sdpa": let transformers pick
@@ -207,7 +207,7 @@ def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", p
                 raise
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}),
-                                                  **({"local_files_only": True} if offline else {}))
+                                                  **cache_only)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if offline:

@@ -178,8 +178,8 @@ def profile_together(models: list, sizes=DEFAULT_SIZES, prefix: int = 200, repea
     """Cost curves of models that are to be compared with each other (the draft's variants), measured in the same
     rounds: each model gets one session (`TreeTimer`) and a warm-up round, then each round times every size of every
     model once, and a model's figure is its fastest round. Each is cached as its profile, as `profile_model` would.
-    (A session a round, prefilled and warmed up each time, took ~15 s more of the first 97 s profile of the pair's
-    nine variants.)
+    (Before, each round opened, prefilled and warmed up a session per model. With that and nine variants the pair's
+    first profile took 97 s; with one session each and six variants, 62.7 s: the two changes were not timed apart.)
 
     Why not one model after another: a shared host's memory speed drifts within a minute, and whichever variant is
     measured in the slow minute loses. On the Zen 4 host (2026-11-27) the q4_0 draft's d(1) read 10.3 ms against the
