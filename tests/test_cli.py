@@ -64,6 +64,24 @@ def test_plain_output_prints_text_and_summary(model_dirs, capsys):
     assert "tokens/step" in out and "chain/greedy" in out
 
 
+def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, capsys, monkeypatch):
+    import io
+
+    base = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32",
+            "--method", "chain", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    outputs = []
+    for how in (["--prompt", "def g(y):"], ["def g(y):"], ["--prompt-file", "-"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("def g(y):"))
+        code, out, _ = run_cli(capsys, *base, *how)
+        assert code == 0
+        outputs.append(json.loads(out)["token_ids"])
+    default = json.loads(run_cli(capsys, *base)[1])["token_ids"]
+    assert outputs[0] == outputs[1] == outputs[2] != default  # the same prompt each way, not the default one
+    with pytest.raises(SystemExit) as exc:  # two prompts at once: argparse's usage error
+        main([*base, "def g(y):", "--prompt", "x"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -134,8 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with speculative decoding")
     _add_generation_args(gen)
     src = gen.add_mutually_exclusive_group()
+    src.add_argument("text", nargs="?", default=None, metavar="PROMPT",
+                     help="prompt text, as with --prompt (arborspec generate \"def fib(n):\")")
     src.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
-    src.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    src.add_argument("--prompt-file", default=None, help="read the prompt from this file ('-': standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -230,13 +232,18 @@ def _check_sampling(args) -> None:
 
 
 def _read_prompt(args) -> str:
+    """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT."""
+    if args.prompt_file == "-":
+        return sys.stdin.read()
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as fh:
                 return fh.read()
         except OSError as err:
             raise CliError(f"cannot read prompt file {args.prompt_file!r}: {err.strerror}") from None
-    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+    text = getattr(args, "text", None)
+    prompt = text if text is not None else args.prompt
+    return DEFAULT_PROMPT if prompt is None else prompt
 
 
 def _summary(stats) -> str:
