@@ -201,3 +201,48 @@ def test_a_batching_scheduler_runs_one_target_forward_per_round_for_every_reques
     # a round: every request drafts, one shared forward, every request commits; requests leave when done
     assert log[:6] == ["a0-draft", "b0-draft", "c0-draft", "a0-commit", "b0-commit", "c0-commit"]
     assert target.forward.sizes == [3, 2]  # the last round has b alone: its forward runs unshared
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
+    """A round runs holding `Scheduler.models`; `start_generation` makes a request's decoder holding it too, so a
+    decoder that measures the pair never runs its forwards beside a round's (nor two such decoders at once)."""
+    from types import SimpleNamespace
+
+    from arborspec.server.app import start_generation
+
+    held, entered, gate = [], threading.Event(), threading.Event()
+    sched = Scheduler(max_batch=2, max_queue=0, metrics=Metrics(), batch=batch)
+
+    def steps():  # each step records whether its round holds the models; the first waits at the gate
+        for result in fake_steps("a", 2, []):
+            entered.set()
+            gate.wait(TIMEOUT)
+            held.append(sched.models.locked())
+            yield result
+
+    j, client = job(steps())
+    sched.submit(j)
+    sched.start()
+    built = threading.Event()
+
+    class Decoders:  # the parts of server/decoders.Decoders that start_generation calls
+        spec = None
+
+        def sampling(self, *_):
+            return SimpleNamespace(seed=0)
+
+        def build(self, spec, sampling):
+            built.set()
+            return SimpleNamespace(encode=lambda prompt: [1], steps=lambda *a: iter(()))
+
+    req = SimpleNamespace(arborspec=None, temperature=None, top_k=None, top_p=None, seed=None, ignore_eos=False)
+    maker = threading.Thread(target=start_generation, args=(Decoders(), "m", req, "x", False, 4, [], sched.models))
+    assert entered.wait(TIMEOUT)  # a round is in its step
+    maker.start()
+    assert not built.wait(0.3)  # the decoder waits while the round runs
+    gate.set()
+    assert built.wait(TIMEOUT) and client.done.wait(TIMEOUT)
+    maker.join(TIMEOUT)
+    sched.stop()
+    assert held == [True, True]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -109,7 +110,8 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
     async def generate(request: Request, req, prompt, chat: bool):
         check_sampling(req)
         n, stop = max_tokens(req, limits), stop_strings(req)
-        steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop)
+        steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop,
+                                        scheduler.models)
         opts = req.arborspec
         reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage))
@@ -160,14 +162,17 @@ def model_card(limits: Limits) -> dict:
     return {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "arborspec"}
 
 
-def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str]):
+def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str],
+                     models: threading.Lock):
     """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
-    is a 400 here rather than an error in the middle of a stream."""
+    is a 400 here rather than an error in the middle of a stream. The decoder is made holding `models` (the
+    scheduler's): making it may run the models (a measurement the first time a pair or setting is seen)."""
     opts = req.arborspec
     try:
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
         sampling = decoders.sampling(req.temperature, req.top_k, req.top_p, req.seed)
-        decoder = decoders.build(spec, sampling)
+        with models:
+            decoder = decoders.build(spec, sampling)
         if chat:
             prompt = render_chat(decoder.tokenizer, prompt, model_name)
         if isinstance(prompt, list) and not all(0 <= t < decoder.target.config.vocab_size for t in prompt):

@@ -4,7 +4,8 @@ Requests join (from a bounded queue, up to `max_batch` at once) and leave (finis
 between rounds. Each request owns its own decoder loop (`SpeculativeDecoder.steps`, a generator that yields after
 every step), and with it its own policy state, sampling settings, seed, stopping rules and KV caches, so its
 output is exactly what it would be alone. Only the loaded models are shared: sessions never share state, and one
-thread at a time runs a forward, so no two forwards race.
+thread at a time runs a forward (`Scheduler.models`: a round, or a request's decoder being made), so no two forwards
+race.
 
 A round (`step_round`) is `models.batching.run_round` over the requests' steps: with a target that batches (the
 native backend) every request drafts its tree and ONE target forward verifies all of them; otherwise the steps run
@@ -125,6 +126,11 @@ class Scheduler:
         self._deadline: float | None = None  # set by drain(): what is still running then is cancelled
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="arborspec-scheduler", daemon=True)
+        # Held while a round runs, and by whoever else runs the loaded models: a request's decoder is made in a
+        # thread of its own (app.py), and making it may measure the pair (auto's agreement or cost profiles, the
+        # first time). Forwards from two threads at once each spread over every core and spin at their barriers
+        # against each other: three requests whose decoders measured beside a round took 14.8 s, not ~5 (Zen 4).
+        self.models = threading.Lock()
 
     @property
     def draining(self) -> bool:
@@ -181,7 +187,8 @@ class Scheduler:
                 batch = list(self._active)
                 self.metrics.queue_depth.set(len(self._waiting))
                 self.metrics.batch_size.set(len(batch))
-            step_round(batch, self.metrics, self.batch)  # outside the lock: submitting never waits for a forward
+            with self.models:  # outside the condition's lock: submitting never waits for a forward
+                step_round(batch, self.metrics, self.batch)
             with self._cond:
                 self._active = [job for job in self._active if not job.finished]
                 self.metrics.batch_size.set(len(self._active))

@@ -3,7 +3,9 @@
 One chain forward of each model over each reference text, through its own sessions (so any backend: transformers,
 llama.cpp, native, lean variants), compares the draft's ranking with the target's argmax at every position. The
 auto policy starts from it (a pair's first tree is judged by this evidence, not a generic prior) and the draft
-variant choice scores every variant by it (tuning/draft_choice.py).
+variant choice scores every variant by it (tuning/draft_choice.py). The same pass keeps both models' likely logits
+(logit_table.py), from which the overlap sum_y min(p, q) that auto starts from at T > 0 comes at any sampling
+settings without running the models again.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..core.disk_cache import read_record, write_record
 from ..core.sampling import SamplingConfig
 from ..core.tree import TokenTree
 from .costs import profile_key
+from .logit_table import TABLE_K, LogitTable
 from .reference_texts import reference_texts
 
 
@@ -72,30 +75,30 @@ def measure_agreement(target, draft, texts: list[list[int]], k: int = 4) -> Agre
 
 
 def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[float, str]:
-    """(agreement, source): `measure_agreement` on the reference texts (reference_texts.py), cached per pair like the
-    cost profiles ('cache' or 'measured')."""
-    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
-
-    def measure() -> dict:
-        measured = measure_agreement(target, draft, reference_ids(tokenizer))
-        return {"agreement": measured.top1, "positions": measured.positions}
-
-    return cached_measure("agreement", key, measure, refresh)
+    """(agreement, source): the greedy agreement on the reference texts (reference_texts.py), cached per pair like the
+    cost profiles ('cache' or 'measured': `measure_pair`, which gives the overlap's LogitTable too)."""
+    cached = None if refresh else read_record("agreement", _pair_key(target, draft))
+    if cached is not None and isinstance(cached.get("agreement"), float):
+        return cached["agreement"], "cache"
+    agreement, _ = _measure_and_save(target, draft, tokenizer)
+    return agreement.top1, "measured"
 
 
-def cached_measure(kind: str, key: dict, measure, refresh: bool = False) -> tuple[float, str]:
-    """(value, source): the float `kind` of the cached record under `key` ('cache'), else `measure()`'s record
-    (which holds it) measured under inference mode and written to the cache ('measured')."""
-    cached = None if refresh else read_record(kind, key)
-    if cached is not None and isinstance(cached.get(kind), float):
-        return cached[kind], "cache"
+def _pair_key(target, draft) -> dict:
+    return {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
+
+
+def _measure_and_save(target, draft, tokenizer) -> tuple[Agreement, LogitTable]:
+    """`measure_pair` on the reference texts, both records written (a read-only cache: neither, and no error)."""
     with torch.inference_mode():
-        record = measure()
+        agreement, table = measure_pair(target, draft, reference_ids(tokenizer))
     try:
-        write_record(kind, key, record)
+        write_record("agreement", _pair_key(target, draft), {"agreement": agreement.top1,
+                                                             "positions": agreement.positions})
+        write_record("logit-table", _pair_key(target, draft) | {"table_k": TABLE_K}, table.to_record())
     except OSError:
         pass  # a read-only cache must not stop generation
-    return record[kind], "measured"
+    return agreement, table
 
 
 def measure_overlap(target, draft, texts: list[list[int]], sampling: SamplingConfig,
@@ -116,12 +119,39 @@ def measure_overlap(target, draft, texts: list[list[int]], sampling: SamplingCon
     return total / positions
 
 
+def measure_pair(target, draft, texts: list[list[int]]) -> tuple[Agreement, LogitTable]:
+    """One teacher-forced pass of both models over `texts`: the greedy agreement (measure_agreement's, k = 4) and the
+    LogitTable that the overlap at any sampling settings comes from (logit_table.py)."""
+    texts = fitting(texts, target, draft)
+    hits = cover = total = 0
+    tables = []
+    for ids in texts:
+        p, q = next_token_logits(target, ids).float(), next_token_logits(draft, ids).float()  # (positions, vocab)
+        want, top = p.argmax(-1), q.topk(4, -1).indices  # (positions,), (positions, 4)
+        hits += int((top[:, 0] == want).sum())
+        cover += int((top == want[:, None]).any(-1).sum())
+        total += p.shape[0]
+        tables.append(LogitTable.of(p, q))
+    if not total:
+        raise ValueError("no text to measure agreement on")
+    return Agreement(hits / total, cover / total, total), LogitTable.join(tables)
+
+
+def pair_table(target, draft, tokenizer, refresh: bool = False) -> tuple[LogitTable, str]:
+    """(table, source): the pair's LogitTable on the reference texts, cached per pair ('cache' or 'measured'; a
+    measurement writes the pair's agreement record too)."""
+    cached = None if refresh else read_record("logit-table", _pair_key(target, draft) | {"table_k": TABLE_K})
+    if cached is not None:
+        try:
+            return LogitTable.from_record(cached), "cache"
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged record: measure again
+    return _measure_and_save(target, draft, tokenizer)[1], "measured"
+
+
 def pair_overlap(target, draft, tokenizer, sampling: SamplingConfig, draft_sampling: SamplingConfig,
                  refresh: bool = False) -> tuple[float, str]:
-    """(overlap, source): `measure_overlap` on the reference texts at these sampling settings, cached per pair and
-    setting ('cache' or 'measured')."""
-    key = {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1",
-           "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
-           "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
-    return cached_measure("overlap", key, lambda: {"overlap": measure_overlap(
-        target, draft, reference_ids(tokenizer), sampling, draft_sampling)}, refresh)
+    """(overlap, source): the overlap at these sampling settings from the pair's LogitTable (`pair_table`: measured
+    once per pair, at any settings; 'cache' or 'measured')."""
+    table, source = pair_table(target, draft, tokenizer, refresh)
+    return table.overlap(sampling, draft_sampling), source
