@@ -64,6 +64,21 @@ def test_plain_output_prints_text_and_summary(model_dirs, capsys):
     assert "tokens/step" in out and "chain/greedy" in out
 
 
+def test_trees_draws_the_drafted_steps_not_the_prompts(model_dirs, capsys, monkeypatch, tmp_path):
+    drawn = {}
+
+    def draw(trees, tokenizer, path, title=""):
+        drawn.update(trees=trees, title=title)
+        return path
+
+    monkeypatch.setattr(cli, "draw_trees", draw)
+    code, out, _ = run_cli(capsys, "trees", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--dtype", "fp32", "--method", "static", "--depth", "2", "--branch", "2",
+                           "--max-new-tokens", "12", "--num-trees", "2", "--out", str(tmp_path / "t.png"))
+    assert code == 0 and out.strip() == str(tmp_path / "t.png")
+    assert len(drawn["trees"]) == 2 and all(len(t["tokens"]) > 1 for t in drawn["trees"])  # each drafted something
+
+
 def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, capsys, monkeypatch):
     import io
 

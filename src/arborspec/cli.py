@@ -345,7 +345,9 @@ def cmd_trees(args) -> int:
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=True)
     result = dec.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    trees = [s.tree for s in result.stats.steps[: args.num_trees]]
+    # the first step is the prompt's own forward, which drafts nothing (engine/decoder.py): the trees come after it
+    steps = result.stats.steps[1:] or result.stats.steps
+    trees = [s.tree for s in steps[: args.num_trees]]
     title = (f"{spec.policy} ({', '.join(f'{k}={v}' for k, v in spec.options) or 'defaults'}), "
              f"T={args.temperature}: {result.stats.tokens_per_step:.2f} tokens/step over {result.stats.n_steps} steps")
     print(draw_trees(trees, dec.tokenizer, args.out, title=title))
