@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
+from arborspec.engine.stats import GenerationStats
 from tests.conftest import noisy_copy, tiny_model
 
 SHAPES = [
@@ -326,3 +327,15 @@ def test_the_first_token_comes_before_the_draft_reads_the_prompt():
     calls.clear()
     one = dec.generate([5, 9, 14, 3], max_new_tokens=1)
     assert len(one.token_ids) == 1 and not calls
+
+
+def test_tokens_per_second_counts_the_time_after_the_first_token_draft_prefill_included():
+    """The prompt's forward makes the first token, and a speculative run prefills its draft after it: throughput is
+    the tokens after the first over the time after the first, the same terms for plain and speculative runs."""
+    stats = GenerationStats("auto", "greedy", False, prompt_tokens=10, new_tokens=5, t_prefill=1.5,
+                            t_first_token=1.0, t_total=3.0)  # the draft's 0.5 s of prefill inside t_prefill
+    assert stats.tokens_per_s == pytest.approx(4 / 2.0)
+    assert stats.tokens_per_s == pytest.approx(1 / stats.tpot)
+    one = GenerationStats("auto", "greedy", False, prompt_tokens=10, new_tokens=1, t_prefill=0.9,
+                          t_first_token=0.9, t_total=0.9002)
+    assert one.tokens_per_s == 0.0  # no token after the first: no rate (it read 5000 tokens/s)
