@@ -73,3 +73,16 @@ def test_a_new_setting_reads_the_pairs_table_without_running_the_models(pair, mo
     monkeypatch.undo()
     want = measure_overlap(target, draft, agreement.reference_ids(tok), SamplingConfig(0.5))
     assert again == pytest.approx(want, abs=1e-5)
+
+
+def test_an_agreement_cached_without_its_table_is_measured_again_with_it(monkeypatch, tmp_path):
+    """A cache from before the table: the greedy agreement's first read measures both (a server's warm-up at T = 0
+    then leaves the table for its requests at T > 0)."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=3)
+    draft, tok = noisy_copy(target, 0.4), char_tokenizer()
+    agreement.pair_agreement(target, draft, tok)
+    table = agreement.record_path("logit-table", agreement._table_key(target, draft))
+    assert table.exists() and agreement.pair_agreement(target, draft, tok)[1] == "cache"
+    table.unlink()
+    assert agreement.pair_agreement(target, draft, tok)[1] == "measured" and table.exists()

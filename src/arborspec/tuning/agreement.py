@@ -15,7 +15,7 @@ import torch
 
 from ..backends import make_session
 from ..backends.model_info import context_window
-from ..core.disk_cache import read_record, write_record
+from ..core.disk_cache import read_record, record_path, write_record
 from ..core.sampling import SamplingConfig
 from ..core.tree import TokenTree
 from .costs import profile_key
@@ -78,14 +78,21 @@ def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[flo
     """(agreement, source): the greedy agreement on the reference texts (reference_texts.py), cached per pair like the
     cost profiles ('cache' or 'measured': `measure_pair`, which gives the overlap's LogitTable too)."""
     cached = None if refresh else read_record("agreement", _pair_key(target, draft))
-    if cached is not None and isinstance(cached.get("agreement"), float):
+    table = record_path("logit-table", _table_key(target, draft))
+    if cached is not None and isinstance(cached.get("agreement"), float) and table.exists():
         return cached["agreement"], "cache"
+    # measured, or an agreement from before the table: both now, so that a request at T > 0 finds the table (the
+    # server's warm-up at its default temperature runs this)
     agreement, _ = _measure_and_save(target, draft, tokenizer)
     return agreement.top1, "measured"
 
 
 def _pair_key(target, draft) -> dict:
     return {"target": profile_key(target), "draft": profile_key(draft), "texts": "reference-v1"}
+
+
+def _table_key(target, draft) -> dict:
+    return _pair_key(target, draft) | {"table_k": TABLE_K}
 
 
 def _measure_and_save(target, draft, tokenizer) -> tuple[Agreement, LogitTable]:
@@ -95,7 +102,7 @@ def _measure_and_save(target, draft, tokenizer) -> tuple[Agreement, LogitTable]:
     try:
         write_record("agreement", _pair_key(target, draft), {"agreement": agreement.top1,
                                                              "positions": agreement.positions})
-        write_record("logit-table", _pair_key(target, draft) | {"table_k": TABLE_K}, table.to_record())
+        write_record("logit-table", _table_key(target, draft), table.to_record())
     except OSError:
         pass  # a read-only cache must not stop generation
     return agreement, table
@@ -140,7 +147,7 @@ def measure_pair(target, draft, texts: list[list[int]]) -> tuple[Agreement, Logi
 def pair_table(target, draft, tokenizer, refresh: bool = False) -> tuple[LogitTable, str]:
     """(table, source): the pair's LogitTable on the reference texts, cached per pair ('cache' or 'measured'; a
     measurement writes the pair's agreement record too)."""
-    cached = None if refresh else read_record("logit-table", _pair_key(target, draft) | {"table_k": TABLE_K})
+    cached = None if refresh else read_record("logit-table", _table_key(target, draft))
     if cached is not None:
         try:
             return LogitTable.from_record(cached), "cache"
