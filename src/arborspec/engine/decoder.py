@@ -23,6 +23,7 @@ from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
 from .config import DecoderConfig
 from .generation import Generation
+from .prefix_cache import PrefixCache
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
 from .verifier_choice import choose_verifiers, with_free_branches
@@ -43,9 +44,12 @@ class SpeculativeDecoder:
     >>> SpeculativeDecoder(target, draft, method="chain", k=4, temperature=0.7)  # = DecoderConfig.of(method=...)
     """
 
-    def __init__(self, target, draft=None, config: DecoderConfig | None = None, tokenizer=None, **options):
+    def __init__(self, target, draft=None, config: DecoderConfig | None = None, tokenizer=None,
+                 prefix_cache: PrefixCache | None = None, **options):
         """`config` (default: DecoderConfig's defaults) with the keyword `options` on top: DecoderConfig's fields,
-        temperature / top_k / top_p, and the policy's options (DecoderConfig.of)."""
+        temperature / top_k / top_p, and the policy's options (DecoderConfig.of). `prefix_cache`: finished
+        generations' caches to start from (engine/prefix_cache.py; the server shares one among its requests)."""
+        self.prefix_cache = prefix_cache
         if isinstance(draft, DecoderConfig):
             raise TypeError("got a DecoderConfig as the draft model; pass it as config=... (draft=None: no draft)")
         if config is not None and not isinstance(config, DecoderConfig):
@@ -118,7 +122,8 @@ class SpeculativeDecoder:
     def fork(self) -> "SpeculativeDecoder":
         """A decoder with this one's models and config and a fresh policy: its own calibration, history and suffix
         index, as a new SpeculativeDecoder would have. Cheap: nothing is loaded or measured again."""
-        return SpeculativeDecoder(self.target, self.draft, self.config, tokenizer=self.tokenizer)
+        return SpeculativeDecoder(self.target, self.draft, self.config, tokenizer=self.tokenizer,
+                                  prefix_cache=self.prefix_cache)
 
     def stream(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                ignore_eos: bool = False) -> Iterator[str]:
@@ -143,8 +148,7 @@ class SpeculativeDecoder:
         if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
             yield from self._plain_steps(run)
             return
-        target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
-        draft = make_session(self.draft, "draft", ssm_tree=self.config.ssm_tree) if use_draft else None
+        target = self._session(self.target, "target", run)
         # The first token comes from the prompt's own forward, as in the plain loop, and is streamed before the draft
         # reads the prompt: time to the first token is the target's prefill alone (the draft's prefill added ~0.2 s
         # of the default pair's 0.66 s on HumanEval prompts, Zen 4), and the prompt's forward yields a token where
@@ -152,13 +156,16 @@ class SpeculativeDecoder:
         first = self._plain_step(run, target)
         if run.finished:
             run.stats.policy = policy.explain()
+            self._keep(target, None)
         yield first
         if run.finished:
             return
-        if draft is not None:  # the draft's cache, like the target's, holds all but the next tree's root
+        draft = None
+        if use_draft:  # the draft's cache, like the target's, holds all but the next tree's root
             t0 = time.perf_counter()
+            draft = self._session(self.draft, "draft", run)
             with torch_threads(self.step_threads):
-                draft.prefill(run.context[:-1])
+                draft.prefill(run.context[len(draft.cached):-1])
             run.stats.t_prefill += time.perf_counter() - t0
         free = self.free.start(policy) if self.free else None  # this generation's lookahead window, graft budget
         while not run.finished:
@@ -187,6 +194,7 @@ class SpeculativeDecoder:
                     free.settle(step.sources, kept)
                 if run.finished:  # the policy's account, once: auto's takes ~2 ms, paid B times a batching round
                     run.stats.policy = policy.explain() | ({"grafts": free.describe()} if free else {})
+                    self._keep(target, draft)
                 result = run.record(step)
             yield result
 
@@ -246,10 +254,30 @@ class SpeculativeDecoder:
         5-10% of a step of llama.cpp's CPU kernels, and the llama.cpp backend must stay within 0.95x of llama.cpp's
         own loop (issue #15). The policy is not stepped; `stats.policy` is its account.
         """
-        target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
+        target = self._session(self.target, "target", run)
         run.stats.policy = self.policy.explain()
         while not run.finished:
-            yield self._plain_step(run, target)
+            result = self._plain_step(run, target)
+            if run.finished:
+                self._keep(target, None)
+            yield result
+
+    def _session(self, model, role: str, run: Generation):
+        """A session of `model` for this generation: a copy of a kept one that begins with its tokens
+        (`prefix_cache`, engine/prefix_cache.py), else a fresh one."""
+        kept = self.prefix_cache.start(model, role, run.context) if self.prefix_cache is not None else None
+        if kept is None:
+            return make_session(model, role, ssm_tree=self.config.ssm_tree)
+        if role == "target":
+            run.stats.cached_tokens = len(kept.cached)
+        return kept
+
+    def _keep(self, target, draft) -> None:
+        """A finished generation's sessions, kept for later requests that begin the same way (prefix_cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.keep(self.target, "target", target)
+            if draft is not None:
+                self.prefix_cache.keep(self.draft, "draft", draft)
 
     def _plain_step(self, run: Generation, target) -> GenerationResult:
         """One target token: one forward of the last token and one pick from its logits row (`_pick`: the same token

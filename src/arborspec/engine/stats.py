@@ -38,6 +38,7 @@ class GenerationStats:
     t_first_token: float = 0.0  # TTFT: from the call to the first committed token
     t_total: float = 0.0
     t_measure: float = 0.0  # seconds spent on measure_optimum's statistics, left out of t_total and t_first_token
+    cached_tokens: int = 0  # prompt tokens the target did not prefill: an earlier request's cache (prefix_cache.py)
     steps: list[StepStats] = field(default_factory=list)
     policy: dict = field(default_factory=dict)  # the policy's account of its choices (auto: trees, calibration,
     # guard); the speculative loop fills it in when the generation ends, not at every step

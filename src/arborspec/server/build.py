@@ -13,6 +13,7 @@ from ..backends.batching import can_batch
 from ..backends.native import is_native
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig
+from ..engine.prefix_cache import PrefixCache
 from ..loading.pair import LoadedPair, load_pair_for
 from ..runspec import RunSpec
 from .app import create_app
@@ -84,7 +85,8 @@ def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
     config = DecoderConfig(sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
                            draft_temperature=args.draft_temperature, token_order=args.token_order,
                            ssm_tree=args.ssm_tree)
-    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, pair.vocab, config)
+    cache = PrefixCache(args.prefix_cache_mb << 20) if getattr(args, "prefix_cache_mb", 0) else None
+    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, pair.vocab, config, cache)
     decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
     return decoders, pair
 

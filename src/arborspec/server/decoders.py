@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig, SpeculativeDecoder
+from ..engine.prefix_cache import PrefixCache
 from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
 
 
@@ -27,6 +28,7 @@ class Decoders:
     vocab: int  # the draft's head size, "auto" resolved (0: the whole vocabulary)
     # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree
     config: DecoderConfig
+    prefix_cache: PrefixCache | None = None  # finished requests' caches, which a request that begins the same way reuses
 
     @property
     def defaults(self) -> SamplingConfig:
@@ -71,7 +73,9 @@ class Decoders:
         # The bare draft model: the server checked once that it shares the target's tokenizer, and a LoadedModel
         # would have every request's decoder compare the two vocabularies again.
         draft = getattr(self.draft, "model", None)
-        return build_decoder(spec, self.target, draft, replace(self.config, sampling=sampling))
+        decoder = build_decoder(spec, self.target, draft, replace(self.config, sampling=sampling))
+        decoder.prefix_cache = self.prefix_cache
+        return decoder
 
     def sampling(self, temperature: float | None, top_k: int | None, top_p: float | None,
                  seed: int | None) -> SamplingConfig:

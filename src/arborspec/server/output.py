@@ -35,8 +35,11 @@ def visible_text(text: str, stop: list[str], done: bool) -> str:
 
 
 def usage(result: GenerationResult) -> dict:
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens an earlier request's cache held
+    (the server's prefix cache, engine/prefix_cache.py)."""
     prompt, completion = result.stats.prompt_tokens, result.stats.new_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
 
 
 def speculative_stats(result: GenerationResult, token_ids: bool = False) -> dict:

@@ -61,6 +61,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--max-tokens-limit", type=int, default=4096, help="the most tokens one request may ask for")
     h.add_argument("--default-max-tokens", type=int, default=128, help="for a request that names no max_tokens")
     h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    h.add_argument("--prefix-cache-mb", type=int, default=1024,
+                   help="finished requests' KV caches kept for requests that begin the same way (a chat's next turn "
+                        "prefills only its new tokens; native backend), in MiB (0: off)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     h.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
@@ -122,7 +125,8 @@ def check_flags(args) -> None:
                                ("--max-tokens-limit", args.max_tokens_limit, 1),
                                ("--default-max-tokens", args.default_max_tokens, 1),
                                ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0),
-                               ("--shutdown-timeout", args.shutdown_timeout, 0)):
+                               ("--shutdown-timeout", args.shutdown_timeout, 0),
+                               ("--prefix-cache-mb", args.prefix_cache_mb, 0)):
         if not value >= least:  # `not >=`: a NaN fails too
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.port > 65535:

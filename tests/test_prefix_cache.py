@@ -1,0 +1,76 @@
+"""The prefix cache (engine/prefix_cache.py) on tiny native GGUFs: a request that begins with an earlier one's tokens
+starts from its kept cache, prefills only the rest, and decodes exactly what a fresh session decodes (greedy and
+seeded sampling, plain and speculative); what is kept is bounded, newest first, and sessions that cannot be copied
+(transformers') are not kept."""
+from __future__ import annotations
+
+import pytest
+
+from arborspec.engine import SpeculativeDecoder
+from arborspec.engine.prefix_cache import MIN_REUSE, PrefixCache
+from tests.backends.tiny_gguf import native_models
+from tests.conftest import noisy_copy, tiny_model
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
+
+FILES = {"target": {"dtype": "q4_k", "hidden": 256, "ffn": 512},
+         "draft": {"dtype": "q4_k", "hidden": 256, "ffn": 512, "noise": 0.2}}
+FIRST = "def fib(n):\n    if n < 2:\n        return n\n    return"
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    return native_models(tmp_path_factory.mktemp("prefix-cache"), FILES)
+
+
+@pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("static", 0.0), ("static", 0.8), ("auto", 0.0)])
+def test_a_follow_up_starts_from_the_kept_cache_and_decodes_the_same_tokens(native, method, temperature):
+    target, draft = native("target"), native("draft")
+    cache = PrefixCache(1 << 30)
+    kept = SpeculativeDecoder(target, draft, method=method, temperature=temperature, prefix_cache=cache)
+    fresh = SpeculativeDecoder(target, draft, method=method, temperature=temperature)
+    first = kept.generate(FIRST, max_new_tokens=12, seed=3, ignore_eos=True)
+    assert first.stats.cached_tokens == 0
+    follow_up = kept.encode(FIRST) + first.token_ids + kept.encode("\n\nprint(fib(10))")  # a chat's next turn
+    again = kept.generate(follow_up, max_new_tokens=16, seed=4, ignore_eos=True)
+    alone = fresh.generate(follow_up, max_new_tokens=16, seed=4, ignore_eos=True)
+    assert again.token_ids == alone.token_ids
+    assert again.stats.cached_tokens >= len(kept.encode(FIRST))  # the first request's prompt at least
+    assert cache.hits >= 1
+    other = kept.generate("import os\nprint(os.getcwd())", max_new_tokens=4, seed=0, ignore_eos=True)
+    assert other.stats.cached_tokens == 0  # nothing in common
+
+
+def test_what_is_kept_is_bounded_and_a_longer_conversation_replaces_its_start(native):
+    target = native("target")
+    dec = SpeculativeDecoder(target, method="ar", prefix_cache=(cache := PrefixCache(1 << 30)))
+    first = dec.generate(FIRST, max_new_tokens=6, ignore_eos=True)
+    assert len(cache._entries) == 1
+    turn = dec.encode(FIRST) + first.token_ids + dec.encode(" fib(n - 1)")
+    dec.generate(turn, max_new_tokens=6, ignore_eos=True)
+    assert len(cache._entries) == 1  # the second conversation begins with the first: it replaces it
+    dec.generate("import os\nimport sys\nprint(sys.argv, os.getcwd())", max_new_tokens=6, ignore_eos=True)
+    assert len(cache._entries) == 2
+    one = cache._entries[-1].nbytes
+    small = PrefixCache(one + one // 2)  # room for one entry
+    dec.prefix_cache = small
+    dec.generate(FIRST, max_new_tokens=6, ignore_eos=True)
+    dec.generate("import os\nimport sys\nprint(sys.argv, os.getcwd())", max_new_tokens=6, ignore_eos=True)
+    assert len(small._entries) == 1 and small._entries[0].tokens[:3] == dec.encode("import os")[:3]  # the newest
+    assert small.nbytes <= small.max_bytes
+    with pytest.raises(ValueError, match=">= 0"):
+        PrefixCache(-1)
+
+
+def test_short_common_prefixes_and_uncopyable_sessions_start_fresh(native):
+    target = native("target")
+    cache = PrefixCache(1 << 30)
+    dec = SpeculativeDecoder(target, method="ar", prefix_cache=cache)
+    ids = dec.encode(FIRST)
+    assert len(ids) > MIN_REUSE
+    dec.generate(ids[:MIN_REUSE - 2], max_new_tokens=4, ignore_eos=True)
+    assert dec.generate(ids, max_new_tokens=4, ignore_eos=True).stats.cached_tokens == 0  # too short to be worth it
+    hf = tiny_model("llama", seed=0)
+    torch_dec = SpeculativeDecoder(hf, noisy_copy(hf, 0.2), method="static", prefix_cache=(hf_cache := PrefixCache(1 << 30)))
+    torch_dec.generate(list(range(3, 40)), max_new_tokens=4, ignore_eos=True)
+    assert hf_cache._entries == []  # transformers' sessions cannot be copied: not kept
