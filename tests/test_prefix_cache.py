@@ -71,6 +71,7 @@ def test_short_common_prefixes_and_uncopyable_sessions_start_fresh(native):
     dec.generate(ids[:MIN_REUSE - 2], max_new_tokens=4, ignore_eos=True)
     assert dec.generate(ids, max_new_tokens=4, ignore_eos=True).stats.cached_tokens == 0  # too short to be worth it
     hf = tiny_model("llama", seed=0)
-    torch_dec = SpeculativeDecoder(hf, noisy_copy(hf, 0.2), method="static", prefix_cache=(hf_cache := PrefixCache(1 << 30)))
+    hf_cache = PrefixCache(1 << 30)
+    torch_dec = SpeculativeDecoder(hf, noisy_copy(hf, 0.2), method="static", prefix_cache=hf_cache)
     torch_dec.generate(list(range(3, 40)), max_new_tokens=4, ignore_eos=True)
     assert hf_cache._entries == []  # transformers' sessions cannot be copied: not kept

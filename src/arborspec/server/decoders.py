@@ -28,7 +28,7 @@ class Decoders:
     vocab: int  # the draft's head size, "auto" resolved (0: the whole vocabulary)
     # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree
     config: DecoderConfig
-    prefix_cache: PrefixCache | None = None  # finished requests' caches, which a request that begins the same way reuses
+    prefix_cache: PrefixCache | None = None  # finished requests' caches, for requests that begin the same way
 
     @property
     def defaults(self) -> SamplingConfig:
