@@ -9,6 +9,7 @@ settings without running the models again.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,14 @@ def target_choices(target, texts: list[list[int]]) -> list[torch.Tensor]:
 
 def agreement_with(choices: list[torch.Tensor], draft, texts: list[list[int]], k: int = 4) -> Agreement:
     """`draft`'s agreement with the target `choices` (target_choices of the same `texts`)."""
+    return _count(((want, next_token_logits(draft, ids).float()) for want, ids in zip(choices, texts)), k)
+
+
+def _count(texts: Iterable[tuple[torch.Tensor, torch.Tensor]], k: int = 4) -> Agreement:
+    """Agreement over texts given as (the target's choices (positions,), the draft's logits (positions, vocab)),
+    one text at a time (a text's logits: ~100 MB for 150k-token vocabularies)."""
     hits = cover = total = 0
-    for want, ids in zip(choices, texts):
-        logits = next_token_logits(draft, ids).float()  # (positions, vocab)
+    for want, logits in texts:
         top = logits.topk(k, dim=-1).indices  # (positions, k)
         hits += int((top[:, 0] == want).sum())
         cover += int((top == want[:, None]).any(-1).sum())
@@ -129,19 +135,15 @@ def measure_overlap(target, draft, texts: list[list[int]], sampling: SamplingCon
 def measure_pair(target, draft, texts: list[list[int]]) -> tuple[Agreement, LogitTable]:
     """One teacher-forced pass of both models over `texts`: the greedy agreement (measure_agreement's, k = 4) and the
     LogitTable that the overlap at any sampling settings comes from (logit_table.py)."""
-    texts = fitting(texts, target, draft)
-    hits = cover = total = 0
     tables = []
-    for ids in texts:
+
+    def both(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # a text's table kept on the way
         p, q = next_token_logits(target, ids).float(), next_token_logits(draft, ids).float()  # (positions, vocab)
-        want, top = p.argmax(-1), q.topk(4, -1).indices  # (positions,), (positions, 4)
-        hits += int((top[:, 0] == want).sum())
-        cover += int((top == want[:, None]).any(-1).sum())
-        total += p.shape[0]
         tables.append(LogitTable.of(p, q))
-    if not total:
-        raise ValueError("no text to measure agreement on")
-    return Agreement(hits / total, cover / total, total), LogitTable.join(tables)
+        return p.argmax(-1), q
+
+    agreement = _count(both(ids) for ids in fitting(texts, target, draft))
+    return agreement, LogitTable.join(tables)
 
 
 def pair_table(target, draft, tokenizer, refresh: bool = False) -> tuple[LogitTable, str]:

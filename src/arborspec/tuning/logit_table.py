@@ -29,7 +29,7 @@ class LogitTable:
     """Both models' logits at each position's likely tokens, teacher-forced: the union of the target's and the
     draft's top TABLE_K ids, a repeated id at -inf in both. The overlap at any sampling settings comes from it in
     milliseconds, where measuring it took both models' forwards over the reference texts (~4 s for the default
-    pair): a server whose clients send a new temperature no longer stalls on it (docs/server.md)."""
+    pair): a server whose clients send a new temperature no longer stalls on it (docs/serve.md)."""
 
     target: torch.Tensor  # (positions, 2K) float32
     draft: torch.Tensor  # (positions, 2K) float32
