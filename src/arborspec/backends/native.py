@@ -133,8 +133,9 @@ def with_pruned_head(model, keep: torch.Tensor):
     twin = copy.copy(model)
     twin._modules = dict(model._modules)  # a module table of its own: the head below is the twin's only
     twin.lm_head = PrunedQuantHead(model.lm_head, keep)
-    base = model.fingerprint()
-    twin.fingerprint = lambda: sha256_key({"model": base, "head": twin.lm_head.keep.tolist()})  # its own costs
+    # its own costs; hashed once (~4 ms for a 65536-id head, which every decoder made for a request paid a few times)
+    fingerprint = sha256_key({"model": model.fingerprint(), "head": twin.lm_head.keep.tolist()})
+    twin.fingerprint = lambda: fingerprint
     native_step.install_twin(twin, model)
     return twin
 
