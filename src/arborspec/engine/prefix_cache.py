@@ -95,6 +95,6 @@ class PrefixCache:
             self._entries = [e for e in self._entries if not (
                 e.model is model and e.role == role and common_prefix(e.tokens, entry.tokens) == len(e.tokens))]
             self._entries.append(entry)
-            total = sum(e.nbytes for e in self._entries)
+            total = self.nbytes
             while total > self.max_bytes:
                 total -= self._entries.pop(0).nbytes
