@@ -232,3 +232,63 @@ def test_a_policy_drafts_knowing_how_many_requests_share_the_round(native, monke
     seen.clear()
     dec.fork().generate(PROMPTS[0], max_new_tokens=6, ignore_eos=True)
     assert seen and set(seen) == {1}
+
+
+LONG = PROMPTS[2] + "\nfor name in os.listdir('.'):\n    print(name, os.path.getsize(name))\n"
+
+
+@pytest.mark.parametrize("method,options,temperature", [("ar", {}, 0.0), ("static", {"depth": 3, "branch": 2}, 0.0),
+                                                        ("static", {"depth": 3, "branch": 2}, 0.9),
+                                                        ("auto", {}, 0.0)])
+def test_a_prompt_read_in_pieces_decodes_the_same_tokens(native, monkeypatch, method, options, temperature):
+    """steps(prefill_chunk=8): each model reads the prompt 8 tokens a call, the loop yields None after each piece,
+    and the tokens and texts are those of a prompt read at once; no call reads more than 8 new tokens."""
+    dec = SpeculativeDecoder(native("q4_k"), native("draft"), method=method, temperature=temperature, **options)
+    whole = list(dec.fork().steps(LONG, 10, seed=7, ignore_eos=True))
+    rows = []
+    real = type(dec.target.forward.step).run
+
+    def run(self, calls):
+        rows.extend(len(c.ids) for c in calls)
+        return real(self, calls)
+    monkeypatch.setattr(type(dec.target.forward.step), "run", run)
+    pieces = list(dec.fork().steps(LONG, 10, seed=7, ignore_eos=True, prefill_chunk=8))
+    prompt = len(dec.encode(LONG))
+    results = [r for r in pieces if r is not None]
+    assert pieces.count(None) >= prompt // 8 - 1 and pieces[0] is None
+    assert [r.token_ids for r in results] == [r.token_ids for r in whole]
+    assert results[-1].text == whole[-1].text and results[-1].stats.prompt_tokens == prompt
+    reads = pieces.count(None) + 2  # the target's pieces, its first forward, the draft's pieces (Nones + 1)
+    assert max(rows[:reads]) <= 8 and sum(rows[:reads]) >= prompt
+    assert None not in whole  # the default reads the prompt at once
+
+
+def test_a_long_prompt_joining_is_read_a_piece_per_round_while_the_others_stream(native):
+    """A server round carries one piece of a joining request's prompt (--prefill-chunk): a request already
+    streaming gets a step in every round while the long prompt is read, and both get what they get alone."""
+    dec = SpeculativeDecoder(native("q4_k"), native("draft"), method="static", depth=3, branch=2)
+    want = [dec.fork().generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in ((PROMPTS[1], 40),
+                                                                                            (LONG, 6))]
+    order, done, last = [], [threading.Event(), threading.Event()], [None, None]
+
+    def deliver(i):
+        def on(update):
+            order.append(i)
+            last[i] = update
+            if update.done:
+                done[i].set()
+        return on
+
+    sched = Scheduler(max_batch=2, max_queue=0, metrics=Metrics(), batch=True)
+    jobs = [Job(dec.fork().steps(PROMPTS[1], 40, ignore_eos=True, prefill_chunk=8), deliver(0), stream=True),
+            Job(dec.fork().steps(LONG, 6, ignore_eos=True, prefill_chunk=8), deliver(1), stream=True)]
+    for job in jobs:
+        sched.submit(job)
+    sched.start()
+    try:
+        assert all(event.wait(TIMEOUT) for event in done)
+    finally:
+        sched.stop()
+    assert [u.result.token_ids for u in last] == want
+    pieces = len(dec.encode(LONG)) // 8 - 1
+    assert order.index(1) >= pieces  # the short request streamed a step a round while the long one was read

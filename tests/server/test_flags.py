@@ -34,6 +34,7 @@ def one_error_line(capsys) -> str:
     (["--max-tokens-limit", "0"], "--max-tokens-limit", "must be at least 1"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout", "must be at least 0"),
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb", "must be at least 0"),
+    (["--prefill-chunk", "-8"], "--prefill-chunk", "must be at least 0"),
     (["--port", "70000"], "--port", "must be at most 65535"),
     (["--port", "-1"], "--port", "must be at least 0"),
     (["--temperature", "-1"], "--temperature", "finite number >= 0"),

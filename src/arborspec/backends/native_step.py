@@ -162,6 +162,10 @@ class StepForward(FastForward):
 class NativeSession(TreeRegion):
     """One sequence on a native model, its KV cache owned here (implements `session.Session`)."""
 
+    # A row's keys, values and logits do not depend on the other rows of its call (kernels/forward.cpp), so a prompt
+    # read in pieces (SpeculativeDecoder.steps' prefill_chunk) or kept from another request is the same bits.
+    rows_alone = True
+
     def __init__(self, model, role: str = "target"):
         self.model, self.role = model, role
         self.step: Step = model.forward.step

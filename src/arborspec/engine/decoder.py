@@ -16,6 +16,7 @@ import torch
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
 from ..backends.model_info import check_pair, context_window, eos_ids, pair_names
+from ..core.options import check_int
 from ..core.sampling import make_generator
 from ..core.tree import ORDERS, TokenTree
 from ..drafting import POLICIES, DraftContext
@@ -139,16 +140,29 @@ class SpeculativeDecoder:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
-              ignore_eos: bool = False) -> Iterator[GenerationResult]:
+              ignore_eos: bool = False, prefill_chunk: int = 0) -> Iterator[GenerationResult | None]:
         """Generate step by step: the result so far after every draft -> verify -> commit step (the server advances
-        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed)."""
+        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed).
+
+        `prefill_chunk` > 0 (the server's `--prefill-chunk`): each model reads a long prompt that many tokens per
+        call, and the loop yields None after each such piece, before its next result. A server round then carries
+        one piece of a joining request's prompt, not all of it: a 1024-token prompt is ~5.4 s of the default
+        target's prefill, and the same total in pieces of 128 (Zen 4), so the other requests keep streaming. The
+        tokens are the same: only sessions whose rows are computed alone (`rows_alone`: the native backend's) read
+        in pieces, so a cached key is the same bits however the prompt was cut; other sessions read it at once."""
+        check_int(prefill_chunk, "prefill_chunk", 0)
         run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos)
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
-        if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
-            yield from self._plain_steps(run)
-            return
         target = self._session(self.target, "target", run)
+        chunk = prefill_chunk if getattr(target, "rows_alone", False) else 0
+        if chunk:  # all but the last piece here; the first forward carries the last (at most `chunk` rows)
+            ahead = run.context[len(target.cached):-1]
+            for _ in self._prefill(target, ahead[:max(len(ahead) - chunk + 1, 0)], chunk):
+                yield None
+        if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
+            yield from self._plain_steps(run, target)
+            return
         # The first token comes from the prompt's own forward, as in the plain loop, and is streamed before the draft
         # reads the prompt: time to the first token is the target's prefill alone (the draft's prefill added ~0.2 s
         # of the default pair's 0.66 s on HumanEval prompts, Zen 4), and the prompt's forward yields a token where
@@ -162,11 +176,13 @@ class SpeculativeDecoder:
             return
         draft = None
         if use_draft:  # the draft's cache, like the target's, holds all but the next tree's root
-            t0 = time.perf_counter()
             draft = self._session(self.draft, "draft", run)
-            with torch_threads(self.step_threads):
-                draft.prefill(run.context[len(draft.cached):-1])
-            run.stats.t_prefill += time.perf_counter() - t0
+            chunk = prefill_chunk if getattr(draft, "rows_alone", False) else 0
+            pieces = self._prefill(draft, run.context[len(draft.cached):-1], chunk)
+            for seconds, more in pieces:
+                run.stats.t_prefill += seconds
+                if more:
+                    yield None
         free = self.free.start(policy) if self.free else None  # this generation's lookahead window, graft budget
         while not run.finished:
             with torch_threads(self.step_threads):
@@ -245,7 +261,7 @@ class SpeculativeDecoder:
         finally:
             stats.t_measure += time.perf_counter() - t
 
-    def _plain_steps(self, run: Generation) -> Iterator[GenerationResult]:
+    def _plain_steps(self, run: Generation, target) -> Iterator[GenerationResult]:
         """Plain decoding, one target token a step: what `steps` runs when no step would draft anything (method `ar`,
         or `auto` when no tree can pay on this machine, `policy.uses_draft()` False).
 
@@ -254,13 +270,22 @@ class SpeculativeDecoder:
         5-10% of a step of llama.cpp's CPU kernels, and the llama.cpp backend must stay within 0.95x of llama.cpp's
         own loop (issue #15). The policy is not stepped; `stats.policy` is its account.
         """
-        target = self._session(self.target, "target", run)
         run.stats.policy = self.policy.explain()
         while not run.finished:
             result = self._plain_step(run, target)
             if run.finished:
                 self._keep(target, None)
             yield result
+
+    def _prefill(self, session, ids: list[int], chunk: int) -> Iterator[tuple[float, bool]]:
+        """Put `ids` into `session`'s cache, `chunk` tokens a call (0: one call); after each call, its seconds and
+        whether pieces remain."""
+        size = chunk or max(len(ids), 1)
+        for start in range(0, len(ids), size):
+            t0 = time.perf_counter()
+            with torch_threads(self.step_threads):
+                session.prefill(ids[start:start + size])
+            yield time.perf_counter() - t0, start + size < len(ids)
 
     def _session(self, model, role: str, run: Generation):
         """A session of `model` for this generation: a copy of a kept one that begins with its tokens

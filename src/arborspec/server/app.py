@@ -180,7 +180,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
                            param="prompt")
         ids = decoder.encode(prompt)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
-        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos)
+        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk)
     except ValueError as err:
         code = "context_length_exceeded" if "context window" in str(err) else None
         raise APIError(400, str(err), code=code) from None

@@ -86,7 +86,7 @@ def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
                            draft_temperature=args.draft_temperature, token_order=args.token_order,
                            ssm_tree=args.ssm_tree)
     cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
-    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, pair.vocab, config, cache)
+    decoders = Decoders(spec, pair.target, pair.draft, pair.quant, pair.vocab, config, cache, args.prefill_chunk)
     decoders.build(spec, decoders.defaults).generate(WARMUP_PROMPT, max_new_tokens=2)
     return decoders, pair
 

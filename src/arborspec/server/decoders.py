@@ -29,6 +29,7 @@ class Decoders:
     # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree
     config: DecoderConfig
     prefix_cache: PrefixCache | None = None  # finished requests' caches, for requests that begin the same way
+    prefill_chunk: int = 0  # prompt tokens a model reads per round (SpeculativeDecoder.steps; 0: all at once)
 
     @property
     def defaults(self) -> SamplingConfig:

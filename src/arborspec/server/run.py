@@ -64,6 +64,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="finished requests' KV caches kept for requests that begin the same way (a chat's next turn "
                         "prefills only its new tokens; native backend), in MiB (0: off)")
+    h.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens a model reads per round, so that a long prompt joining does not hold up the "
+                        "other requests' streams for its whole prefill (0: a prompt in one round)")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     h.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
@@ -126,7 +129,8 @@ def check_flags(args) -> None:
                                ("--default-max-tokens", args.default_max_tokens, 1),
                                ("--max-body-bytes", args.max_body_bytes, 1), ("--port", args.port, 0),
                                ("--shutdown-timeout", args.shutdown_timeout, 0),
-                               ("--prefix-cache-mb", args.prefix_cache_mb, 0)):
+                               ("--prefix-cache-mb", args.prefix_cache_mb, 0),
+                               ("--prefill-chunk", args.prefill_chunk, 0)):
         if not value >= least:  # `not >=`: a NaN fails too
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.port > 65535:

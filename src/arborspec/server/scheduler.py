@@ -65,11 +65,14 @@ class Job:
     def advance(self, metrics: Metrics) -> None:
         """One step of this request's decoder."""
         try:
-            self.result = result = next(self.steps)
+            result = next(self.steps)
         except Exception as err:  # a failing request must not take the others down with it
             log.exception("generation failed")
             self.end(metrics, "error", Update(None, True, f"generation failed: {err}", "internal_error"))
             return
+        if result is None:  # a piece of its prompt read (--prefill-chunk): nothing to tell yet
+            return
+        self.result = result
         metrics.step(result.stats.steps[-1], result.stats.method)
         if self.first_token is None and result.token_ids:
             self.first_token = time.perf_counter()
