@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 import zipfile
@@ -540,3 +541,25 @@ def test_real_draft_alias(monkeypatch, real_pair):
 @pytest.mark.real
 def test_real_pair_shares_a_tokenizer(real_pair):
     check_tokenizers_compatible(*real_pair)
+
+
+def test_a_gguf_tokenizer_is_built_once_and_the_saved_one_is_the_same(cache, tmp_path, monkeypatch):
+    """transformers builds a GGUF's tokenizer from its vocabulary (~10 s for Qwen2.5); it is saved under the cache
+    and later loads read it: the same ids, texts and chat template. A changed file builds it again."""
+    from arborspec.backends import llamacpp
+    from tests.backends.tiny_gguf import write_tiny_gguf as write_model_gguf
+
+    path = write_model_gguf(tmp_path / "m.gguf")
+    built, real = [], llamacpp.gguf_tokenizer
+    monkeypatch.setattr(llamacpp, "gguf_tokenizer", lambda p: built.append(p) or real(p))
+    first = model_loading.gguf_tokenizer(str(path), path)
+    again = model_loading.gguf_tokenizer(str(path), path)
+    assert len(built) == 1 and (cache / "tokenizers").is_dir()
+    text = "def f(x):\n    return x + 1  # héllo"
+    assert again(text)["input_ids"] == first(text)["input_ids"] == real(path)(text)["input_ids"]
+    assert again.decode(first(text)["input_ids"]) == first.decode(first(text)["input_ids"])
+    assert again.chat_template == first.chat_template and again.eos_token_id == first.eos_token_id
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime: the file may have changed
+    model_loading.gguf_tokenizer(str(path), path)
+    assert len(built) == 2

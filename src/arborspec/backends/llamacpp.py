@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import gguf
 import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -52,6 +51,7 @@ from ..core.disk_cache import sha256_key
 from ..core.host import usable_cores
 from ..core.sampling import check_finite
 from ..core.tree import TokenTree
+from .gguf_file import GgufInfo, check_causal, read_gguf_info
 from .hf import begin_forward
 from .session import TreeRegion
 
@@ -112,48 +112,6 @@ def close_all() -> None:
 
 
 # ----------------------------------------------------------------------------------------------- the GGUF file
-
-
-@dataclass(frozen=True)
-class GgufInfo:
-    """What arborspec checks in a GGUF before llama.cpp reads it (llama.cpp aborts the process on some bad files)."""
-
-    arch: str
-    context_length: int | None  # the trained context, <arch>.context_length
-    weight_type: str  # e.g. "Q4_K_M" (general.file_type), else the most common 2-D tensor type
-    embedding_model: bool  # pooling / non-causal attention: an encoder for embeddings, not a causal LM
-
-
-def read_gguf_info(path: Path) -> GgufInfo:
-    """Parse `path`'s header and tensor table with the `gguf` package; ValueError (one line) unless it is a whole,
-    readable GGUF. Tensor data is not read, only checked to lie inside the file."""
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # not a GGUF, or cut short / corrupt (the tensor table does not fit the file)
-        reason = str(exc) or type(exc).__name__
-        what = "is not a GGUF file" if "magic" in reason else "is a truncated or corrupt GGUF file"
-        raise ValueError(f"{path} {what} ({reason})") from None
-    size = path.stat().st_size
-    if any(t.data_offset + t.n_bytes > size for t in reader.tensors):
-        raise ValueError(f"{path} is a truncated GGUF file: its tensors need more bytes than its {size}")
-
-    def field(key: str):
-        f = reader.get_field(key)
-        return None if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if not isinstance(arch, str) or not reader.tensors:
-        raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
-    file_type = field("general.file_type")
-    try:
-        weight_type = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-    except (TypeError, ValueError):
-        kinds = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2]
-        weight_type = max(set(kinds), key=kinds.count) if kinds else "unknown"
-    pooling, causal = field(f"{arch}.pooling_type"), field(f"{arch}.attention.causal")
-    context = field(f"{arch}.context_length")
-    return GgufInfo(arch=arch, context_length=int(context) if context is not None else None, weight_type=weight_type,
-                    embedding_model=bool(pooling) or causal is False)
 
 
 # -------------------------------------------------------------------------------------------------- the model
@@ -300,9 +258,7 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     if kv_type not in _KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}, got {kv_type!r}")
     info = read_gguf_info(path)
-    if info.embedding_model:
-        raise ValueError(f"{path} is an embedding model ({info.arch} with pooling / non-causal attention), "
-                         "not a causal LM")
+    check_causal(path, info)
     trained = info.context_length
     if n_ctx is None:
         n_ctx = min(4096, trained or 4096)
@@ -347,10 +303,12 @@ class LlamaCppLoaded:
     source: str
 
 
-def load_llamacpp_pair(path: str | Path, name: str | None = None, **options) -> LlamaCppLoaded:
-    """Model (see `load_llamacpp` for the options) and tokenizer from one GGUF file."""
+def load_llamacpp_pair(path: str | Path, name: str | None = None, tokenizer=gguf_tokenizer,
+                       **options) -> LlamaCppLoaded:
+    """Model (see `load_llamacpp` for the options) and tokenizer from one GGUF file; `tokenizer(path)` makes the
+    tokenizer (loading/model.py's keeps the one it builds)."""
     model = load_llamacpp(path, **options)
-    return LlamaCppLoaded(model, gguf_tokenizer(model.path), name or str(path), str(model.path))
+    return LlamaCppLoaded(model, tokenizer(model.path), name or str(path), str(model.path))
 
 
 # ------------------------------------------------------------------------------------------------ the session

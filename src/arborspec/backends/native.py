@@ -17,25 +17,18 @@ on another backend. llama.cpp's converter stores the llama architecture's attn_q
 layout (pairs of adjacent dimensions); transformers rotates halves, so those rows are put back in order here, a
 permutation of whole rows of blocks (each row is independent).
 
-Over 400 lines: the GGUF reader, the QuantLinear / QuantEmbedding / pruned-head modules and the loader that builds the
-transformers skeleton around them are one translation of a file into a model; the forward itself lives in
-native_step.py (C++) and native_forward.py (the Python reference).
+The file's header is read by gguf_file.py; the forward itself lives in native_step.py (C++) and native_forward.py (the
+Python reference).
 """
 from __future__ import annotations
 
 import copy
-import struct
-from collections import Counter
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from types import MethodType
 
-import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -46,7 +39,7 @@ from ..core.sampling import spread
 from ..kernels import QuantMatrix, supported
 from ..kernels.matrix import SUPPORTED_TYPES, VNNI_ROWS
 from . import native_step
-from .llamacpp import read_gguf_info
+from .gguf_file import GgufFile, GgufTensor, check_causal, describe, read_gguf, read_gguf_info
 
 ARCHITECTURES = ("qwen2", "llama")  # GGUF general.architecture values whose tensors map onto transformers' classes
 # how the backend names its weight format (blocks as in the GGUF, float32 activations), as llama.cpp's "gguf-q4_k_m":
@@ -158,115 +151,6 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.matrix.qtype.name}"
 
 
-# ----------------------------------------------------------------------------------------------- the file
-# gguf's GGUFReader builds Python objects for every vocabulary entry (Qwen2.5: 150k tokens and 150k merges: ~10 s
-# and ~0.5 GB while it lives), and transformers' config reading for qwen2 / llama parses the file with it once more.
-# The loader needs the scalar metadata and the tensor table only: `read_gguf` walks them in a fraction of a second,
-# skipping arrays (their length is kept: the vocabulary size).
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    name: str
-    shape: tuple[int, ...]  # torch order: (rows n, row length k) for a matrix
-    qtype: QT
-    path: Path
-    offset: int  # of its bytes in the file
-    nbytes: int
-
-    def read(self) -> np.ndarray:
-        """Its bytes (uint8), read into memory of their own: a file read, not a map, so the process never holds
-        the file's pages and a copy of them at once (the kernels keep their own, maybe repacked, copy)."""
-        return np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
-
-    @property
-    def part(self) -> str:
-        """"attn_q" for "blk.3.attn_q.weight", "output" for "output.weight"."""
-        return self.name.split(".")[-2]
-
-
-@dataclass(frozen=True)
-class GgufFile:
-    metadata: dict  # key -> value; an array's value is its length
-    tensors: list[GgufTensor]
-
-
-class _Cursor:
-    """Reads little-endian GGUF values from a byte buffer, front to back. Through a memoryview: slicing the memmap
-    itself made an array object per string, and a Qwen2.5 file's vocabulary and merges hold ~300k strings (0.58 s
-    a file, 0.03 s now; arrays of strings are walked, not decoded, since only their lengths are kept)."""
-
-    def __init__(self, blob: np.ndarray):
-        self.blob, self.pos = memoryview(blob), 0
-
-    def take(self, fmt: str) -> tuple:
-        values = struct.unpack_from(fmt, self.blob, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return values
-
-    def string(self) -> str:
-        (length,) = self.take("<Q")
-        self.pos += length
-        return bytes(self.blob[self.pos - length:self.pos]).decode("utf-8")
-
-    def skip_strings(self, count: int) -> None:
-        pos, blob = self.pos, self.blob
-        for _ in range(count):
-            pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
-        self.pos = pos
-
-    def value(self, kind: int):
-        if kind in _SCALARS:
-            return self.take(_SCALARS[kind])[0]
-        if kind == _STRING:
-            return self.string()
-        if kind != _ARRAY:
-            raise ValueError(f"unknown GGUF value type {kind}")
-        item, count = self.take("<IQ")
-        if item in _SCALARS:
-            self.pos += count * struct.calcsize(_SCALARS[item])
-        elif item == _STRING:
-            self.skip_strings(count)
-        else:  # nested arrays have their own lengths: walk them
-            for _ in range(count):
-                self.value(item)
-        return count
-
-
-def read_gguf(path: Path) -> GgufFile:
-    """The file's metadata and tensor table (no tensor data is read); ValueError or struct.error for a file that is
-    not a whole GGUF v2/v3."""
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
-    cursor = _Cursor(blob)
-    magic, version, n_tensors, n_values = cursor.take("<4sIQQ")
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-    metadata = {}
-    for _ in range(n_values):
-        key = cursor.string()
-        metadata[key] = cursor.value(cursor.take("<I")[0])
-    table = []
-    for _ in range(n_tensors):
-        name = cursor.string()
-        (dims,) = cursor.take("<I")
-        shape = tuple(reversed(cursor.take(f"<{dims}Q")))  # the file lists the innermost dimension first
-        kind, offset = cursor.take("<IQ")
-        table.append((name, shape, QT(kind), offset))
-    align = int(metadata.get("general.alignment", 32))
-    start = -(-cursor.pos // align) * align  # tensor data begins at the next aligned offset
-    tensors = []
-    for name, shape, qtype, offset in table:
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        begin, size = start + offset, prod(shape) // block * block_bytes
-        if begin + size > len(blob):
-            raise ValueError(f"tensor {name} ends past the end of the file")
-        tensors.append(GgufTensor(name, shape, qtype, path, begin, size))
-    return GgufFile(metadata, tensors)
-
-
 def _open(path: Path) -> GgufFile:
     """`read_gguf(path)`; for a file it cannot read, the one-line ValueError llama.cpp's backend gives (from gguf's
     own, slower reader), or NotNative if gguf reads what this reader does not."""
@@ -276,25 +160,6 @@ def _open(path: Path) -> GgufFile:
         reason = str(exc) or type(exc).__name__
     read_gguf_info(path)  # raises for a bad file
     raise NotNative(f"its header could not be read here ({reason})")
-
-
-def _check_model(path: Path, file: GgufFile) -> str:
-    """The architecture of a causal-LM GGUF; ValueError for one that is not a model or not causal."""
-    arch = file.metadata.get("general.architecture")
-    if not isinstance(arch, str) or not file.tensors:
-        raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
-    if file.metadata.get(f"{arch}.pooling_type") or file.metadata.get(f"{arch}.attention.causal") is False:
-        raise ValueError(f"{path} is an embedding model ({arch} with pooling / non-causal attention), not a causal LM")
-    return arch
-
-
-def _weight_type(file: GgufFile) -> str:
-    """"Q4_K_M" from general.file_type, else the most common matrix type (as read_gguf_info reports it)."""
-    try:
-        return gguf.LlamaFileType(int(file.metadata["general.file_type"])).name.removeprefix("MOSTLY_")
-    except (KeyError, TypeError, ValueError):
-        kinds = Counter(t.qtype.name for t in file.tensors if len(t.shape) == 2)
-        return kinds.most_common(1)[0][0] if kinds else "unknown"
 
 
 def _config(file: GgufFile, arch: str) -> PretrainedConfig:
@@ -396,7 +261,9 @@ def load_native(path: str | Path) -> PreTrainedModel:
     ValueError (one line) for an unreadable file; NotNative for a readable one this backend does not cover."""
     path = Path(path).expanduser().resolve()
     file = _open(path)
-    arch = _check_model(path, file)
+    info = describe(path, file)
+    check_causal(path, info)
+    arch = info.arch
     _check_covered(arch, file.tensors)
     _check_kernels()
     groups: dict[str, dict[str, GgufTensor]] = {}  # module path -> {"weight": tensor, "bias": tensor}
@@ -418,7 +285,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
-    model.native_gguf = NativeInfo(path, _weight_type(file))
+    model.native_gguf = NativeInfo(path, info.weight_type)
     model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
     native_step.install(model)
     return model
