@@ -110,6 +110,30 @@ def test_stop_strings_end_the_text_before_the_stop_string(client, pair):
     assert streamed == text
 
 
+def test_logprobs_are_the_targets_and_a_stream_carries_them_with_its_text(client, pair):
+    """completions' `logprobs` k: each token's logprob under the target (those of generate(logprobs=k) in-process)
+    and its k best alternatives, streamed or not; chat's `logprobs` / `top_logprobs` in chat's shape."""
+    want = reference(pair).generate(PROMPT, max_new_tokens=16, ignore_eos=True, logprobs=3)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3, **ext())
+    lp = reply.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+    assert "".join(lp.tokens) == reply.choices[0].text == want.text and lp.text_offset[0] == 0
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the best one
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                            stream=True, **ext()))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(streamed) > 1 and sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sort"}], max_tokens=8,
+                                          logprobs=True, top_logprobs=2, **ext())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
+    assert b"".join(bytes(c.bytes) for c in content).decode() == chat.choices[0].message.content
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **ext())
+    assert plain.choices[0].logprobs is None  # not asked for
+
+
 def test_stream_options_include_usage_puts_usage_in_a_last_chunk_with_no_choices(client, pair):
     """As OpenAI streams it when asked: every chunk has `usage: null`, the finish chunk too, then one more chunk
     with empty `choices` and the usage (and the `arborspec` statistics)."""
@@ -232,7 +256,7 @@ BAD_BODIES = [
     ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "token ids"),
     ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
     ("n = 2", {"prompt": "x", "n": 2}, 400, "'n'"),
-    ("logprobs", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("logprobs over 5", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("temperature NaN", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("top_p 0", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("unknown method", {"prompt": "x", "arborspec": {"method": "nope"}}, 400, "unknown method"),

@@ -56,6 +56,9 @@ def test_a_plain_request_parses_with_the_servers_defaults_filled_in_later():
     ({"model": "t", "prompt": []}, "prompt"),
     ({"model": "t", "prompt": "x", "n": 3}, "n"),
     ({"model": "t", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "t", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"model": "t", "prompt": "x", "logprobs": True}, "logprobs"),
+    ({"model": "t", "prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # chat's field, not completions'
     ({"model": "t", "prompt": "x", "arborspec": {"budget": 0}}, "arborspec"),
     ({"model": "t", "prompt": "x", "arborspec": {"method": 3}}, "arborspec"),
     ({"model": "t", "prompt": "x", "seed": 2**64}, "seed"),
@@ -69,6 +72,18 @@ def test_bad_bodies_are_400s_naming_the_field(body, param):
 def test_neutral_values_of_unsupported_fields_pass():
     parse({"model": "t", "prompt": "x", "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0,
            "logit_bias": {}, "best_of": 1})
+
+
+def test_logprobs_are_asked_for_as_openai_asks_per_endpoint():
+    assert parse({"model": "t", "prompt": "x", "logprobs": 0}).top_logprobs_asked() == 0
+    assert parse({"model": "t", "prompt": "x", "logprobs": 5}).top_logprobs_asked() == 5
+    assert parse({"model": "t", "prompt": "x"}).top_logprobs_asked() is None
+    chat = {"model": "t", "messages": [{"role": "user", "content": "a"}]}
+    assert parse({**chat, "logprobs": True, "top_logprobs": 20}, ChatRequest).top_logprobs_asked() == 20
+    assert parse({**chat, "logprobs": True}, ChatRequest).top_logprobs_asked() == 0
+    assert parse({**chat, "logprobs": False, "top_logprobs": 0}, ChatRequest).top_logprobs_asked() is None
+    assert refused({**chat, "top_logprobs": 3}, ChatRequest).param is None  # needs "logprobs": true
+    assert refused({**chat, "logprobs": True, "top_logprobs": 21}, ChatRequest).param == "top_logprobs"
 
 
 def test_chat_messages_take_text_parts_and_max_completion_tokens():

@@ -103,9 +103,11 @@ class SpeculativeDecoder:
         return ids
 
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
-                 ignore_eos: bool = False) -> GenerationResult:
+                 ignore_eos: bool = False, logprobs: int | None = None) -> GenerationResult:
+        """`logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
+        alternatives (engine/logprobs.py); None: not computed."""
         result = None
-        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos):
+        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos, logprobs=logprobs):
             pass
         return result
 
@@ -140,9 +142,11 @@ class SpeculativeDecoder:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
-              ignore_eos: bool = False, prefill_chunk: int = 0) -> Iterator[GenerationResult | None]:
+              ignore_eos: bool = False, prefill_chunk: int = 0,
+              logprobs: int | None = None) -> Iterator[GenerationResult | None]:
         """Generate step by step: the result so far after every draft -> verify -> commit step (the server advances
-        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed).
+        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed); `logprobs`: as
+        `generate`'s.
 
         `prefill_chunk` > 0 (the server's `--prefill-chunk`): each model reads a long prompt that many tokens per
         call, and the loop yields None after each such piece, before its next result. A server round then carries
@@ -151,7 +155,10 @@ class SpeculativeDecoder:
         tokens are the same: only sessions whose rows are computed alone (`rows_alone`: the native backend's) read
         in pieces, so a cached key is the same bits however the prompt was cut; other sessions read it at once."""
         check_int(prefill_chunk, "prefill_chunk", 0)
+        if logprobs is not None:
+            check_int(logprobs, "logprobs", 0)
         run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos)
+        run.top_logprobs = logprobs
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
         target = self._session(self.target, "target", run)
@@ -200,6 +207,7 @@ class SpeculativeDecoder:
                     free.observe(logits)  # lookahead's Jacobi step: the window's next guesses from this forward
                 t2 = time.perf_counter()
                 kept = run.commit([tree.tokens[i] for i in verdict.path] + [verdict.bonus])
+                run.note_logprobs(logits, [0] + verdict.path, kept)  # node n's row predicts the token after it
                 target.commit([0] + [at[n] for n in verdict.path])
                 if draft is not None:  # the draft keeps the accepted nodes it has forwarded (leaves never were)
                     draft.commit([n for n in [0] + verdict.path if draft.has(n)])
@@ -319,6 +327,7 @@ class SpeculativeDecoder:
             token = self._pick(logits, run.generator)
             t2 = time.perf_counter()
             kept = run.commit([token])
+            run.note_logprobs(logits, [0], kept)
             target.commit([0])
             step = StepStats(tree_size=0, depth=0, widths=[1], accepted=0, committed=len(kept), draft_calls=0,
                              t_draft=0.0, t_verify=t2 - t0, t_other=time.perf_counter() - t2)

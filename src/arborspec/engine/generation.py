@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
+from .logprobs import TokenLogprob, token_logprobs
 from .stats import GenerationResult, GenerationStats, StepStats
 
 
@@ -17,6 +20,8 @@ class Generation:
         self.context, self.new = list(ids), []  # prompt + committed tokens; committed tokens only
         self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop, eos, window
         self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
+        self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
+        self.logprobs: list[TokenLogprob] = []
 
     @property
     def finished(self) -> bool:
@@ -34,6 +39,12 @@ class Generation:
         self.new += kept
         return kept
 
+    def note_logprobs(self, logits: torch.Tensor, rows: list[int], kept: list[int]) -> None:
+        """With `top_logprobs` set: the logprobs of `kept` (a step's committed tokens), each at its row of `logits`
+        (the target's forward: rows[i] is the node whose row predicts kept[i])."""
+        if self.top_logprobs is not None and kept:
+            self.logprobs += token_logprobs(logits[rows[:len(kept)]], kept, self.top_logprobs)
+
     def record(self, step: StepStats) -> GenerationResult:
         """The result so far, with `step` counted; the clocks leave out measure_optimum's time (stats.t_measure)."""
         stats = self.stats
@@ -43,7 +54,8 @@ class Generation:
         if len(stats.steps) == 1:
             stats.t_first_token = now
         stats.t_total = now
-        return GenerationResult(self.decode(self.new), list(self.new), stats)
+        logprobs = list(self.logprobs) if self.top_logprobs is not None else None
+        return GenerationResult(self.decode(self.new), list(self.new), stats, logprobs)
 
     def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
         """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .logprobs import TokenLogprob
+
 
 @dataclass
 class StepStats:
@@ -150,6 +152,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]  # generated tokens only
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for (engine/logprobs.py)
 
 
 def tree_record(tree, path: list[int], bonus: int) -> dict:

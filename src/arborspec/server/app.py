@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from .decoders import Decoders
+from .logprobs import Logprobs
 from .metrics import CONTENT_TYPE, Metrics
 from .output import DONE, Reply, event, visible_text
 from .protocol import (
@@ -110,11 +111,13 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
     async def generate(request: Request, req, prompt, chat: bool):
         check_sampling(req)
         n, stop = max_tokens(req, limits), stop_strings(req)
+        top = req.top_logprobs_asked()
         steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop,
-                                        scheduler.models)
+                                        scheduler.models, top)
         opts = req.arborspec
         reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids),
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      logprobs=None if top is None else Logprobs(decoders.target.tokenizer, chat))
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(update: Update) -> None:  # on the worker thread
@@ -163,10 +166,11 @@ def model_card(limits: Limits) -> dict:
 
 
 def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str],
-                     models: threading.Lock):
+                     models: threading.Lock, logprobs: int | None = None):
     """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
     is a 400 here rather than an error in the middle of a stream. The decoder is made holding `models` (the
-    scheduler's): making it may run the models (a measurement the first time a pair or setting is seen)."""
+    scheduler's): making it may run the models (a measurement the first time a pair or setting is seen).
+    `logprobs`: how many alternatives each token's logprob comes with (None: no logprobs)."""
     opts = req.arborspec
     try:
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
@@ -180,7 +184,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
                            param="prompt")
         ids = decoder.encode(prompt)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
-        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk)
+        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk, logprobs)
     except ValueError as err:
         code = "context_length_exceeded" if "context window" in str(err) else None
         raise APIError(400, str(err), code=code) from None
@@ -267,7 +271,7 @@ async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply) 
             break
         text = visible_text(update.result.text, reply.stop, update.done)
         if len(text) > len(shown):  # decoding more tokens only extends the text (as SpeculativeDecoder.stream has it)
-            yield reply.text_event(text[len(shown):])
+            yield reply.text_event(text[len(shown):], update.result, text)
             shown = text
         if update.done:
             for last in reply.last_events(update.result, shown):

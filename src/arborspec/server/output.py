@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine import GenerationResult
+from .logprobs import Logprobs
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}  # engine -> OpenAI
 
@@ -64,6 +65,7 @@ class Reply:
     stop: list[str]
     token_ids: bool = False  # arborspec.return_token_ids
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own, after the finish chunk
+    logprobs: Logprobs | None = None  # the request asked for logprobs: handed out with the text they make
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -75,12 +77,18 @@ class Reply:
             head["usage"] = None
         return head
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict:
+    def _choice(self, text: str | None, finish: str | None, chunk: bool, logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if chunk:
-            return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _logprobs(self, result: GenerationResult, shown: str) -> dict | None:
+        """The logprobs of the tokens whose text `shown` now covers (none unless asked for)."""
+        return self.logprobs.take(result, shown) if self.logprobs is not None else None
 
     def _tail(self, result: GenerationResult) -> dict:
         return {"usage": usage(result), "arborspec": speculative_stats(result, self.token_ids)}
@@ -88,8 +96,8 @@ class Reply:
     def body(self, result: GenerationResult) -> dict:
         """The whole non-streaming response."""
         text = visible_text(result.text, self.stop, done=True)
-        return {**self._head(False), "choices": [self._choice(text, finish_reason(result, text), False)],
-                **self._tail(result)}
+        choice = self._choice(text, finish_reason(result, text), False, self._logprobs(result, text))
+        return {**self._head(False), "choices": [choice], **self._tail(result)}
 
     def first_event(self) -> str | None:
         """A chat stream opens with the assistant's role, as OpenAI's does."""
@@ -98,13 +106,15 @@ class Reply:
         return event({**self._head(True), "choices": [
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
 
-    def text_event(self, text: str) -> str:
-        return event({**self._head(True), "choices": [self._choice(text, None, True)]})
+    def text_event(self, text: str, result: GenerationResult, shown: str) -> str:
+        """A chunk of new text (`text`: what `shown`, all the client has now, adds), with its tokens' logprobs."""
+        return event({**self._head(True), "choices": [self._choice(text, None, True, self._logprobs(result, shown))]})
 
     def last_events(self, result: GenerationResult, shown: str) -> list[str]:
         """The final chunk (finish reason) and the usage with the speculative statistics: on that chunk, or with
         `include_usage` in a chunk of their own with empty `choices`."""
-        finish = {**self._head(True), "choices": [self._choice(None, finish_reason(result, shown), True)]}
+        choice = self._choice(None, finish_reason(result, shown), True, self._logprobs(result, shown))  # e.g. EOS's
+        finish = {**self._head(True), "choices": [choice]}
         if not self.include_usage:
             return [event({**finish, **self._tail(result)})]
         return [event(finish), event({**self._head(True), "choices": [], **self._tail(result)})]

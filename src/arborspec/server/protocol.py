@@ -14,6 +14,8 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
+
 
 class APIError(Exception):
     """A request the server refuses: `status` and the OpenAI error object `body()`."""
@@ -84,6 +86,10 @@ class _Generation(BaseModel):
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_TOP)  # k alternatives (server/logprobs.py)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -112,6 +118,17 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False  # each token's logprob (server/logprobs.py)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP)  # and this many alternatives
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # OpenAI fields this server does not implement, with the values that mean "not used": anything else is refused
@@ -136,7 +153,7 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_unsupported(data)
+    check_unsupported(data, model)
     try:
         return model.model_validate(data)
     except ValidationError as err:
@@ -147,8 +164,10 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
         raise APIError(400, f"invalid '{where or 'body'}': {first['msg']}", param=param) from None
 
 
-def check_unsupported(data: dict) -> None:
+def check_unsupported(data: dict, model: type[BaseModel]) -> None:
     for name, neutral in NEUTRAL.items():
+        if name in model.model_fields:  # implemented by this kind of request (logprobs)
+            continue
         value = data.get(name)
         if name in data and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
             raise APIError(400, f"'{name}' = {value!r} is not supported by this server "

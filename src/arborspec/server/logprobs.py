@@ -1,0 +1,76 @@
+"""OpenAI's `logprobs` shapes from a generation's TokenLogprobs (engine/logprobs.py), for completions and chat.
+
+Completions (`"logprobs": k`, k <= 5): {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}.
+Chat (`"logprobs": true, "top_logprobs": k`, k <= 20): {content: [{token, logprob, bytes, top_logprobs: [...]}]}.
+
+A token's entry goes out with the text it makes: once the text the client has been shown (cut at a stop string,
+held back while it may still grow into one or into a whole character; server/output.py) covers the token's text.
+So a stream's logprobs arrive with its content, a stop string's tokens never arrive, and a token whose bytes end
+in the middle of a character waits for the token that completes it. Chat leaves special tokens out (the end of the
+turn is no part of the content); completions keep them, as OpenAI's legacy completions list `<|endoftext|>`.
+`bytes` are a token's own bytes (a byte-level BPE token that splits a character holds part of its UTF-8), where
+`token` is its text as the tokenizer decodes it.
+"""
+from __future__ import annotations
+
+from ..engine import GenerationResult
+
+try:  # GPT-2's byte <-> printable-character table, which byte-level BPE vocabularies (Qwen, Llama 3) are written in
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    _BYTE_OF = {ch: b for b, ch in bytes_to_unicode().items()}
+except ImportError:  # another transformers layout: bytes from the decoded text (exact for whole characters)
+    _BYTE_OF = {}
+
+MAX_COMPLETION_TOP, MAX_CHAT_TOP = 5, 20  # OpenAI's limits on completions' logprobs and chat's top_logprobs
+
+
+class Logprobs:
+    """One response's logprobs, handed out as its text is shown (`take`)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.sent = 0  # tokens whose entries have gone out
+        self.offset = 0  # completions' text_offset of the next token: characters of the text before it
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel" and bool(_BYTE_OF)
+        # chat's entries are its content's tokens: a special token (the end of the turn) is no part of the content
+        self.skip = set(getattr(tokenizer, "all_special_ids", ())) if chat else set()
+
+    def take(self, result: GenerationResult, shown: str) -> dict | None:
+        """The entries of the tokens not yet sent whose text lies within `shown` (the text the client has), in
+        OpenAI's shape; None when there are none."""
+        ids, entries = result.token_ids, []
+        while self.sent < len(ids):
+            end = len(self.tokenizer.decode(ids[:self.sent + 1], skip_special_tokens=True))
+            if end > len(shown):
+                break
+            if ids[self.sent] not in self.skip:
+                entries.append((result.logprobs[self.sent], self.offset))
+            self.sent, self.offset = self.sent + 1, end
+        if not entries:
+            return None
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries) -> dict:
+        return {"content": [{**self._token(lp.token, lp.logprob),
+                             "top_logprobs": [self._token(t, v) for t, v in lp.top]} for lp, _ in entries],
+                "refusal": None}
+
+    def _completion(self, entries) -> dict:
+        return {"tokens": [self.text(lp.token) for lp, _ in entries],
+                "token_logprobs": [lp.logprob for lp, _ in entries],
+                "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp, _ in entries],
+                "text_offset": [offset for _, offset in entries]}
+
+    def _token(self, token: int, logprob: float) -> dict:
+        return {"token": self.text(token), "logprob": logprob, "bytes": list(self.bytes(token))}
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def bytes(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token) if self.byte_level else None
+        if piece is not None and all(ch in _BYTE_OF for ch in piece):
+            return bytes(_BYTE_OF[ch] for ch in piece)
+        return self.text(token).encode("utf-8")
+
