@@ -339,3 +339,27 @@ def test_tokens_per_second_counts_the_time_after_the_first_token_draft_prefill_i
     one = GenerationStats("auto", "greedy", False, prompt_tokens=10, new_tokens=1, t_prefill=0.9,
                           t_first_token=0.9, t_total=0.9002)
     assert one.tokens_per_s == 0.0  # no token after the first: no rate (it read 5000 tokens/s)
+
+
+def test_logprobs_are_the_targets_whether_a_token_was_drafted_or_not(pair):
+    """generate(logprobs=k): one entry per token, the target's log-probability at its position and its k best
+    alternatives; a speculative run reads them from its verified rows and gets what plain decoding gets."""
+    target, draft = pair
+    prompt = [5, 9, 14, 3, 7]
+    plain = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=12, ignore_eos=True, logprobs=4)
+    spec = SpeculativeDecoder(target, draft, method="static", depth=3, branch=2).generate(
+        prompt, max_new_tokens=12, ignore_eos=True, logprobs=4)
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == len(spec.token_ids) == 12
+    assert sum(s.accepted for s in spec.stats.steps) > 0  # some tokens did come from drafted trees
+    for got, want, token in zip(spec.logprobs, plain.logprobs, spec.token_ids):
+        assert got.token == token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top] and got.top[0] == (token, pytest.approx(got.logprob))
+        assert [v for _, v in got.top] == sorted((v for _, v in got.top), reverse=True) and got.top[0][1] <= 0
+    with torch.no_grad():  # the first token's: a full forward of the prompt
+        first = torch.log_softmax(target(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert spec.logprobs[0].logprob == pytest.approx(float(first[spec.token_ids[0]]), abs=1e-4)
+    assert SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=3).logprobs is None
+    cut = SpeculativeDecoder(target, draft, method="static", depth=3, branch=2).generate(
+        prompt, max_new_tokens=5, ignore_eos=True, logprobs=0)  # the budget cuts a step's accepted path
+    assert [lp.token for lp in cut.logprobs] == cut.token_ids == plain.token_ids[:5]
+    assert all(lp.top == [] for lp in cut.logprobs)
