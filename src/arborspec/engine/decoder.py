@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         `prefill_chunk` > 0 (the server's `--prefill-chunk`): each model reads a long prompt that many tokens per
         call, and the loop yields None after each such piece, before its next result. A server round then carries
         one piece of a joining request's prompt, not all of it: a 1024-token prompt is ~5.4 s of the default
-        target's prefill, and the same total in pieces of 128 (Zen 4), so the other requests keep streaming. The
+        target's prefill, and the same total in pieces of 64-512 (Zen 4), so the other requests keep streaming. The
         tokens are the same: only sessions whose rows are computed alone (`rows_alone`: the native backend's) read
         in pieces, so a cached key is the same bits however the prompt was cut; other sessions read it at once."""
         check_int(prefill_chunk, "prefill_chunk", 0)
