@@ -363,3 +363,24 @@ def test_logprobs_are_the_targets_whether_a_token_was_drafted_or_not(pair):
         prompt, max_new_tokens=5, ignore_eos=True, logprobs=0)  # the budget cuts a step's accepted path
     assert [lp.token for lp in cut.logprobs] == cut.token_ids == plain.token_ids[:5]
     assert all(lp.top == [] for lp in cut.logprobs)
+
+
+def test_prompt_logprobs_are_a_full_forwards_and_the_output_stays_the_same(pair):
+    """generate(logprobs=k, prompt_logprobs=True): the prompt is read in chains of forwards that keep its rows; each
+    prompt token after the first gets the full forward's logprob there, and the generated tokens do not change."""
+    target, draft = pair
+    prompt = [5, 9, 14, 3, 7, 22, 8, 31, 2, 17]
+    dec = SpeculativeDecoder(target, draft, method="static", depth=3, branch=2)
+    want = dec.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    got = dec.generate(prompt, max_new_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    assert got.token_ids == want.token_ids and got.logprobs is not None
+    with torch.no_grad():
+        full = torch.log_softmax(target(torch.tensor([prompt])).logits[0].float(), -1)  # (len(prompt), vocab)
+    first, *rest = got.prompt_logprobs
+    assert first.token == prompt[0] and first.logprob is None and len(rest) == len(prompt) - 1
+    for i, lp in enumerate(rest):
+        assert lp.token == prompt[i + 1] and lp.logprob == pytest.approx(float(full[i, prompt[i + 1]]), abs=1e-4)
+        assert [t for t, _ in lp.top] == full[i].topk(2).indices.tolist()
+    assert want.prompt_logprobs is None
+    with pytest.raises(ValueError, match="needs logprobs"):
+        dec.generate(prompt, max_new_tokens=2, prompt_logprobs=True)

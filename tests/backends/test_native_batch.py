@@ -292,3 +292,15 @@ def test_a_long_prompt_joining_is_read_a_piece_per_round_while_the_others_stream
     assert [u.result.token_ids for u in last] == want
     pieces = len(dec.encode(LONG)) // 8 - 1
     assert order.index(1) >= pieces  # the short request streamed a step a round while the long one was read
+
+
+def test_prompt_logprobs_read_in_pieces_are_the_same_bits(native):
+    """A prompt read for its logprobs in chains of 8 (a server's --prefill-chunk) or of 64 gives the same logprobs,
+    bit for bit on native, and the same tokens as a plain generate()."""
+    dec = SpeculativeDecoder(native("q4_k"), native("draft"), method="static", depth=3, branch=2)
+    want = dec.generate(LONG, max_new_tokens=6, ignore_eos=True)
+    pieces = list(dec.steps(LONG, 6, ignore_eos=True, prefill_chunk=8, logprobs=1, prompt_logprobs=True))
+    whole = dec.generate(LONG, max_new_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=True)
+    assert pieces[-1].token_ids == whole.token_ids == want.token_ids
+    assert pieces.count(None) >= len(dec.encode(LONG)) // 8 - 1 > 64 // 8  # LONG spans two chains of 64
+    assert pieces[-1].prompt_logprobs == whole.prompt_logprobs and len(whole.prompt_logprobs) == len(dec.encode(LONG))

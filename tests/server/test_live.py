@@ -134,6 +134,29 @@ def test_logprobs_are_the_targets_and_a_stream_carries_them_with_its_text(client
     assert plain.choices[0].logprobs is None  # not asked for
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, pair):
+    """completions' echo (what lm-evaluation-harness sends for log-likelihoods): the prompt's text before the
+    completion's, its tokens' logprobs before theirs (null for the first), streamed or not."""
+    want = reference(pair).generate(PROMPT, max_new_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=True)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True,
+                                      **ext())
+    text, lp = reply.choices[0].text, reply.choices[0].logprobs
+    assert text == PROMPT + want.text and "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [t.logprob for t in want.prompt_logprobs[1:] + want.logprobs], abs=1e-5)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                            echo=True, stream=True, **ext()))
+    assert chunks[0].choices[0].text.startswith(PROMPT) and stream_text(chunks)[0] == text
+    assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices[0].logprobs), []) == lp.tokens
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, **ext())
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):  # chat has no echo
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                       extra_body={"echo": True})
+
+
 def test_stream_options_include_usage_puts_usage_in_a_last_chunk_with_no_choices(client, pair):
     """As OpenAI streams it when asked: every chunk has `usage: null`, the finish chunk too, then one more chunk
     with empty `choices` and the usage (and the `arborspec` statistics)."""

@@ -55,7 +55,7 @@ def test_a_plain_request_parses_with_the_servers_defaults_filled_in_later():
     ({"model": "t", "prompt": "x", "stop": [""]}, "stop"),
     ({"model": "t", "prompt": []}, "prompt"),
     ({"model": "t", "prompt": "x", "n": 3}, "n"),
-    ({"model": "t", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "t", "prompt": "x", "echo": "yes"}, "echo"),
     ({"model": "t", "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": "t", "prompt": "x", "logprobs": True}, "logprobs"),
     ({"model": "t", "prompt": "x", "top_logprobs": 2}, "top_logprobs"),  # chat's field, not completions'
@@ -84,6 +84,8 @@ def test_logprobs_are_asked_for_as_openai_asks_per_endpoint():
     assert parse({**chat, "logprobs": False, "top_logprobs": 0}, ChatRequest).top_logprobs_asked() is None
     assert refused({**chat, "top_logprobs": 3}, ChatRequest).param is None  # needs "logprobs": true
     assert refused({**chat, "logprobs": True, "top_logprobs": 21}, ChatRequest).param == "top_logprobs"
+    assert refused({**chat, "echo": True}, ChatRequest).param == "echo"  # completions' field only
+    assert parse({"model": "t", "prompt": "x", "echo": True, "logprobs": 1}).echo
 
 
 def test_chat_messages_take_text_parts_and_max_completion_tokens():

@@ -24,6 +24,7 @@ from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
 from .config import DecoderConfig
 from .generation import Generation
+from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
@@ -35,6 +36,9 @@ def _unwrap(model_or_loaded, tokenizer=None):
     if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
         return model_or_loaded.model, model_or_loaded.tokenizer
     return model_or_loaded, tokenizer
+
+
+PROMPT_PIECE = 64  # prompt tokens a forward reads when it keeps their logits: (64, vocab) rows, ~39 MB for Qwen2.5
 
 
 class SpeculativeDecoder:
@@ -103,11 +107,14 @@ class SpeculativeDecoder:
         return ids
 
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
-                 ignore_eos: bool = False, logprobs: int | None = None) -> GenerationResult:
+                 ignore_eos: bool = False, logprobs: int | None = None,
+                 prompt_logprobs: bool = False) -> GenerationResult:
         """`logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
-        alternatives (engine/logprobs.py); None: not computed."""
+        alternatives (engine/logprobs.py); None: not computed. `prompt_logprobs` (with `logprobs`): the same for
+        the prompt's tokens, in result.prompt_logprobs (the first token's logprob is None: nothing predicts it)."""
         result = None
-        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos, logprobs=logprobs):
+        for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs):
             pass
         return result
 
@@ -142,11 +149,11 @@ class SpeculativeDecoder:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
-              ignore_eos: bool = False, prefill_chunk: int = 0,
-              logprobs: int | None = None) -> Iterator[GenerationResult | None]:
+              ignore_eos: bool = False, prefill_chunk: int = 0, logprobs: int | None = None,
+              prompt_logprobs: bool = False) -> Iterator[GenerationResult | None]:
         """Generate step by step: the result so far after every draft -> verify -> commit step (the server advances
-        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed); `logprobs`: as
-        `generate`'s.
+        many requests this way, one step each in turn). `seed` None: the config's (sampling.seed); `logprobs`,
+        `prompt_logprobs`: as `generate`'s (the prompt is then read in chains of forwards that keep its rows).
 
         `prefill_chunk` > 0 (the server's `--prefill-chunk`): each model reads a long prompt that many tokens per
         call, and the loop yields None after each such piece, before its next result. A server round then carries
@@ -157,11 +164,20 @@ class SpeculativeDecoder:
         check_int(prefill_chunk, "prefill_chunk", 0)
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0)
+        elif prompt_logprobs:
+            raise ValueError("prompt_logprobs needs logprobs (how many alternatives each token comes with)")
         run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos)
         run.top_logprobs = logprobs
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
-        target = self._session(self.target, "target", run)
+        if prompt_logprobs:  # a fresh cache: a kept one has no logits for the prompt it holds
+            target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
+            run.prompt_logprobs = [TokenLogprob(run.context[0], None, [])]  # nothing predicts the first token
+            for _ in self._read_prompt(target, run, prefill_chunk or PROMPT_PIECE):
+                if prefill_chunk:
+                    yield None
+        else:
+            target = self._session(self.target, "target", run)
         chunk = prefill_chunk if getattr(target, "rows_alone", False) else 0
         if chunk:  # all but the last piece here; the first forward carries the last (at most `chunk` rows)
             ahead = run.context[len(target.cached):-1]
@@ -294,6 +310,19 @@ class SpeculativeDecoder:
             with torch_threads(self.step_threads):
                 session.prefill(ids[start:start + size])
             yield time.perf_counter() - t0, start + size < len(ids)
+
+    def _read_prompt(self, target, run: Generation, piece: int) -> Iterator[None]:
+        """Put all but the prompt's last token into `target`'s cache as chains of at most `piece` tokens, each a
+        tree forward whose rows give the next tokens' logprobs (run.prompt_logprobs); yields after each chain."""
+        ids = run.context
+        with torch_threads(self.step_threads):
+            for start in range(0, len(ids) - 1, piece):
+                end = min(start + piece, len(ids) - 1)  # the chain ids[start:end], its rows predict ids[start+1:end+1]
+                chain = TokenTree.from_parents(ids[start:end], list(range(-1, end - start - 1)))
+                logits = target.forward(ids[:start + 1], chain, list(range(end - start)))  # (end - start, vocab)
+                run.prompt_logprobs += token_logprobs(logits, ids[start + 1:end + 1], run.top_logprobs)
+                target.commit(list(range(end - start)))
+                yield
 
     def _session(self, model, role: str, run: Generation):
         """A session of `model` for this generation: a copy of a kept one that begins with its tokens

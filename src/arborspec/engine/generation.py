@@ -22,6 +22,7 @@ class Generation:
         self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
         self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens, when asked for
 
     @property
     def finished(self) -> bool:
@@ -55,7 +56,7 @@ class Generation:
             stats.t_first_token = now
         stats.t_total = now
         logprobs = list(self.logprobs) if self.top_logprobs is not None else None
-        return GenerationResult(self.decode(self.new), list(self.new), stats, logprobs)
+        return GenerationResult(self.decode(self.new), list(self.new), stats, logprobs, self.prompt_logprobs)
 
     def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
         """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""

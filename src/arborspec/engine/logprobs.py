@@ -16,7 +16,7 @@ import torch
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float  # log p(token) under the target at its position
+    logprob: float | None  # log p(token) under the target at its position (None: a prompt's first token)
     top: list[tuple[int, float]]  # the `top` most likely (token, logprob) there, most likely first
 
 

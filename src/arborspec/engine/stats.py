@@ -153,6 +153,7 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for (engine/logprobs.py)
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, when asked for
 
 
 def tree_record(tree, path: list[int], bonus: int) -> dict:

@@ -111,13 +111,15 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
     async def generate(request: Request, req, prompt, chat: bool):
         check_sampling(req)
         n, stop = max_tokens(req, limits), stop_strings(req)
-        top = req.top_logprobs_asked()
+        top, echo = req.top_logprobs_asked(), getattr(req, "echo", False)  # echo: completions' only
         steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop,
-                                        scheduler.models, top)
-        opts = req.arborspec
+                                        scheduler.models, top, echo and top is not None)
+        opts, tokenizer = req.arborspec, decoders.target.tokenizer
+        echo_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else None
         reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      logprobs=None if top is None else Logprobs(decoders.target.tokenizer, chat))
+                      logprobs=None if top is None else Logprobs(tokenizer, chat, base=len(echo_text or "")),
+                      echo=echo_text)
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(update: Update) -> None:  # on the worker thread
@@ -166,11 +168,12 @@ def model_card(limits: Limits) -> dict:
 
 
 def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str],
-                     models: threading.Lock, logprobs: int | None = None):
+                     models: threading.Lock, logprobs: int | None = None, prompt_logprobs: bool = False):
     """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
     is a 400 here rather than an error in the middle of a stream. The decoder is made holding `models` (the
     scheduler's): making it may run the models (a measurement the first time a pair or setting is seen).
-    `logprobs`: how many alternatives each token's logprob comes with (None: no logprobs)."""
+    `logprobs`: how many alternatives each token's logprob comes with (None: no logprobs); `prompt_logprobs`:
+    the prompt's tokens' too (an echo)."""
     opts = req.arborspec
     try:
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
@@ -184,7 +187,8 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
                            param="prompt")
         ids = decoder.encode(prompt)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
-        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk, logprobs)
+        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk, logprobs,
+                             prompt_logprobs)
     except ValueError as err:
         code = "context_length_exceeded" if "context window" in str(err) else None
         raise APIError(400, str(err), code=code) from None

@@ -27,10 +27,10 @@ MAX_COMPLETION_TOP, MAX_CHAT_TOP = 5, 20  # OpenAI's limits on completions' logp
 class Logprobs:
     """One response's logprobs, handed out as its text is shown (`take`)."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+    def __init__(self, tokenizer, chat: bool, base: int = 0):
+        self.tokenizer, self.chat, self.base = tokenizer, chat, base  # base: an echoed prompt's characters
         self.sent = 0  # tokens whose entries have gone out
-        self.offset = 0  # completions' text_offset of the next token: characters of the text before it
+        self.offset = base  # completions' text_offset of the next token: characters of the text before it
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel" and bool(_BYTE_OF)
         # chat's entries are its content's tokens: a special token (the end of the turn) is no part of the content
@@ -46,10 +46,16 @@ class Logprobs:
                 break
             if ids[self.sent] not in self.skip:
                 entries.append((result.logprobs[self.sent], self.offset))
-            self.sent, self.offset = self.sent + 1, end
+            self.sent, self.offset = self.sent + 1, self.base + end
         if not entries:
             return None
         return self._chat(entries) if self.chat else self._completion(entries)
+
+    def prompt(self, result: GenerationResult) -> dict:
+        """An echoed prompt's entries (completions' shape): its first token has no logprob (null, as OpenAI's)."""
+        ids = [lp.token for lp in result.prompt_logprobs]
+        ends = [len(self.tokenizer.decode(ids[:i + 1])) for i in range(len(ids))]
+        return self._completion(list(zip(result.prompt_logprobs, [0] + ends[:-1])))
 
     def _chat(self, entries) -> dict:
         return {"content": [{**self._token(lp.token, lp.logprob),
@@ -59,7 +65,8 @@ class Logprobs:
     def _completion(self, entries) -> dict:
         return {"tokens": [self.text(lp.token) for lp, _ in entries],
                 "token_logprobs": [lp.logprob for lp, _ in entries],
-                "top_logprobs": [{self.text(t): v for t, v in lp.top} for lp, _ in entries],
+                "top_logprobs": [{self.text(t): v for t, v in lp.top} if lp.logprob is not None else None
+                                 for lp, _ in entries],
                 "text_offset": [offset for _, offset in entries]}
 
     def _token(self, token: int, logprob: float) -> dict:

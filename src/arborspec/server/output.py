@@ -66,8 +66,10 @@ class Reply:
     token_ids: bool = False  # arborspec.return_token_ids
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own, after the finish chunk
     logprobs: Logprobs | None = None  # the request asked for logprobs: handed out with the text they make
+    echo: str | None = None  # completions' echo: the prompt's text, sent in front of the completion's
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    echoed: bool = field(default=False, repr=False)  # the echo has gone out (a stream sends it once, first)
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -86,9 +88,17 @@ class Reply:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def _logprobs(self, result: GenerationResult, shown: str) -> dict | None:
-        """The logprobs of the tokens whose text `shown` now covers (none unless asked for)."""
-        return self.logprobs.take(result, shown) if self.logprobs is not None else None
+    def _piece(self, text: str | None, result: GenerationResult, shown: str) -> tuple[str | None, dict | None]:
+        """New completion text and the logprobs of the tokens whose text `shown` now covers (none unless asked
+        for); the first time, with an echoed prompt and its tokens' logprobs in front."""
+        logprobs = self.logprobs.take(result, shown) if self.logprobs is not None else None
+        if self.echo is None or self.echoed:
+            return text, logprobs
+        self.echoed = True
+        if self.logprobs is not None and result.prompt_logprobs is not None:
+            front = self.logprobs.prompt(result)
+            logprobs = front if logprobs is None else {k: front[k] + logprobs[k] for k in front}
+        return self.echo + (text or ""), logprobs
 
     def _tail(self, result: GenerationResult) -> dict:
         return {"usage": usage(result), "arborspec": speculative_stats(result, self.token_ids)}
@@ -96,7 +106,8 @@ class Reply:
     def body(self, result: GenerationResult) -> dict:
         """The whole non-streaming response."""
         text = visible_text(result.text, self.stop, done=True)
-        choice = self._choice(text, finish_reason(result, text), False, self._logprobs(result, text))
+        out, logprobs = self._piece(text, result, text)
+        choice = self._choice(out, finish_reason(result, text), False, logprobs)
         return {**self._head(False), "choices": [choice], **self._tail(result)}
 
     def first_event(self) -> str | None:
@@ -108,12 +119,14 @@ class Reply:
 
     def text_event(self, text: str, result: GenerationResult, shown: str) -> str:
         """A chunk of new text (`text`: what `shown`, all the client has now, adds), with its tokens' logprobs."""
-        return event({**self._head(True), "choices": [self._choice(text, None, True, self._logprobs(result, shown))]})
+        out, logprobs = self._piece(text, result, shown)
+        return event({**self._head(True), "choices": [self._choice(out, None, True, logprobs)]})
 
     def last_events(self, result: GenerationResult, shown: str) -> list[str]:
         """The final chunk (finish reason) and the usage with the speculative statistics: on that chunk, or with
         `include_usage` in a chunk of their own with empty `choices`."""
-        choice = self._choice(None, finish_reason(result, shown), True, self._logprobs(result, shown))  # e.g. EOS's
+        out, logprobs = self._piece(None, result, shown)  # e.g. an EOS token's logprob, or an echo not yet sent
+        choice = self._choice(out, finish_reason(result, shown), True, logprobs)
         finish = {**self._head(True), "choices": [choice]}
         if not self.include_usage:
             return [event({**finish, **self._tail(result)})]

@@ -87,6 +87,7 @@ class _Generation(BaseModel):
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_TOP)  # k alternatives (server/logprobs.py)
+    echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
