@@ -40,6 +40,7 @@ def test_backend_auto_picks_llamacpp_for_gguf_files_only(tiny, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("lookup", [0, 4])
+@pytest.mark.usefixtures("private_cache")  # the GGUF's tokenizer it saves: not in ~/.cache
 def test_peer_greedy_output_equals_arborspec_plain_decoding_on_llamacpp(tiny, lookup):
     """llama.cpp's own greedy loop (with or without prompt lookup) and arborspec's `ar` on the llama.cpp backend
     decode the same GGUF to the same tokens, so their speeds compare like for like."""

@@ -59,11 +59,12 @@ def complete(url: str, prompt: str, max_tokens: int, sampling: dict) -> dict:
     return reply.json()
 
 
-def test_concurrent_requests_share_rounds_and_each_gets_its_output_alone(server, ggufs):
+def test_concurrent_requests_share_rounds_and_each_gets_its_output_alone(server, ggufs, monkeypatch, tmp_path):
     url = server.url()
     assert "one target forward per round" in server.log.read_text()
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
         replies = list(pool.map(lambda r: complete(url, *r), REQUESTS))
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # the tokenizers it saves: not in ~/.cache
     target = load_model(str(ggufs["target"]), backend="native", progress=False)
     draft = load_model(str(ggufs["draft"]), backend="native", progress=False)
     for (prompt, n, sampling), reply in zip(REQUESTS, replies):
