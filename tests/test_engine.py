@@ -384,3 +384,8 @@ def test_prompt_logprobs_are_a_full_forwards_and_the_output_stays_the_same(pair)
     assert want.prompt_logprobs is None
     with pytest.raises(ValueError, match="needs logprobs"):
         dec.generate(prompt, max_new_tokens=2, prompt_logprobs=True)
+    scored = dec.generate(prompt, max_new_tokens=0, logprobs=2, prompt_logprobs=True)  # the prompt alone
+    assert scored.token_ids == [] and scored.prompt_logprobs == got.prompt_logprobs
+    assert scored.stats.finish_reason == "length" and scored.stats.n_steps == 0
+    with pytest.raises(ValueError, match="0 only with prompt_logprobs"):
+        dec.generate(prompt, max_new_tokens=0, logprobs=2)

@@ -152,6 +152,14 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, pair):
     assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices[0].logprobs), []) == lp.tokens
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, **ext())
     assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True, **ext())
+    assert scored.choices[0].text == PROMPT and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(PROMPT)]  # the prompt's, scored alone
+    assert scored.usage.completion_tokens == 0
+    assert stream_text(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True,
+                                                 stream=True, **ext()))[0] == PROMPT
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True)  # scoring needs logprobs
     with pytest.raises(openai.BadRequestError):  # chat has no echo
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                        extra_body={"echo": True})

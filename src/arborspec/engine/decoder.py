@@ -111,7 +111,8 @@ class SpeculativeDecoder:
                  prompt_logprobs: bool = False) -> GenerationResult:
         """`logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
         alternatives (engine/logprobs.py); None: not computed. `prompt_logprobs` (with `logprobs`): the same for
-        the prompt's tokens, in result.prompt_logprobs (the first token's logprob is None: nothing predicts it)."""
+        the prompt's tokens, in result.prompt_logprobs (the first token's logprob is None: nothing predicts it);
+        `max_new_tokens` may then be 0, to score the prompt alone."""
         result = None
         for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs):
@@ -166,7 +167,7 @@ class SpeculativeDecoder:
             check_int(logprobs, "logprobs", 0)
         elif prompt_logprobs:
             raise ValueError("prompt_logprobs needs logprobs (how many alternatives each token comes with)")
-        run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos)
+        run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos, scoring=prompt_logprobs)
         run.top_logprobs = logprobs
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
@@ -176,6 +177,9 @@ class SpeculativeDecoder:
             for _ in self._read_prompt(target, run, prefill_chunk or PROMPT_PIECE):
                 if prefill_chunk:
                     yield None
+            if max_new_tokens == 0:  # the prompt scored, nothing generated
+                yield run.scored()
+                return
         else:
             target = self._session(self.target, "target", run)
         chunk = prefill_chunk if getattr(target, "rows_alone", False) else 0
@@ -238,9 +242,10 @@ class SpeculativeDecoder:
                 result = run.record(step)
             yield result
 
-    def _start(self, prompt, max_new_tokens, stop, seed, ignore_eos) -> Generation:
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    def _start(self, prompt, max_new_tokens, stop, seed, ignore_eos, scoring: bool = False) -> Generation:
+        if int(max_new_tokens) != max_new_tokens or max_new_tokens < (0 if scoring else 1):
+            raise ValueError(f"max_new_tokens must be a positive integer (0 only with prompt_logprobs: a prompt "
+                             f"scored), got {max_new_tokens!r}")
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)

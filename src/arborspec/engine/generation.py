@@ -55,8 +55,17 @@ class Generation:
         if len(stats.steps) == 1:
             stats.t_first_token = now
         stats.t_total = now
+        return self._result()
+
+    def scored(self) -> GenerationResult:
+        """The result of a generation of no tokens (max_new_tokens 0): its prompt's logprobs alone."""
+        self.stats.finish_reason = "length"
+        self.stats.t_prefill = self.stats.t_total = time.perf_counter() - self.t_start - self.stats.t_measure
+        return self._result()
+
+    def _result(self) -> GenerationResult:
         logprobs = list(self.logprobs) if self.top_logprobs is not None else None
-        return GenerationResult(self.decode(self.new), list(self.new), stats, logprobs, self.prompt_logprobs)
+        return GenerationResult(self.decode(self.new), list(self.new), self.stats, logprobs, self.prompt_logprobs)
 
     def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
         """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""

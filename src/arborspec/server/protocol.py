@@ -207,8 +207,11 @@ def max_tokens(req: _Generation, limits: Limits) -> int:
     value = req.max_tokens if value is None else value
     if value is None:
         return min(limits.default_max_tokens, limits.max_tokens_limit)
+    if value == 0 and getattr(req, "echo", False) and req.top_logprobs_asked() is not None:
+        return 0  # a prompt scored: its tokens' logprobs, no completion (OpenAI's legacy echo)
     if not 1 <= value <= limits.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be between 1 and {limits.max_tokens_limit}, got {value}",
+        raise APIError(400, f"max_tokens must be between 1 and {limits.max_tokens_limit} (0 only with echo and "
+                            f"logprobs: a prompt scored), got {value}",
                        param="max_tokens")
     return value
 

@@ -73,7 +73,8 @@ class Job:
         if result is None:  # a piece of its prompt read (--prefill-chunk): nothing to tell yet
             return
         self.result = result
-        metrics.step(result.stats.steps[-1], result.stats.method)
+        if result.stats.steps:  # none when a prompt was only scored (echo, max_tokens 0)
+            metrics.step(result.stats.steps[-1], result.stats.method)
         if self.first_token is None and result.token_ids:
             self.first_token = time.perf_counter()
         if result.stats.finish_reason:
