@@ -9,7 +9,7 @@ choice (verifier_choice.py), a generation's stopping rules and clocks (generatio
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
@@ -171,22 +171,10 @@ class SpeculativeDecoder:
         run.top_logprobs = logprobs
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
-        if prompt_logprobs:  # a fresh cache: a kept one has no logits for the prompt it holds
-            target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
-            run.prompt_logprobs = [TokenLogprob(run.context[0], None, [])]  # nothing predicts the first token
-            for _ in self._read_prompt(target, run, prefill_chunk or PROMPT_PIECE):
-                if prefill_chunk:
-                    yield None
-            if max_new_tokens == 0:  # the prompt scored, nothing generated
-                yield run.scored()
-                return
-        else:
-            target = self._session(self.target, "target", run)
-        chunk = prefill_chunk if getattr(target, "rows_alone", False) else 0
-        if chunk:  # all but the last piece here; the first forward carries the last (at most `chunk` rows)
-            ahead = run.context[len(target.cached):-1]
-            for _ in self._prefill(target, ahead[:max(len(ahead) - chunk + 1, 0)], chunk):
-                yield None
+        target = yield from self._target_session(run, prefill_chunk, prompt_logprobs)
+        if max_new_tokens == 0:  # a prompt scored (prompt_logprobs), nothing generated
+            yield run.scored()
+            return
         if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
             yield from self._plain_steps(run, target)
             return
@@ -201,15 +189,7 @@ class SpeculativeDecoder:
         yield first
         if run.finished:
             return
-        draft = None
-        if use_draft:  # the draft's cache, like the target's, holds all but the next tree's root
-            draft = self._session(self.draft, "draft", run)
-            chunk = prefill_chunk if getattr(draft, "rows_alone", False) else 0
-            pieces = self._prefill(draft, run.context[len(draft.cached):-1], chunk)
-            for seconds, more in pieces:
-                run.stats.t_prefill += seconds
-                if more:
-                    yield None
+        draft = (yield from self._draft_session(run, prefill_chunk)) if use_draft else None
         free = self.free.start(policy) if self.free else None  # this generation's lookahead window, graft budget
         while not run.finished:
             with torch_threads(self.step_threads):
@@ -305,6 +285,38 @@ class SpeculativeDecoder:
             if run.finished:
                 self._keep(target, None)
             yield result
+
+    def _target_session(self, run: Generation, prefill_chunk: int,
+                        prompt_logprobs: bool) -> Generator[None, None, object]:
+        """The target's session for `run` (a kept one that begins with its tokens, if the prefix cache has one), its
+        cache holding all but the prompt's last `prefill_chunk` tokens, which the first forward carries; with
+        `prompt_logprobs`, a fresh one holding all but the last token, read in chains that keep their rows. Yields
+        None after each piece read when `prefill_chunk` is set."""
+        if prompt_logprobs:  # a fresh cache: a kept one has no logits for the prompt it holds
+            target = make_session(self.target, "target", ssm_tree=self.config.ssm_tree)
+            run.prompt_logprobs = [TokenLogprob(run.context[0], None, [])]  # nothing predicts the first token
+            for _ in self._read_prompt(target, run, prefill_chunk or PROMPT_PIECE):
+                if prefill_chunk:
+                    yield None
+            return target
+        target = self._session(self.target, "target", run)
+        chunk = prefill_chunk if getattr(target, "rows_alone", False) else 0
+        if chunk:  # all but the last piece here; the first forward carries the last (at most `chunk` rows)
+            ahead = run.context[len(target.cached):-1]
+            for _ in self._prefill(target, ahead[:max(len(ahead) - chunk + 1, 0)], chunk):
+                yield None
+        return target
+
+    def _draft_session(self, run: Generation, prefill_chunk: int) -> Generator[None, None, object]:
+        """The draft's session for `run`, its cache holding, like the target's, all but the next tree's root: read in
+        pieces of `prefill_chunk` where its rows are computed alone, with None yielded between them."""
+        draft = self._session(self.draft, "draft", run)
+        chunk = prefill_chunk if getattr(draft, "rows_alone", False) else 0
+        for seconds, more in self._prefill(draft, run.context[len(draft.cached):-1], chunk):
+            run.stats.t_prefill += seconds
+            if more:
+                yield None
+        return draft
 
     def _prefill(self, session, ids: list[int], chunk: int) -> Iterator[tuple[float, bool]]:
         """Put `ids` into `session`'s cache, `chunk` tokens a call (0: one call); after each call, its seconds and
