@@ -144,15 +144,19 @@ def read_gguf_info(path: Path) -> GgufInfo:
 
 def describe(path: Path, file: GgufFile) -> GgufInfo:
     """The GgufInfo of a file `read_gguf` has read; ValueError if it is no model."""
-    meta = file.metadata
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or not file.tensors:
+    return _info(path, file.metadata.get, [t.qtype.name for t in file.tensors if len(t.shape) == 2],
+                 bool(file.tensors))
+
+
+def _info(path: Path, field, matrix_types: list[str], has_tensors: bool) -> GgufInfo:
+    """GgufInfo from a metadata lookup `field(key)` (None when absent), whichever reader read the header."""
+    arch = field("general.architecture")
+    if not isinstance(arch, str) or not has_tensors:
         raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
-    kinds = [t.qtype.name for t in file.tensors if len(t.shape) == 2]
-    context = meta.get(f"{arch}.context_length")
+    context = field(f"{arch}.context_length")
     return GgufInfo(arch, int(context) if context is not None else None,
-                    weight_type(meta.get("general.file_type"), kinds),
-                    bool(meta.get(f"{arch}.pooling_type")) or meta.get(f"{arch}.attention.causal") is False)
+                    weight_type(field("general.file_type"), matrix_types),
+                    bool(field(f"{arch}.pooling_type")) or field(f"{arch}.attention.causal") is False)
 
 
 def check_causal(path: Path, info: GgufInfo) -> None:
@@ -186,11 +190,4 @@ def _info_by_gguf(path: Path) -> GgufInfo:
         f = reader.get_field(key)
         return None if f is None else f.contents()
 
-    arch = field("general.architecture")
-    if not isinstance(arch, str) or not reader.tensors:
-        raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
-    kinds = [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2]
-    pooling, causal = field(f"{arch}.pooling_type"), field(f"{arch}.attention.causal")
-    context = field(f"{arch}.context_length")
-    return GgufInfo(arch, int(context) if context is not None else None, weight_type(field("general.file_type"), kinds),
-                    bool(pooling) or causal is False)
+    return _info(path, field, [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2], bool(reader.tensors))
