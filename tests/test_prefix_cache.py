@@ -1,13 +1,14 @@
 """The prefix cache (engine/prefix_cache.py) on tiny native GGUFs: a request that begins with an earlier one's tokens
 starts from its kept cache, prefills only the rest, and decodes exactly what a fresh session decodes (greedy and
 seeded sampling, plain and speculative); what is kept is bounded, newest first, and sessions that cannot be copied
-(transformers') are not kept."""
+(transformers') or whose rows depend on how a prompt was cut are not kept."""
 from __future__ import annotations
 
 import pytest
 
+from arborspec.backends import make_session
 from arborspec.engine import SpeculativeDecoder
-from arborspec.engine.prefix_cache import MIN_REUSE, PrefixCache
+from arborspec.engine.prefix_cache import MIN_REUSE, PrefixCache, can_keep
 from tests.backends.tiny_gguf import native_models
 from tests.conftest import noisy_copy, tiny_model
 
@@ -75,3 +76,8 @@ def test_short_common_prefixes_and_uncopyable_sessions_start_fresh(native):
     torch_dec = SpeculativeDecoder(hf, noisy_copy(hf, 0.2), method="static", prefix_cache=hf_cache)
     torch_dec.generate(list(range(3, 40)), max_new_tokens=4, ignore_eos=True)
     assert hf_cache._entries == []  # transformers' sessions cannot be copied: not kept
+    session = make_session(target.model, "target")
+    session.prefill(ids)
+    assert can_keep(session)
+    session.rows_alone = False  # a session that could be copied, but whose rows depend on how a prompt was cut
+    assert not can_keep(session)

@@ -5,8 +5,8 @@ and again on the draft: ~5 ms a token for the 1.5B target and ~1.5-2 ms for the 
 1000-token conversation waited ~5 s for every answer's first token however short the new turn. A request now starts
 from a copy of the kept cache that shares the longest prefix with it, and prefills only the rest.
 
-Exactness: only sessions that can copy and cut their cache (`fork`, `truncate`: the native backend's) are kept, and
-the native forward computes every row alone (kernels/forward.cpp), so a key or value vector is the same bits whether
+Exactness: only sessions that can copy and cut their cache (`fork`, `truncate`) and compute every row alone
+(`rows_alone`: the native backend's, kernels/forward.cpp) are kept, so a key or value vector is the same bits whether
 its token was prefilled in one call, in another request's prompt, or decoded: the output is the one a fresh session
 gives (tests/test_prefix_cache.py). Other backends' sessions start fresh as before.
 
@@ -35,9 +35,10 @@ class _Entry:
 
 
 def can_keep(session) -> bool:
-    """Whether `session` can start another request: it copies and cuts its cache (the native backend's)."""
-    return callable(getattr(session, "fork", None)) and callable(getattr(session, "truncate", None)) and \
-        hasattr(session, "keys") and hasattr(session, "values")
+    """Whether `session` can start another request exactly: it copies and cuts its cache, and computes each row
+    alone (`rows_alone`), so a kept key is the bits a fresh prefill would give (the native backend's)."""
+    return getattr(session, "rows_alone", False) and callable(getattr(session, "fork", None)) and \
+        callable(getattr(session, "truncate", None)) and hasattr(session, "keys") and hasattr(session, "values")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
