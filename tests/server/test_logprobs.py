@@ -55,3 +55,15 @@ def test_chat_leaves_the_end_of_turn_out_and_completions_keep_it(tokenizer):
     completion = Logprobs(tokenizer, chat=False).take(result(tokenizer, ids), "ok")
     assert completion["tokens"] == ["o", "k", tokenizer.decode([tokenizer.eos_token_id])]
     assert completion["text_offset"] == [0, 1, 2]
+
+
+def test_an_echoed_prompts_offsets_index_the_prompt_text_past_a_token_the_tokenizer_put_in_front(tokenizer):
+    bos = tokenizer.eos_token_id  # a control token standing in for a BOS token the tokenizer added
+    ids = [bos, ord("h"), ord("i")]
+    scored = result(tokenizer, [])
+    scored.prompt_logprobs = [TokenLogprob(bos, None, [])] + [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids[1:]]
+    echoed = Logprobs(tokenizer, chat=False).prompt(scored, "hi")  # the client sent "hi"; it never sees the BOS text
+    assert echoed["text_offset"] == [0, 0, 1] and echoed["tokens"][1:] == ["h", "i"]
+    written = tokenizer.decode([bos]) + "hi"  # the prompt itself spelled the special token out
+    assert Logprobs(tokenizer, chat=False).prompt(scored, written)["text_offset"] == [0, len(written) - 2,
+                                                                                      len(written) - 1]

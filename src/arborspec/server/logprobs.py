@@ -51,11 +51,15 @@ class Logprobs:
             return None
         return self._chat(entries) if self.chat else self._completion(entries)
 
-    def prompt(self, result: GenerationResult) -> dict:
-        """An echoed prompt's entries (completions' shape): its first token has no logprob (null, as OpenAI's)."""
+    def prompt(self, result: GenerationResult, text: str) -> dict:
+        """An echoed prompt's entries (completions' shape): its first token has no logprob (null, as OpenAI's).
+        Offsets index `text`, the echoed prompt: a token the tokenizer put in front of it (a BOS token, whose text
+        `<s>` the client never sees) starts at 0 and moves no later token."""
         ids = [lp.token for lp in result.prompt_logprobs]
         ends = [len(self.tokenizer.decode(ids[:i + 1])) for i in range(len(ids))]
-        return self._completion(list(zip(result.prompt_logprobs, [0] + ends[:-1])))
+        whole = self.tokenizer.decode(ids)
+        lead = len(whole) - len(text) if whole.endswith(text) else 0  # the added tokens' characters
+        return self._completion(list(zip(result.prompt_logprobs, [max(0, end - lead) for end in [0] + ends[:-1]])))
 
     def _chat(self, entries) -> dict:
         return {"content": [{**self._token(lp.token, lp.logprob),

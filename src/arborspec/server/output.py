@@ -96,7 +96,7 @@ class Reply:
             return text, logprobs
         self.echoed = True
         if self.logprobs is not None and result.prompt_logprobs is not None:
-            front = self.logprobs.prompt(result)
+            front = self.logprobs.prompt(result, self.echo)
             logprobs = front if logprobs is None else {k: front[k] + logprobs[k] for k in front}
         return self.echo + (text or ""), logprobs
 
