@@ -174,6 +174,8 @@ def test_auto_runs_a_gguf_on_a_measured_backend_and_the_draft_follows_it(tmp_pat
     assert is_native(d.model) == is_native(t.model)  # one thread pool for both
     again = load_model(str(target), backend="auto", progress=False)  # the cached choice
     assert is_native(again.model) == is_native(t.model)
+    t, d = load_pair(str(target), str(draft), backend="auto", progress=False)  # both tokenizers saved: one object
+    assert d.tokenizer is t.tokenizer
 
 
 def test_auto_on_a_gguf_native_cannot_run_says_so_only_as_progress(tmp_path, capsys):

@@ -563,3 +563,27 @@ def test_a_gguf_tokenizer_is_built_once_and_the_saved_one_is_the_same(cache, tmp
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime: the file may have changed
     model_loading.gguf_tokenizer(str(path), path)
     assert len(built) == 2
+
+
+def test_a_draft_shares_its_targets_tokenizer_only_when_their_vocabulary_files_are_the_same_bytes(tmp_path):
+    """A pair's draft takes its target's tokenizer object when the files that map ids to text are identical (the
+    chat template may differ: the pair formats with the target's), and loads its own otherwise."""
+    from arborspec.backends import llamacpp
+    from arborspec.loading.model import same_vocabulary
+    from tests.backends.tiny_gguf import write_tiny_gguf as write_model_gguf
+
+    llamacpp.gguf_tokenizer(write_model_gguf(tmp_path / "m.gguf")).save_pretrained(tmp_path / "target")
+    target = PreTrainedTokenizerFast.from_pretrained(tmp_path / "target")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for file in (tmp_path / "target").iterdir():
+        (draft / file.name).write_bytes(file.read_bytes())
+    assert same_vocabulary(target, draft)
+    (draft / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert same_vocabulary(target, draft)
+    vocab = json.loads((draft / "tokenizer.json").read_text())
+    first = next(iter(vocab["model"]["vocab"]))
+    vocab["model"]["vocab"]["renamed"] = vocab["model"]["vocab"].pop(first)
+    (draft / "tokenizer.json").write_text(json.dumps(vocab))
+    assert not same_vocabulary(target, draft)
+    assert not same_vocabulary(None, draft) and not same_vocabulary(llamacpp.gguf_tokenizer(tmp_path / "m.gguf"), draft)

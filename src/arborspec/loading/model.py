@@ -133,29 +133,38 @@ def is_gguf(spec: str | None) -> bool:
     return spec is not None and (spec in ALIASES or spec.endswith(".gguf"))
 
 
-def load_llamacpp_model(spec: str, progress: bool = True, **options):
-    """An alias's kept GGUF or a .gguf file, on llama.cpp (backends/llamacpp.py; `options` go to load_llamacpp)."""
+def load_llamacpp_model(spec: str, progress: bool = True, tokenizer_like=None, **options):
+    """An alias's kept GGUF or a .gguf file, on llama.cpp (backends/llamacpp.py; `options` go to load_llamacpp).
+    `tokenizer_like`: see gguf_tokenizer."""
     path = _spec_gguf(spec, progress, check=False)  # llama.cpp's own message for a missing file
     say(f"loading {spec} on llama.cpp", progress)
     try:
-        return llamacpp.load_llamacpp_pair(path, name=spec, tokenizer=lambda file: gguf_tokenizer(spec, file),
-                                           **options)
+        return llamacpp.load_llamacpp_pair(path, name=spec, **options,
+                                           tokenizer=lambda file: gguf_tokenizer(spec, file, tokenizer_like))
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
 
 
-def gguf_tokenizer(spec: str, path: Path) -> PreTrainedTokenizerBase:
+def gguf_tokenizer(spec: str, path: Path, like: PreTrainedTokenizerBase | None = None) -> PreTrainedTokenizerBase:
     """A GGUF's tokenizer, built once per file. transformers builds one from the file's vocabulary and merges, ~10 s
     for Qwen2.5's 150k tokens (Zen 4), and every load of a GGUF on llama.cpp or native paid that. A fetched alias
     keeps its tokenizer beside its checkpoint; any other GGUF's is saved under the cache the first time, keyed by
-    the file (path, size, mtime) and the transformers version. Either loads in ~0.9 s, the same tokenizer."""
+    the file (path, size, mtime) and the transformers version. Either loads in ~0.9 s, the same tokenizer.
+
+    `like`: a tokenizer already loaded (a pair's target's, for its draft), returned itself when its vocabulary files
+    are the same bytes as this one's (`same_vocabulary`). That skips the second ~0.9 s load, and the pair check,
+    which compares two tokenizers' vocabularies (~0.2 s a time), sees one object. Its chat template is `like`'s:
+    a pair formats prompts with its target's."""
     if spec in ALIASES and is_fetched(spec):
-        return AutoTokenizer.from_pretrained(alias_path(spec))
+        kept = alias_path(spec)
+        return like if same_vocabulary(like, kept) else AutoTokenizer.from_pretrained(kept)
     path = Path(path).expanduser().resolve()
     stat = path.stat()
     saved = cache_dir() / "tokenizers" / sha256_key(
         {"gguf": str(path), "size": stat.st_size, "mtime": stat.st_mtime_ns, "transformers": transformers.__version__})
     if (saved / _SAVED).is_file():
+        if same_vocabulary(like, saved):
+            return like
         try:
             return AutoTokenizer.from_pretrained(saved)
         except Exception:  # unreadable (half deleted, another build): built again below
@@ -173,18 +182,40 @@ def gguf_tokenizer(spec: str, path: Path) -> PreTrainedTokenizerBase:
 
 
 _SAVED = "arborspec-tokenizer"  # the marker file of a saved GGUF tokenizer (gguf_tokenizer)
+# The files that say which text a token id stands for (the chat template is not among them): what a draft must
+# share with its target, byte for byte, to share its tokenizer object too.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def load_native_model(spec: str, progress: bool = True, quiet: bool = False) -> LoadedModel | None:
-    """An alias's kept GGUF or a .gguf file on the native backend (backends/native.py), with the GGUF's tokenizer;
-    None, after a one-line note on stderr, for a GGUF the native backend does not cover (its weight types, its
-    architecture), which the caller loads elsewhere. ModelLoadError for a missing or unreadable file."""
+def same_vocabulary(tokenizer: PreTrainedTokenizerBase | None, directory: Path) -> bool:
+    """Whether `tokenizer` was loaded from a directory whose VOCABULARY_FILES are `directory`'s, byte for byte (the
+    default pair's two kept tokenizers differ only in a character of their chat templates)."""
+    source = Path(getattr(tokenizer, "name_or_path", "") or "") if tokenizer is not None else None
+    if source is None or not source.is_dir() or not (directory / "tokenizer.json").is_file():
+        return False
+    for name in VOCABULARY_FILES:
+        mine, theirs = directory / name, source / name
+        if mine.is_file() != theirs.is_file():
+            return False
+        if mine.is_file() and (mine.stat().st_size != theirs.stat().st_size
+                               or mine.read_bytes() != theirs.read_bytes()):
+            return False
+    return True
+
+
+def load_native_model(spec: str, progress: bool = True, quiet: bool = False,
+                      tokenizer_like=None) -> LoadedModel | None:
+    """An alias's kept GGUF or a .gguf file on the native backend (backends/native.py), with the GGUF's tokenizer
+    (`tokenizer_like`: see gguf_tokenizer); None, after a one-line note on stderr, for a GGUF the native backend does
+    not cover (its weight types, its architecture), which the caller loads elsewhere. ModelLoadError for a missing
+    or unreadable file."""
     path = _spec_gguf(spec, progress)
     say(f"loading {spec} on arborspec's kernels (native)", progress)
     start = time.perf_counter()
     try:
         model = native.load_native(path)
-        tokenizer = gguf_tokenizer(spec, path)
+        tokenizer = gguf_tokenizer(spec, path, tokenizer_like)
     except native.NotNative as exc:
         if quiet:  # `--backend auto` tries native among others: not a surprise worth a note, only progress
             say(f"native cannot run {spec}: {exc}", progress)

@@ -72,7 +72,8 @@ def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, 
     target_model = plan.loaded[0] or load_model(target, dtype=dtype, progress=progress, backend=plan.target,
                                                 llama=llama)
     draft_model = None if draft is None else (
-        plan.loaded[1] or load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama))
+        plan.loaded[1] or load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama,
+                                     tokenizer_like=getattr(target_model, "tokenizer", None)))
     if plan.choice is None or plan.loaded[0] is not None:  # given backends, or measured just now
         return target_model, draft_model
     backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress)
@@ -89,16 +90,16 @@ def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: d
 
     def on(load):
         def both():
-            t = load(target)
+            t = load(target, None)
             if t is None or draft is None:
                 return t and (t, None)
-            d = load(draft)
+            d = load(draft, t.tokenizer)
             return (t, d) if d is not None else None
         return both
 
-    loaders = {"native": on(lambda spec: load_native_model(spec, progress, quiet=True))}
+    loaders = {"native": on(lambda spec, like: load_native_model(spec, progress, quiet=True, tokenizer_like=like))}
     if llamacpp.available():
-        loaders["llamacpp"] = on(lambda spec: load_llamacpp_model(spec, progress, **llama))
+        loaders["llamacpp"] = on(lambda spec, like: load_llamacpp_model(spec, progress, like, **llama))
     try:
         return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress)
     except ValueError:  # no GGUF backend can run it
@@ -112,6 +113,7 @@ def load_model(
     progress: bool = True,
     backend: str = "torch",
     llama: dict | None = None,
+    tokenizer_like=None,
 ) -> LoadedModel:
     """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads.
 
@@ -119,7 +121,9 @@ def load_model(
     `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged; `llama`: its options
     (n_threads, n_ctx, n_batch, ... of models.llamacpp.load_llamacpp). "native" keeps a GGUF's weights as blocks on
     arborspec's kernels (a LoadedModel; `dtype` does not apply: activations are float32); a GGUF it does not cover
-    goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr."""
+    goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr. `tokenizer_like`: a
+    tokenizer loaded already (a pair's target's) that a GGUF whose vocabulary files are the same bytes shares
+    instead of loading its own (model.gguf_tokenizer)."""
     chosen = resolve_backend(spec, backend)
     if backend == "auto" and chosen != "torch":  # a GGUF: the backend measured fastest for it here
         plan = plan_backends(spec, None, "auto", None, llama, progress)
@@ -127,10 +131,10 @@ def load_model(
             return plan.loaded[0]
         chosen = plan.target
     if chosen == "native":
-        loaded = load_native_model(spec, progress)
+        loaded = load_native_model(spec, progress, tokenizer_like=tokenizer_like)
         if loaded is not None:
             return loaded
         chosen = gguf_fallback()
     if chosen == "llamacpp":
-        return load_llamacpp_model(spec, progress, **(llama or {}))
+        return load_llamacpp_model(spec, progress, tokenizer_like, **(llama or {}))
     return load_torch_model(spec, dtype, attn_implementation, progress)
