@@ -108,6 +108,7 @@ def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, ca
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--prompt", "a" * 600], "context window"),
         (["--temperature", "-1"], "temperature"),
+        (["--stop", "x", "--stop", ""], "non-empty string"),
     ],
 )
 def test_bad_input_exits_nonzero_with_a_message(model_dirs, capsys, args, message):

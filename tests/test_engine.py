@@ -132,6 +132,10 @@ def test_stop_strings_and_text(tokenizer):
     assert stop in cut.text and full.text.startswith(cut.text)
     assert cut.text.index(stop) + len(stop) == len(cut.text)  # stopped right after the stop string
     assert "".join(dec.stream("def f(x):", max_new_tokens=40, ignore_eos=True)) == full.text
+    assert dec.generate("def f(x):", max_new_tokens=40, ignore_eos=True, stop=stop).text == cut.text  # one string
+    for bad in ([""], [stop, ""], [None]):
+        with pytest.raises(ValueError, match="non-empty strings"):
+            dec.generate("def f(x):", max_new_tokens=4, stop=bad)
 
 
 def test_context_window_is_respected():

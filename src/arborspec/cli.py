@@ -262,6 +262,8 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
+    if args.stop is not None and not all(args.stop):
+        raise CliError("--stop takes a non-empty string (an empty one would end the generation at its first token)")
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)

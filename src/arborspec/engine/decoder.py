@@ -226,6 +226,11 @@ class SpeculativeDecoder:
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < (0 if scoring else 1):
             raise ValueError(f"max_new_tokens must be a positive integer (0 only with prompt_logprobs: a prompt "
                              f"scored), got {max_new_tokens!r}")
+        if isinstance(stop, str):  # one stop string, as transformers' stop_strings takes it (not its characters)
+            stop = [stop]
+        if stop is not None and not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at "
+                             f"its first token), got {list(stop)!r}")
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)
