@@ -123,3 +123,44 @@ def test_auto_measures_each_lean_variant_with_each_pruned_head_once(files, monke
     resolved = pair_loader.resolve_draft(target, draft, "auto", progress=False)
     assert resolved == (variants[choice]["quant"], variants[choice]["vocab"])
     assert pair_loader.resolve_draft(target, draft, "auto", 64, progress=False) == (best_type, 64)
+
+
+def test_a_cached_lean_choice_is_found_before_loading_and_the_shipped_draft_is_never_read(files, monkeypatch):
+    """A native pair whose `auto` draft variant is cached finds the choice from the files' headers (the same key the
+    loaded models give) and loads the lean file in place of the shipped draft; a choice that keeps the shipped file
+    loads it as before. Greedy decoding stays the target's."""
+    from pathlib import Path
+
+    import torch
+
+    from arborspec.backends import native
+    from arborspec.core.disk_cache import write_record
+    from arborspec.tuning import draft_levers
+    monkeypatch.setattr(draft_choice, "HEAD_SIZES", (96,))
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, size, progress=True: torch.arange(size, 0, -1))
+    target = load_model(str(files["target"]), backend="native", progress=False)
+    draft = load_model(str(files["draft"]), backend="native", progress=False)
+    key = draft_choice.choice_key(costs.profile_key(target.model), costs.profile_key(draft.model), True,
+                                  draft.model.config.vocab_size)
+    (t_info, _), (d_info, d_config) = native.read_header(files["target"]), native.read_header(files["draft"])
+    assert key == draft_choice.choice_key(costs.native_profile_key(t_info), costs.native_profile_key(d_info), True,
+                                          d_config.vocab_size)
+
+    def entry(quant, vocab, score):
+        return dict(quant=quant, vocab=vocab, agreement=0.9, draft_times=[1e-3], score=score)
+
+    read, real = [], native.load_native
+    monkeypatch.setattr(native, "load_native", lambda path: read.append(Path(path).resolve()) or real(path))
+    plain = SpeculativeDecoder(target, None, method="ar").generate([5, 17, 42, 9], max_new_tokens=24).token_ids
+    for choice, file in (("iq4_nl+vocab96", gguf_requant.requantized(files["draft"], "iq4_nl", progress=False)),
+                         ("none", files["draft"])):
+        variants = {"none": entry("none", 0, 1.0 + (choice == "none")), "iq4_nl": entry("iq4_nl", 0, 1.5),
+                    "iq4_nl+vocab96": entry("iq4_nl", 96, 2.0)}
+        write_record("draft-quant", key, {"choice": choice, "variants": variants})
+        read.clear()
+        pair = pair_loader.load_pair(str(files["target"]), str(files["draft"]), backend="native", progress=False)
+        assert read == [files["target"].resolve(), file.resolve()]  # the target, then the draft's one file
+        assert (pair.quant, pair.vocab) == (variants[choice]["quant"], variants[choice]["vocab"])
+        assert Path(pair.draft.source).resolve() == file.resolve()
+        out = SpeculativeDecoder(pair.target, pair.draft, method="chain").generate([5, 17, 42, 9], max_new_tokens=24)
+        assert out.token_ids == plain

@@ -162,6 +162,15 @@ def _open(path: Path) -> GgufFile:
     raise NotNative(f"its header could not be read here ({reason})")
 
 
+def read_header(path: str | Path) -> tuple[NativeInfo, PretrainedConfig]:
+    """What a native model loaded from `path` would carry, from the file's header alone (~0.05 s, where loading
+    reads every weight): its NativeInfo and its transformers config. ValueError / NotNative as load_native."""
+    path = Path(path).expanduser().resolve()
+    file = _open(path)
+    info = describe(path, file)
+    return NativeInfo(path, info.weight_type), _config(file, info.arch)
+
+
 def _config(file: GgufFile, arch: str) -> PretrainedConfig:
     """transformers' config of the file: its metadata renamed by transformers' own GGUF key table, as
     `AutoConfig.from_pretrained(gguf_file=...)` does for these architectures (without parsing the file again)."""
@@ -335,12 +344,16 @@ def _check_filled(model: PreTrainedModel) -> None:
 
 
 def fingerprint(model) -> str:
-    """A native model's identity for cached cost profiles: the file (path, size, mtime), this backend and the
+    """A native model's identity for cached cost profiles: its file's (`file_fingerprint`)."""
+    return file_fingerprint(model.native_gguf)
+
+
+def file_fingerprint(info: NativeInfo) -> str:
+    """The identity of a native model loaded from `info.path`: the file (path, size, mtime), this backend and the
     kernels' build key (their source, this CPU, torch), since a profile records those kernels' timings. The default
     fingerprint would see only the config and the norms, the same for every quantization of one model."""
     from ..kernels.build import cache_key
 
-    info: NativeInfo = model.native_gguf
     stat = info.path.stat()
     return sha256_key({"gguf": str(info.path), "size": stat.st_size, "mtime": stat.st_mtime_ns, "backend": DTYPE,
                        "weights": info.weight_type, "kernels": cache_key()})

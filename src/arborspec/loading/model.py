@@ -204,17 +204,17 @@ def same_vocabulary(tokenizer: PreTrainedTokenizerBase | None, directory: Path) 
     return True
 
 
-def load_native_model(spec: str, progress: bool = True, quiet: bool = False,
-                      tokenizer_like=None) -> LoadedModel | None:
+def load_native_model(spec: str, progress: bool = True, quiet: bool = False, tokenizer_like=None,
+                      file: Path | None = None) -> LoadedModel | None:
     """An alias's kept GGUF or a .gguf file on the native backend (backends/native.py), with the GGUF's tokenizer
     (`tokenizer_like`: see gguf_tokenizer); None, after a one-line note on stderr, for a GGUF the native backend does
     not cover (its weight types, its architecture), which the caller loads elsewhere. ModelLoadError for a missing
-    or unreadable file."""
+    or unreadable file. `file`: the weights to load in place of the spec's own (its lean copy), with its tokenizer."""
     path = _spec_gguf(spec, progress)
-    say(f"loading {spec} on arborspec's kernels (native)", progress)
+    say(f"loading {spec} on arborspec's kernels (native)" + (f" from {file}" if file else ""), progress)
     start = time.perf_counter()
     try:
-        model = native.load_native(path)
+        model = native.load_native(file or path)
         tokenizer = gguf_tokenizer(spec, path, tokenizer_like)
     except native.NotNative as exc:
         if quiet:  # `--backend auto` tries native among others: not a surprise worth a note, only progress
@@ -227,7 +227,7 @@ def load_native_model(spec: str, progress: bool = True, quiet: bool = False,
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     say(f"loaded {spec} in {time.perf_counter() - start:.1f} s", progress)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(path))
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, source=str(file or path))
 
 
 HUB_TIMEOUT = 3.0  # seconds a TCP connection to the hub may take before it counts as unreachable

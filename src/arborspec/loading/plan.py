@@ -64,16 +64,22 @@ def plan_backends(target: str, draft: str | None, backend: str = "auto", draft_b
 
 
 def load_planned(target: str, draft: str | None, plan: BackendPlan, dtype=None, llama: dict | None = None,
-                 progress: bool = True) -> tuple:
+                 progress: bool = True, draft_file=None) -> tuple:
     """(target, draft or None) loaded on the backends `plan` names, each once. A cached `auto` choice is checked
     here: the loaded models' cost curves against a few live forwards (backend_choice.recheck, ~0.5 s for the
-    default pair); a cached figure that proved to be a busy machine's is measured again."""
+    default pair); a cached figure that proved to be a busy machine's is measured again. `draft_file`: a GGUF the
+    native draft is loaded from in place of its own (its lean copy: pair.cached_lean_draft)."""
     llama = llama or {}
     target_model = plan.loaded[0] or load_model(target, dtype=dtype, progress=progress, backend=plan.target,
                                                 llama=llama)
-    draft_model = None if draft is None else (
-        plan.loaded[1] or load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama,
-                                     tokenizer_like=getattr(target_model, "tokenizer", None)))
+    like = getattr(target_model, "tokenizer", None)
+    if draft is None or plan.loaded[1] is not None:
+        draft_model = plan.loaded[1]
+    elif draft_file is not None:
+        draft_model = load_native_model(draft, progress, tokenizer_like=like, file=draft_file)
+    else:
+        draft_model = load_model(draft, dtype=dtype, progress=progress, backend=plan.draft, llama=llama,
+                                 tokenizer_like=like)
     if plan.choice is None or plan.loaded[0] is not None:  # given backends, or measured just now
         return target_model, draft_model
     backend_choice.recheck(plan.choice, target_model, draft_model if plan.follows else None, progress)

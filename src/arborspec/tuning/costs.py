@@ -24,6 +24,7 @@ import torch
 
 from ..backends import make_session
 from ..backends.model_info import context_window
+from ..backends.native import file_fingerprint
 from ..core.disk_cache import model_fingerprint, read_record, record_path, sha256_key, write_record
 from ..core.host import machine_id
 from ..core.isotonic import pool_adjacent_violators
@@ -133,6 +134,13 @@ def model_threads(model) -> int:
 def profile_key(model) -> dict:
     return {"model": model_fingerprint(model), "name": str(getattr(model.config, "_name_or_path", "") or ""),
             "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
+
+
+def native_profile_key(info) -> dict:
+    """The profile_key of the native model that `info` (backends.native.read_header) describes, before it is loaded:
+    a native model is named by its file, computes in float32 and on torch's threads."""
+    return {"model": file_fingerprint(info), "name": str(info.path), "dtype": str(torch.float32),
+            "threads": torch.get_num_threads(), "machine": machine_id()}
 
 
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,

@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from ..backends.native import is_native
+from ..backends.native import is_native, read_header
 from ..core.disk_cache import read_record, write_record
 from ..viz.canvas import pyplot, save_figure
 from .agreement import agreement_with, fitting, reference_ids, target_choices
-from .costs import profile_key, profile_model, profile_together
+from .costs import native_profile_key, profile_key, profile_model, profile_together
 from .draft_levers import (
     HEAD_CORPUS,
     QUANT_MODES,
@@ -69,9 +69,8 @@ def label(quant: str, vocab: int = 0) -> str:
     return f"vocab{vocab}" if quant == "none" else f"{quant}+vocab{vocab}"
 
 
-def head_sizes(draft) -> list[int]:
-    """The pruned head sizes worth measuring for a native draft: those under half its vocabulary."""
-    vocab = draft.model.config.vocab_size
+def head_sizes(vocab: int) -> list[int]:
+    """The pruned head sizes worth measuring for a native draft of `vocab` tokens: those under half of it."""
     return [k for k in HEAD_SIZES if 2 * k <= vocab]
 
 
@@ -136,7 +135,7 @@ def measure_variants(target, draft, progress: bool = True, refresh: bool = False
             variants[quant] = dict(quant=quant, vocab=0, unavailable=f"{type(err).__name__}: {err}")
     if native:  # each quantization's file with its head pruned too (sharing every other weight with the file)
         for quant in list(prepared):
-            for vocab in head_sizes(draft):
+            for vocab in head_sizes(draft.model.config.vocab_size):
                 prepare(quant, vocab, lambda: prune_native_draft(prepared[quant], vocab, progress=progress))
     cost_together(list(prepared))
     if not native and "int4" not in variants:
@@ -169,15 +168,31 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
     size: `record["variants"][label]["quant"]` / `["vocab"]`), from the cache when the pair, dtype, thread count,
     machine and library versions are unchanged ('cache'), else measured ('measured')."""
     native = is_native(draft.model)
-    key = {"target": profile_key(target.model), "draft": profile_key(draft.model),
-           "variants": available_variants(native), "heads": head_sizes(draft) if native else [],
-           "head_corpus": HEAD_CORPUS}
+    key = choice_key(profile_key(target.model), profile_key(draft.model), native, draft.model.config.vocab_size)
     record = None if refresh else read_record("draft-quant", key)
     if record is not None and record.get("choice") in record.get("variants", {}):
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
     write_record("draft-quant", key, record)
     return record["choice"], record, "measured"
+
+
+def choice_key(target_key: dict, draft_key: dict, native: bool, vocab: int) -> dict:
+    """What a cached choice is filed under: both models' profile keys and the variants measured."""
+    return {"target": target_key, "draft": draft_key, "variants": available_variants(native),
+            "heads": head_sizes(vocab) if native else [], "head_corpus": HEAD_CORPUS}
+
+
+def cached_native_choice(target_file, draft_file) -> tuple[str, dict] | None:
+    """(label, record) of the choice cached for a GGUF pair on the native backend, as choose_draft_quant reads it,
+    found from the files' headers before either model is loaded (None if none is cached): a start that will run the
+    lean file loads it alone, not the shipped file first."""
+    (t_info, _), (d_info, d_config) = read_header(target_file), read_header(draft_file)
+    key = choice_key(native_profile_key(t_info), native_profile_key(d_info), True, d_config.vocab_size)
+    record = read_record("draft-quant", key)
+    if record is None or record.get("choice") not in record.get("variants", {}):
+        return None
+    return record["choice"], record
 
 
 def describe(record: dict) -> list[str]:
