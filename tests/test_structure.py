@@ -159,7 +159,7 @@ FLOORS = [
     ("engine",),  # the draft -> verify -> commit loop
     ("loading",),  # aliases, one model, the backend plan, the pair loader
     ("runspec", "flags"),  # the method grammar; the shared flags
-    ("cli", "server", "bench"),  # the front ends
+    ("cli", "chat", "server", "bench"),  # the front ends
 ]
 MAX_LINES = 400
 

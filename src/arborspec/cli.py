@@ -24,7 +24,7 @@ from pathlib import Path
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-from . import loading
+from . import chat, loading
 from .backends.native import is_native
 from .bench.args import add_bench_arguments, add_report_arguments
 from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--per-step", action="store_true", help="with --json: include every step's statistics")
     gen.add_argument("--compare-ar", action="store_true",
                      help="also run plain decoding of the target and report the speed-up measured in this run")
+
+    chat = sub.add_parser("chat", help="a conversation with the target in the terminal, answers decoded "
+                                       "speculatively (each turn prefills only what is new)")
+    _add_generation_args(chat)
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer, in tokens")
 
     models = sub.add_parser("models", help="built-in model aliases")
     models.add_argument("action", choices=["list", "fetch", "path"])
@@ -296,6 +302,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be at least 1")
+    _check_sampling(args)
+    spec = run_spec(args)
+    target, draft = load_pair_for(args, spec)
+    conversation = chat.Conversation(_decoder(args, spec, target, draft), args.system, args.max_new_tokens, args.seed)
+    drafted = f", drafted by {args.draft}" if spec.needs_draft else ""
+    return chat.run(conversation, f"[arborspec] chatting with {args.target}{drafted} (method {spec.name})")
+
+
 def cmd_models(args) -> int:
     if args.action == "list":
         for name, alias in aliases.ALIASES.items():
@@ -441,9 +458,9 @@ def _profile_pair(args, sizes: list[int]) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "models": cmd_models, "kernels": cmd_kernels, "methods": cmd_methods, "trees": cmd_trees,
-            "calibrate": cmd_calibrate, "bench": bench_from_args, "report": report_from_args, "profile": cmd_profile,
-            "serve": run_serve}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kernels": cmd_kernels,
+            "methods": cmd_methods, "trees": cmd_trees, "calibrate": cmd_calibrate, "bench": bench_from_args,
+            "report": report_from_args, "profile": cmd_profile, "serve": run_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,103 @@
+"""`arborspec chat`: a conversation with the target in the terminal, every answer decoded speculatively.
+
+Each turn templates the whole conversation with the target's chat template and decodes the answer as `generate`
+would (same method, verifier and sampling: the answer is the target's own, only faster). The decoder keeps each
+finished answer's KV cache (engine/prefix_cache.py), so a turn prefills only what is new since the last answer, on
+the target and on the draft: the conversation's earlier turns are not read again. On the default pair (Zen 4,
+2026-11-27, benchmarks/chat_turns.py) a fourth turn's 575-token prompt reached its first token in 0.12 s, against
+2.94-2.98 s read whole. (Only the native backend's caches can be kept exactly; elsewhere each turn reads it all.)
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+from .engine import GenerationResult, SpeculativeDecoder
+from .engine.prefix_cache import PrefixCache
+
+KEPT_BYTES = 1 << 30  # the kept KV caches: the last turn's, per model (~57 KB a token for the 1.5B target in float32)
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
+
+
+class Conversation:
+    """The messages so far and the decoder that answers them."""
+
+    def __init__(self, decoder: SpeculativeDecoder, system: str | None = None, max_new_tokens: int = 512,
+                 seed: int | None = None):
+        if getattr(decoder.tokenizer, "chat_template", None) is None:
+            raise ValueError("the target's tokenizer has no chat template: `arborspec generate` takes plain prompts")
+        if decoder.prefix_cache is None:
+            decoder.prefix_cache = PrefixCache(KEPT_BYTES)
+        self.decoder, self.system, self.max_new_tokens, self.seed = decoder, system, max_new_tokens, seed
+        self.messages: list[dict] = []
+        self.last: GenerationResult | None = None  # the last finished answer's result (its statistics)
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt(self, text: str) -> str:
+        """The conversation with `text` as the next user message, templated for the assistant's answer."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        return self.decoder.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def answer(self, text: str) -> Iterator[str]:
+        """Stream the answer to user message `text`; the exchange joins the conversation once the answer ends, or
+        with the text shown so far if the caller stops early (Ctrl-C). ValueError (nothing joins) for a conversation
+        past the target's context window."""
+        prompt, shown, self.last = self.prompt(text), "", None
+        try:
+            for result in self.decoder.steps(prompt, self.max_new_tokens, seed=self.seed):
+                if result.text.endswith("\ufffd") and not result.stats.finish_reason:
+                    continue  # a character split across steps: wait for the rest of it
+                if len(result.text) > len(shown):
+                    chunk, shown = result.text[len(shown):], result.text
+                    yield chunk
+            self.last = result
+        finally:
+            if shown or self.last is not None:
+                self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": shown}]
+
+
+def describe(result: GenerationResult) -> str:
+    """One line of a turn's figures: speed, tokens a step, first token, and the prompt read from the kept cache."""
+    s = result.stats
+    ended = {"length": "; the answer reached --max-new-tokens",
+             "context": "; the conversation fills the context window: /reset"}.get(s.finish_reason, "")
+    return (f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, {s.tokens_per_step:.2f} tokens/step, first "
+            f"token {s.t_first_token:.2f} s, prompt {s.prompt_tokens} tokens of which {s.cached_tokens} kept from the "
+            f"last turn{ended}]")
+
+
+def run(conversation: Conversation, banner: str) -> int:
+    """The terminal loop: a line in, the answer streamed out, its figures on stderr. Exit status 0."""
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+    print(f"{banner}\n{HELP}", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            conversation.reset()
+            print("[a new conversation]", file=sys.stderr)
+            continue
+        if not text:
+            continue
+        answer = conversation.answer(text)
+        try:
+            for chunk in answer:
+                print(chunk, end="", flush=True)
+        except KeyboardInterrupt:
+            answer.close()  # the text shown so far joins the conversation now, before the next turn
+            print("\n[stopped]", file=sys.stderr)
+            continue
+        except ValueError as err:  # the conversation no longer fits the context window
+            print(f"[{err}; /reset starts a new conversation]", file=sys.stderr)
+            continue
+        print()
+        print(describe(conversation.last), file=sys.stderr)

@@ -1,0 +1,108 @@
+"""`arborspec chat` (chat.py): each answer is the one `generate` gives for the templated conversation, a later turn
+starts from the kept cache, /reset and a stopped answer leave the conversation as a user expects, and the terminal
+loop answers, resets and exits."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+
+from arborspec.chat import Conversation
+from arborspec.cli import main
+from arborspec.engine import SpeculativeDecoder
+from arborspec.loading import load_model
+from tests.backends.tiny_gguf import native_models
+from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+FILES = {"target": {"dtype": "q4_k", "hidden": 256, "ffn": 512},
+         "draft": {"dtype": "q4_k", "hidden": 256, "ffn": 512, "noise": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    return native_models(tmp_path_factory.mktemp("chat"), FILES)
+
+
+def decoder(native, template: str | None = TEMPLATE) -> SpeculativeDecoder:
+    """The tiny native pair (its kept caches are exact: engine/prefix_cache.py), with a chat template."""
+    tokenizer = copy.deepcopy(native("target").tokenizer)
+    tokenizer.chat_template = template
+    return SpeculativeDecoder(native("target").model, native("draft").model, tokenizer=tokenizer, method="static",
+                              depth=3, branch=2)
+
+
+def test_each_answer_is_generates_and_a_later_turn_starts_from_the_kept_cache(native):
+    chat, fresh = Conversation(decoder(native), system="be brief", max_new_tokens=12), decoder(native)
+    answers = []
+    for turn, text in enumerate(["def fib(n):", "and for n = 10?"]):
+        prompt = chat.prompt(text)
+        streamed = "".join(chat.answer(text))
+        alone = fresh.generate(prompt, max_new_tokens=12)
+        assert streamed == chat.last.text == alone.text and chat.last.token_ids == alone.token_ids
+        assert (chat.last.stats.cached_tokens > 0) == (turn > 0)  # the first turn's answer was kept
+        answers.append(streamed)
+    assert chat.messages == [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": answers[0]},
+                             {"role": "user", "content": "and for n = 10?"},
+                             {"role": "assistant", "content": answers[1]}]
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "be brief"}]
+
+
+def test_a_stopped_answer_joins_with_what_was_shown_and_one_past_the_context_window_not_at_all(native):
+    chat = Conversation(decoder(native), max_new_tokens=24)
+    answer = chat.answer("def fib(n):")
+    shown = next(answer)
+    answer.close()  # what Ctrl-C does to the loop
+    assert chat.messages == [{"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": shown}]
+    with pytest.raises(ValueError, match="context window"):
+        list(chat.answer("x" * 400))  # the tiny target reads 256 tokens
+    assert len(chat.messages) == 2
+
+
+def test_a_target_without_a_chat_template_is_refused(native):
+    with pytest.raises(ValueError, match="no chat template"):
+        Conversation(decoder(native, template=None))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-dirs")
+    target, tok = tiny_model("llama", seed=0), char_tokenizer()
+    paths = {}
+    for name, model, template in (("target", target, TEMPLATE), ("draft", noisy_copy(target, 0.2), TEMPLATE),
+                                  ("plain", target, None)):
+        tok.chat_template = template
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
+def chat_cli(model_dirs, capsys, monkeypatch, lines: str, target: str = "target") -> tuple[int, str, str]:
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["chat", "--target", model_dirs[target], "--draft", model_dirs["draft"], "--dtype", "fp32",
+                 "--method", "static", "--max-new-tokens", "8"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_terminal_loop_answers_resets_and_exits(model_dirs, capsys, monkeypatch):
+    code, out, err = chat_cli(model_dirs, capsys, monkeypatch, "hello\n\n/reset\nhello\n/exit\nnot read\n")
+    target = load_model(model_dirs["target"], dtype="fp32", progress=False)
+    want = SpeculativeDecoder(target, method="ar").generate("user: hello\nassistant: ", max_new_tokens=8).text
+    assert code == 0
+    assert out == f"> {want}\n> > > {want}\n> "  # the same answer after /reset: the conversation started over
+    assert err.count(" kept from the last turn") == 2 and "[a new conversation]" in err
+    code, out, _ = chat_cli(model_dirs, capsys, monkeypatch, "hello\n")  # the input ends: so does the chat
+    assert code == 0 and out == f"> {want}\n> \n"
+
+
+def test_the_chat_command_refuses_a_target_without_a_chat_template(model_dirs, capsys, monkeypatch):
+    code, _, err = chat_cli(model_dirs, capsys, monkeypatch, "hello\n", target="plain")
+    assert code == 2 and "no chat template" in err and "Traceback" not in err
