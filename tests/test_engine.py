@@ -393,3 +393,26 @@ def test_prompt_logprobs_are_a_full_forwards_and_the_output_stays_the_same(pair)
     assert scored.stats.finish_reason == "length" and scored.stats.n_steps == 0
     with pytest.raises(ValueError, match="0 only with prompt_logprobs"):
         dec.generate(prompt, max_new_tokens=0, logprobs=2)
+
+
+def test_a_conversation_is_encoded_in_the_chat_template_with_its_own_special_tokens_only():
+    """A list of messages is written by the chat template, which writes the BOS token itself: the tokenizer must not
+    add a second one (as it does to plain text), and a tokenizer without a template is a clear error."""
+    from tokenizers.processors import TemplateProcessing
+
+    from tests.conftest import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    dec = SpeculativeDecoder(tiny_model("llama", seed=0, vocab=64), method="ar", tokenizer=tok)
+    assert dec.encode("hi")[:2] == [bos, tok.convert_tokens_to_ids("h")]  # plain text: the tokenizer's BOS
+    ids = dec.encode([{"role": "user", "content": "hi"}])
+    assert ids == [bos] + tok("user: hi\n", add_special_tokens=False)["input_ids"]  # one BOS: the template's
+    assert dec.generate([{"role": "user", "content": "hi"}], max_new_tokens=3).token_ids == \
+        dec.generate(ids, max_new_tokens=3).token_ids
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template|has none"):
+        dec.encode([{"role": "user", "content": "hi"}])

@@ -36,10 +36,10 @@ class Conversation:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt(self, text: str) -> str:
-        """The conversation with `text` as the next user message, templated for the assistant's answer."""
-        messages = self.messages + [{"role": "user", "content": text}]
-        return self.decoder.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def prompt(self, text: str) -> list[dict]:
+        """The conversation with `text` as the next user message: what the decoder reads, in the target's chat
+        template (engine/conversation.py)."""
+        return self.messages + [{"role": "user", "content": text}]
 
     def answer(self, text: str) -> Iterator[str]:
         """Stream the answer to user message `text`; the exchange joins the conversation once the answer ends, or

@@ -273,9 +273,8 @@ def cmd_generate(args) -> int:
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)
-    if args.chat:
-        prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
+    if args.chat:  # the decoder writes it in the target's chat template (engine/conversation.py)
+        prompt = [{"role": "user", "content": prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.json:
         result = dec.generate(prompt, **kw)

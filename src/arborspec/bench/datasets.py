@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.conversation import conversation_text
 from ..tuning import corpus
 from ..tuning.corpus import Source, dataset_path, iter_json_array, sharegpt_records
 from . import code_edit
@@ -67,10 +68,7 @@ def fetch(name: str, progress: bool = True) -> Path:
 def _chat(tokenizer, text: str | list[dict]) -> str:
     """A user turn (or a whole conversation, a list of {"role", "content"} messages) in the chat template, ready for
     the assistant's next turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat prompts need a tokenizer with a chat template; this target's tokenizer has none")
-    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return conversation_text(tokenizer, [{"role": "user", "content": text}] if isinstance(text, str) else text)
 
 
 def n_tokens(tokenizer, prompt: Prompt) -> int:

@@ -23,6 +23,7 @@ from ..drafting import POLICIES, DraftContext
 from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
 from .config import DecoderConfig
+from .conversation import conversation_ids, is_conversation
 from .generation import Generation
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
@@ -91,10 +92,14 @@ class SpeculativeDecoder:
 
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
+        """A prompt's token ids: text (with the tokenizer's special tokens, e.g. a BOS), a conversation (a list of
+        {"role", "content"} messages, in the target's chat template: engine/conversation.py), or token ids."""
+        if (isinstance(prompt, str) or is_conversation(prompt)) and self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif is_conversation(prompt):
+            ids = conversation_ids(self.tokenizer, prompt)
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.reshape(-1).tolist()
         else:
@@ -109,7 +114,8 @@ class SpeculativeDecoder:
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
                  prompt_logprobs: bool = False) -> GenerationResult:
-        """`logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
+        """`prompt`: text, a conversation (a list of {"role", "content"} messages) or token ids (`encode`).
+        `logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
         alternatives (engine/logprobs.py); None: not computed. `prompt_logprobs` (with `logprobs`): the same for
         the prompt's tokens, in result.prompt_logprobs (the first token's logprob is None: nothing predicts it);
         `max_new_tokens` may then be 0, to score the prompt alone."""

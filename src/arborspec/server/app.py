@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..engine.conversation import conversation_ids
 from .decoders import Decoders
 from .logprobs import Logprobs
 from .metrics import CONTENT_TYPE, Metrics
@@ -194,12 +195,13 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         raise APIError(400, str(err), code=code) from None
 
 
-def render_chat(tokenizer, messages: list[dict], model_name: str) -> str:
-    """The conversation as the target's chat template writes it (as `arborspec generate --chat` does)."""
+def render_chat(tokenizer, messages: list[dict], model_name: str) -> list[int]:
+    """The conversation's token ids, in the target's chat template (engine/conversation.py, as `arborspec generate
+    --chat` and `arborspec chat` encode it)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return conversation_ids(tokenizer, messages)
     except Exception as err:  # templates raise their own errors, e.g. on roles out of the order they expect
         raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
 

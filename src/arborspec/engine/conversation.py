@@ -1,0 +1,29 @@
+"""A conversation as the target reads it: a list of {"role", "content"} messages, written out by the target's chat
+template up to the assistant's next turn, and tokenized without the tokenizer's own special tokens.
+
+Why without them: a template writes every special token its model expects, a BOS token included where there is
+one (Llama 3's begins `<|begin_of_text|>`), so tokenizing its text as plain text would put a second BOS in front.
+transformers' own `apply_chat_template(tokenize=True)` tokenizes the same way. (Qwen2.5's tokenizer adds no BOS:
+there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec chat` and the server's
+/v1/chat/completions all encode a conversation here.
+"""
+from __future__ import annotations
+
+
+def is_conversation(prompt) -> bool:
+    """Whether `prompt` is a list of chat messages (dicts with a "role"), not text or token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) and "role" in m
+                                                                      for m in prompt)
+
+
+def conversation_text(tokenizer, messages: list[dict]) -> str:
+    """`messages` in the tokenizer's chat template, ready for the assistant's next turn. ValueError without a
+    template; a template's own error (e.g. roles out of the order it expects) as it raises it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat messages need a tokenizer with a chat template; this target's tokenizer has none")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of `conversation_text`: the template's special tokens, and no others."""
+    return tokenizer(conversation_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
