@@ -45,15 +45,12 @@ class Conversation:
         """Stream the answer to user message `text`; the exchange joins the conversation once the answer ends, or
         with the text shown so far if the caller stops early (Ctrl-C). ValueError (nothing joins) for a conversation
         past the target's context window."""
-        prompt, shown, self.last = self.prompt(text), "", None
+        shown, self.last = "", None
         try:
-            for result in self.decoder.steps(prompt, self.max_new_tokens, seed=self.seed):
-                if result.text.endswith("\ufffd") and not result.stats.finish_reason:
-                    continue  # a character split across steps: wait for the rest of it
-                if len(result.text) > len(shown):
-                    chunk, shown = result.text[len(shown):], result.text
-                    yield chunk
-            self.last = result
+            for chunk in self.decoder.stream(self.prompt(text), self.max_new_tokens, seed=self.seed):
+                shown += chunk  # before the yield: a caller that stops here has been shown it
+                yield chunk
+            self.last = self.decoder.last_result
         finally:
             if shown or self.last is not None:
                 self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": shown}]
