@@ -79,7 +79,7 @@ def cached_lean_draft(target: str, draft: str | None, plan, quant: str, vocab: i
     if draft is None or quant != "auto" or (plan.target, plan.draft) != ("native", "native") or plan.loaded[1]:
         return None
     try:
-        found = cached_native_choice(_spec_gguf(target, False), _spec_gguf(draft, False))
+        found = cached_native_choice(_spec_gguf(target, progress), _spec_gguf(draft, progress))
     except (ValueError, OSError, ModelLoadError):  # loading says what is wrong with the file
         return None
     if found is None or _chosen(found[1], found[0], vocab, "cache", False)[0] not in LEAN_TYPES:
