@@ -38,7 +38,7 @@ class Conversation:
 
     def prompt(self, text: str) -> list[dict]:
         """The conversation with `text` as the next user message: what the decoder reads, in the target's chat
-        template (engine/conversation.py)."""
+        template (engine/prompts.py)."""
         return self.messages + [{"role": "user", "content": text}]
 
     def answer(self, text: str) -> Iterator[str]:

@@ -273,7 +273,7 @@ def cmd_generate(args) -> int:
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)
-    if args.chat:  # the decoder writes it in the target's chat template (engine/conversation.py)
+    if args.chat:  # the decoder writes it in the target's chat template (engine/prompts.py)
         prompt = [{"role": "user", "content": prompt}]
     kw = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos)
     if args.json:

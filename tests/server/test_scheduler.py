@@ -227,7 +227,7 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
     built = threading.Event()
 
     class Decoders:  # the parts of server/decoders.Decoders that start_generation calls
-        spec = None
+        spec, prefill_chunk = None, 0
 
         def sampling(self, *_):
             return SimpleNamespace(seed=0)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.conversation import conversation_text
+from ..engine.prompts import conversation_text
 from ..tuning import corpus
 from ..tuning.corpus import Source, dataset_path, iter_json_array, sharegpt_records
 from . import code_edit

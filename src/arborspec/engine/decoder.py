@@ -23,10 +23,10 @@ from ..drafting import POLICIES, DraftContext
 from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
 from .config import DecoderConfig
-from .conversation import conversation_ids, is_conversation
 from .generation import Generation
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
+from .prompts import prompt_ids
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
 from .verifier_choice import choose_verifiers, with_free_branches
@@ -92,20 +92,8 @@ class SpeculativeDecoder:
 
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
-        """A prompt's token ids: text (with the tokenizer's special tokens, e.g. a BOS), a conversation (a list of
-        {"role", "content"} messages, in the target's chat template: engine/conversation.py), or token ids."""
-        if (isinstance(prompt, str) or is_conversation(prompt)) and self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        elif is_conversation(prompt):
-            ids = conversation_ids(self.tokenizer, prompt)
-        elif isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).tolist()
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
+        """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
+        ids = prompt_ids(self.tokenizer, prompt)
         window = context_window(self.target)
         if len(ids) >= window:
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
@@ -232,11 +220,6 @@ class SpeculativeDecoder:
         if int(max_new_tokens) != max_new_tokens or max_new_tokens < (0 if scoring else 1):
             raise ValueError(f"max_new_tokens must be a positive integer (0 only with prompt_logprobs: a prompt "
                              f"scored), got {max_new_tokens!r}")
-        if isinstance(stop, str):  # one stop string, as transformers' stop_strings takes it (not its characters)
-            stop = [stop]
-        if stop is not None and not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at "
-                             f"its first token), got {list(stop)!r}")
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)

@@ -12,13 +12,23 @@ from .logprobs import TokenLogprob, token_logprobs
 from .stats import GenerationResult, GenerationStats, StepStats
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str] | None:
+    """`stop` as a list: a single string is one stop string (as transformers' stop_strings takes it), not its
+    characters. ValueError for an empty one: every text contains it, so the generation would end at its first token."""
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at its "
+                         f"first token), got {list(stop)!r}")
+    return stop
+
+
 class Generation:
     """A generation of up to `max_new_tokens` after the prompt `ids`; `commit` a step's tokens, then `record` it."""
 
     def __init__(self, ids: list[int], max_new_tokens: int, stop: list[str] | None, eos: set[int], window: int,
                  decode: Callable[[list[int]], str], stats: GenerationStats, generator, t_start: float):
         self.context, self.new = list(ids), []  # prompt + committed tokens; committed tokens only
-        self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop, eos, window
+        self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop_strings(stop), eos, window
         self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
         self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
         self.logprobs: list[TokenLogprob] = []

@@ -1,5 +1,6 @@
-"""A conversation as the target reads it: a list of {"role", "content"} messages, written out by the target's chat
-template up to the assistant's next turn, and tokenized without the tokenizer's own special tokens.
+"""What a prompt may be, and its token ids: text (tokenized with the tokenizer's special tokens, e.g. a BOS), token
+ids (a list or a tensor), or a conversation: a list of {"role", "content"} messages, written out by the target's chat
+template up to the assistant's next turn and tokenized without the tokenizer's own special tokens.
 
 Why without them: a template writes every special token its model expects, a BOS token included where there is
 one (Llama 3's begins `<|begin_of_text|>`), so tokenizing its text as plain text would put a second BOS in front.
@@ -8,6 +9,26 @@ there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec 
 /v1/chat/completions all encode a conversation here.
 """
 from __future__ import annotations
+
+import torch
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    """The token ids of `prompt` (text, a conversation, or ids); ValueError for an empty one, or text without a
+    tokenizer."""
+    if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    elif is_conversation(prompt):
+        ids = conversation_ids(tokenizer, prompt)
+    elif isinstance(prompt, torch.Tensor):
+        ids = prompt.reshape(-1).tolist()
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
 
 
 def is_conversation(prompt) -> bool:
