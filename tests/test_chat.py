@@ -106,3 +106,11 @@ def test_the_terminal_loop_answers_resets_and_exits(model_dirs, capsys, monkeypa
 def test_the_chat_command_refuses_a_target_without_a_chat_template(model_dirs, capsys, monkeypatch):
     code, _, err = chat_cli(model_dirs, capsys, monkeypatch, "hello\n", target="plain")
     assert code == 2 and "no chat template" in err and "Traceback" not in err
+
+
+def test_a_message_of_several_lines_goes_between_triple_quotes(model_dirs, capsys, monkeypatch):
+    code, out, _ = chat_cli(model_dirs, capsys, monkeypatch, '"""def f(x):\n    return x\n"""\n')
+    target = load_model(model_dirs["target"], dtype="fp32", progress=False)
+    want = SpeculativeDecoder(target, method="ar").generate("user: def f(x):\n    return x\nassistant: ",
+                                                            max_new_tokens=8).text
+    assert code == 0 and out == f"> ... ... {want}\n> \n"

@@ -16,7 +16,9 @@ from .engine import GenerationResult, SpeculativeDecoder
 from .engine.prefix_cache import PrefixCache
 
 KEPT_BYTES = 1 << 30  # the kept KV caches: the last turn's, per model (~57 KB a token for the 1.5B target in float32)
-HELP = "/reset starts a new conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer"
+HELP = ('/reset starts a new conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer; """ starts and ends a '
+        'message of several lines')
+QUOTE = '"""'
 
 
 class Conversation:
@@ -66,6 +68,18 @@ def describe(result: GenerationResult) -> str:
             f"last turn{ended}]")
 
 
+def read_message() -> str:
+    """The next message typed: one line, or the lines from one that starts with QUOTE to one that ends with it (a
+    paste of code). EOFError / KeyboardInterrupt as input() raises them."""
+    text = input("> ").strip()
+    if not text.startswith(QUOTE):
+        return text
+    lines = [text[len(QUOTE):]]
+    while not lines[-1].rstrip().endswith(QUOTE):
+        lines.append(input("... "))
+    return "\n".join(lines).rstrip()[:-len(QUOTE)].rstrip().lstrip("\n")  # a first line's indent is kept
+
+
 def run(conversation: Conversation, banner: str) -> int:
     """The terminal loop: a line in, the answer streamed out, its figures on stderr. Exit status 0."""
     if sys.stdin.isatty():
@@ -73,7 +87,7 @@ def run(conversation: Conversation, banner: str) -> int:
     print(f"{banner}\n{HELP}", file=sys.stderr)
     while True:
         try:
-            text = input("> ").strip()
+            text = read_message()
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
