@@ -60,9 +60,11 @@ def test_a_stopped_answer_joins_with_what_was_shown_and_one_past_the_context_win
     shown = next(answer)
     answer.close()  # what Ctrl-C does to the loop
     assert chat.messages == [{"role": "user", "content": "def fib(n):"}, {"role": "assistant", "content": shown}]
+    prompt, answer = chat.prompt("go on"), "".join(chat.answer("go on"))  # from the stopped answer's kept cache
+    assert chat.last.stats.cached_tokens > 0 and answer == decoder(native).generate(prompt, max_new_tokens=24).text
     with pytest.raises(ValueError, match="context window"):
         list(chat.answer("x" * 400))  # the tiny target reads 256 tokens
-    assert len(chat.messages) == 2
+    assert len(chat.messages) == 4
 
 
 def test_a_target_without_a_chat_template_is_refused(native):

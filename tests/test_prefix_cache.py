@@ -81,3 +81,21 @@ def test_short_common_prefixes_and_uncopyable_sessions_start_fresh(native):
     assert can_keep(session)
     session.rows_alone = False  # a session that could be copied, but whose rows depend on how a prompt was cut
     assert not can_keep(session)
+
+
+@pytest.mark.parametrize("method", ["ar", "static"])
+def test_a_generation_stopped_early_keeps_what_it_committed_and_a_follow_up_decodes_the_same(native, method):
+    """Ctrl-C in `arborspec chat`, or a client that leaves: the generation's caches hold its committed tokens, so
+    they are kept, and a next turn that begins with them starts there and decodes what a fresh session decodes."""
+    target, draft = native("target"), native("draft")
+    kept = SpeculativeDecoder(target, draft, method=method, prefix_cache=(cache := PrefixCache(1 << 30)))
+    fresh = SpeculativeDecoder(target, draft, method=method)
+    steps = kept.steps(FIRST, max_new_tokens=40, ignore_eos=True)
+    for _ in range(3):
+        shown = next(steps)
+    steps.close()
+    assert len(cache._entries) == (2 if method == "static" else 1)  # the target's, and the draft's once it drafted
+    follow_up = kept.encode(FIRST) + shown.token_ids + kept.encode("\n\nprint(fib(10))")
+    again = kept.generate(follow_up, max_new_tokens=12, ignore_eos=True)
+    assert again.token_ids == fresh.generate(follow_up, max_new_tokens=12, ignore_eos=True).token_ids
+    assert again.stats.cached_tokens >= len(kept.encode(FIRST)) + len(shown.token_ids) - 1

@@ -169,9 +169,21 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:  # a prompt scored (prompt_logprobs), nothing generated
             yield run.scored()
             return
-        if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
-            yield from self._plain_steps(run, target)
-            return
+        run.sessions.append(target)
+        try:
+            if (policy.plain or (policy.needs_draft and not use_draft)) and not self.free:
+                yield from self._plain_steps(run, target)
+            else:
+                yield from self._speculative_steps(run, target, use_draft, prefill_chunk)
+        except GeneratorExit:  # the caller stopped early (Ctrl-C in `arborspec chat`, a client that left)
+            if not run.finished:  # what was committed is good: a next turn that begins with it starts from it
+                self._keep(*run.sessions)
+            raise
+
+    def _speculative_steps(self, run: Generation, target, use_draft: bool,
+                           prefill_chunk: int) -> Iterator[GenerationResult | None]:
+        """`steps` once the target has read the prompt: its first token, then draft -> verify -> commit."""
+        policy = self.policy
         # The first token comes from the prompt's own forward, as in the plain loop, and is streamed before the draft
         # reads the prompt: time to the first token is the target's prefill alone (the draft's prefill added ~0.2 s
         # of the default pair's 0.66 s on HumanEval prompts, Zen 4), and the prompt's forward yields a token where
@@ -184,6 +196,7 @@ class SpeculativeDecoder:
         if run.finished:
             return
         draft = (yield from self._draft_session(run, prefill_chunk)) if use_draft else None
+        run.sessions.append(draft)
         free = self.free.start(policy) if self.free else None  # this generation's lookahead window, graft budget
         while not run.finished:
             with torch_threads(self.step_threads):
@@ -266,13 +279,11 @@ class SpeculativeDecoder:
 
     def _plain_steps(self, run: Generation, target) -> Iterator[GenerationResult]:
         """Plain decoding, one target token a step: what `steps` runs when no step would draft anything (method `ar`,
-        or `auto` when no tree can pay on this machine, `policy.uses_draft()` False).
-
-        The general loop would commit the same tokens through root-only trees, but its per-step machinery (tree
-        packing, the verifier's warp of every row, the policy's bookkeeping and account) costs milliseconds a step,
-        5-10% of a step of llama.cpp's CPU kernels, and the llama.cpp backend must stay within 0.95x of llama.cpp's
-        own loop (issue #15). The policy is not stepped; `stats.policy` is its account.
-        """
+        or `auto` when no tree can pay on this machine, `policy.uses_draft()` False). The general loop would commit
+        the same tokens through root-only trees, but its per-step machinery (tree packing, the verifier's warp of
+        every row, the policy's bookkeeping and account) costs milliseconds a step, 5-10% of a step of llama.cpp's
+        CPU kernels, and the llama.cpp backend must stay within 0.95x of llama.cpp's own loop (issue #15). The
+        policy is not stepped; `stats.policy` is its account."""
         run.stats.policy = self.policy.explain()
         while not run.finished:
             result = self._plain_step(run, target)
@@ -345,8 +356,8 @@ class SpeculativeDecoder:
             run.stats.cached_tokens = len(kept.cached)
         return kept
 
-    def _keep(self, target, draft) -> None:
-        """A finished generation's sessions, kept for later requests that begin the same way (prefix_cache)."""
+    def _keep(self, target, draft=None) -> None:
+        """A generation's sessions, kept for later requests that begin the same way (prefix_cache)."""
         if self.prefix_cache is not None:
             self.prefix_cache.keep(self.target, "target", target)
             if draft is not None:

@@ -33,6 +33,7 @@ class Generation:
         self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens, when asked for
+        self.sessions: list = []  # the target's session, then the draft's (or None), once open
 
     @property
     def finished(self) -> bool:

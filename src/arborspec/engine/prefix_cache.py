@@ -10,9 +10,9 @@ Exactness: only sessions that can copy and cut their cache (`fork`, `truncate`) 
 its token was prefilled in one call, in another request's prompt, or decoded: the output is the one a fresh session
 gives (tests/test_prefix_cache.py). Other backends' sessions start fresh as before.
 
-What is kept: the session of each finished generation (its committed tokens: prompt and answer), per model and role,
-most recently used last; an entry whose tokens begin another's is dropped for it; the oldest go once the kept caches
-pass `max_bytes`.
+What is kept: the session of each generation that finished or was stopped between steps (a client that left, Ctrl-C
+in `arborspec chat`): its committed tokens, prompt and answer, per model and role, most recently used last; an entry
+whose tokens begin another's is dropped for it; the oldest go once the kept caches pass `max_bytes`.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class PrefixCache:
         return session
 
     def keep(self, model, role: str, session) -> None:
-        """Keep `session` (a finished generation's: no tree open) for later requests; entries it extends go."""
+        """Keep `session` (a generation's between steps: no tree open) for later requests; entries it extends go."""
         if self.max_bytes == 0 or not can_keep(session) or not session.cached:
             return
         entry = _Entry(model, role, list(session.cached), session)
