@@ -116,3 +116,27 @@ def test_a_message_of_several_lines_goes_between_triple_quotes(model_dirs, capsy
     want = SpeculativeDecoder(target, method="ar").generate("user: def f(x):\n    return x\nassistant: ",
                                                             max_new_tokens=8).text
     assert code == 0 and out == f"> ... ... {want}\n> \n"
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_an_answer_after_its_step_and_twice_at_once(native, presses, capsys):
+    """A first Ctrl-C (SIGINT) stops the answer once the step in progress is shown; a second interrupts at once.
+    Either way the shown text joins the conversation and Python's own handler is back afterwards."""
+    import os
+    import signal
+
+    from arborspec.chat import stream
+
+    chat = Conversation(decoder(native), max_new_tokens=24)
+    whole = decoder(native).generate(chat.prompt("def fib(n):"), max_new_tokens=24).text
+
+    def pressing(answer):  # Ctrl-C once the first chunk is out
+        yield next(answer)
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+        yield from answer
+
+    assert stream(pressing(chat.answer("def fib(n):"))) is True
+    shown = capsys.readouterr().out
+    assert chat.messages[-1] == {"role": "assistant", "content": shown} and shown != whole and whole.startswith(shown)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

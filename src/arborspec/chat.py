@@ -9,7 +9,9 @@ the target and on the draft: the conversation's earlier turns are not read again
 """
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 from .engine import GenerationResult, SpeculativeDecoder
@@ -99,16 +101,36 @@ def run(conversation: Conversation, banner: str) -> int:
             continue
         if not text:
             continue
-        answer = conversation.answer(text)
         try:
-            for chunk in answer:
-                print(chunk, end="", flush=True)
-        except KeyboardInterrupt:
-            answer.close()  # the text shown so far joins the conversation now, before the next turn
-            print("\n[stopped]", file=sys.stderr)
-            continue
+            stopped = stream(conversation.answer(text))
         except ValueError as err:  # the conversation no longer fits the context window
             print(f"[{err}; /reset starts a new conversation]", file=sys.stderr)
             continue
         print()
-        print(describe(conversation.last), file=sys.stderr)
+        print("[stopped]" if stopped else describe(conversation.last), file=sys.stderr)
+
+
+def stream(answer: Iterator[str]) -> bool:
+    """Print `answer` as it comes; True if Ctrl-C stopped it. A first Ctrl-C stops it after the step in progress, so
+    the decoder keeps what it committed (the next turn starts from it); a second one interrupts at once."""
+    pressed = []
+
+    def on_interrupt(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # where Python lets a handler be set
+    previous = signal.signal(signal.SIGINT, on_interrupt) if main else None
+    try:
+        for chunk in answer:
+            print(chunk, end="", flush=True)
+            if pressed:
+                break
+    except KeyboardInterrupt:
+        pressed.append(signal.SIGINT)
+    finally:
+        answer.close()  # the text shown so far joins the conversation now, before the next turn
+        if main:
+            signal.signal(signal.SIGINT, previous)
+    return bool(pressed)
