@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from .engine import GenerationResult, SpeculativeDecoder
 from .engine.prefix_cache import PrefixCache
+from .engine.prompts import has_chat_template
 
 KEPT_BYTES = 1 << 30  # the kept KV caches: the last turn's, per model (~57 KB a token for the 1.5B target in float32)
 HELP = ('/reset starts a new conversation, /exit (or Ctrl-D) ends; Ctrl-C stops an answer; """ starts and ends a '
@@ -28,7 +29,7 @@ class Conversation:
 
     def __init__(self, decoder: SpeculativeDecoder, system: str | None = None, max_new_tokens: int = 512,
                  seed: int | None = None):
-        if getattr(decoder.tokenizer, "chat_template", None) is None:
+        if not has_chat_template(decoder.tokenizer):
             raise ValueError("the target's tokenizer has no chat template: `arborspec generate` takes plain prompts")
         if decoder.prefix_cache is None:
             decoder.prefix_cache = PrefixCache(KEPT_BYTES)

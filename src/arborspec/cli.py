@@ -33,6 +33,7 @@ from .bench.report import report_from_args
 from .core.options import option_parser, parse_int_list
 from .core.sampling import SamplingConfig
 from .drafting import POLICIES
+from .engine.generation import stop_strings
 from .flags import (
     add_backend_arguments,
     add_method_arguments,
@@ -268,8 +269,7 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
-    if args.stop is not None and not all(args.stop):
-        raise CliError("--stop takes a non-empty string (an empty one would end the generation at its first token)")
+    stop_strings(args.stop)  # the engine's check, before minutes of loading
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)

@@ -37,10 +37,14 @@ def is_conversation(prompt) -> bool:
                                                                       for m in prompt)
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def conversation_text(tokenizer, messages: list[dict]) -> str:
     """`messages` in the tokenizer's chat template, ready for the assistant's next turn. ValueError without a
     template; a template's own error (e.g. roles out of the order it expects) as it raises it."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError("chat messages need a tokenizer with a chat template; this target's tokenizer has none")
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..engine.prompts import conversation_ids
+from ..engine.prompts import conversation_ids, has_chat_template
 from .decoders import Decoders
 from .logprobs import Logprobs
 from .metrics import CONTENT_TYPE, Metrics
@@ -198,7 +198,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
 def render_chat(tokenizer, messages: list[dict], model_name: str) -> list[int]:
     """The conversation's token ids, in the target's chat template (engine/prompts.py, as `arborspec generate
     --chat` and `arborspec chat` encode it)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions")
     try:
         return conversation_ids(tokenizer, messages)

@@ -132,15 +132,18 @@ def model_threads(model) -> int:
 
 
 def profile_key(model) -> dict:
-    return {"model": model_fingerprint(model), "name": str(getattr(model.config, "_name_or_path", "") or ""),
-            "dtype": str(model.dtype), "threads": model_threads(model), "machine": machine_id()}
+    return _key(model_fingerprint(model), str(getattr(model.config, "_name_or_path", "") or ""), model.dtype,
+                model_threads(model))
 
 
 def native_profile_key(info) -> dict:
     """The profile_key of the native model that `info` (backends.native.read_header) describes, before it is loaded:
     a native model is named by its file, computes in float32 and on torch's threads."""
-    return {"model": file_fingerprint(info), "name": str(info.path), "dtype": str(torch.float32),
-            "threads": torch.get_num_threads(), "machine": machine_id()}
+    return _key(file_fingerprint(info), str(info.path), torch.float32, torch.get_num_threads())
+
+
+def _key(fingerprint: str, name: str, dtype, threads: int) -> dict:
+    return {"model": fingerprint, "name": name, "dtype": str(dtype), "threads": threads, "machine": machine_id()}
 
 
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
