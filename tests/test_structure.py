@@ -159,7 +159,7 @@ FLOORS = [
     ("engine",),  # the draft -> verify -> commit loop
     ("loading",),  # aliases, one model, the backend plan, the pair loader
     ("runspec", "flags"),  # the method grammar; the shared flags
-    ("cli", "chat", "server", "bench"),  # the front ends
+    ("console", "cli", "chat", "server", "bench", "__main__"),  # the front ends; console: what needs no model
 ]
 MAX_LINES = 400
 

@@ -1,6 +1,7 @@
-"""The `arborspec` command line. Method options come from the policy registry, so a new policy needs no CLI code;
-what a method name means is arborspec/runspec.py, the shared flags and defaults flags.py and loading/pair.py, the
-same for `arborspec bench`, `serve` and the Python API.
+"""The `arborspec` command line, every command in full (console.py answers `--help` and `models` without torch).
+Method options come from the policy registry, so a new policy needs no CLI code; what a method name means is
+arborspec/runspec.py, the shared flags and defaults flags.py and loading/pair.py, the same for `arborspec bench`,
+`serve` and the Python API.
 
 Over 400 lines: one short function per subcommand plus the parser that names them; the flags shared with other front
 ends are in flags.py.
@@ -11,10 +12,8 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from .bench.args import add_bench_arguments, add_report_arguments
 from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
 from .bench.concurrency import bench_from_args
 from .bench.report import report_from_args
+from .console import CliError, add_models_arguments, cmd_models, run_command, top_parser
 from .core.options import option_parser, parse_int_list
 from .core.sampling import SamplingConfig
 from .drafting import POLICIES
@@ -41,7 +41,6 @@ from .flags import (
     add_sampling_arguments,
     add_tree_layout_arguments,
 )
-from .loading import aliases
 from .loading.pair import (
     DEFAULT_DRAFT,
     DEFAULT_DTYPE,
@@ -69,16 +68,6 @@ from .verify import VERIFIERS
 from .viz.trees import draw_trees
 
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
-
-# torch's own int8 modules create quantized tensors and TypedStorage, both deprecated in torch, whenever an int8 draft
-# is made or loaded: warnings the user can do nothing about. Hidden here only; library users and tests see them.
-TORCH_NOISE = (r"TypedStorage is deprecated",
-               r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation")
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
-
 
 # ---- argument parsing ---------------------------------------------------------------------------------------
 def _method_option_fields() -> dict[str, dataclasses.Field]:
@@ -129,10 +118,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arborspec", description="Tree-based speculative decoding of causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text with speculative decoding")
+    parser, commands = top_parser()
+    gen = commands["generate"]
     _add_generation_args(gen)
     src = gen.add_mutually_exclusive_group()
     src.add_argument("text", nargs="?", default=None, metavar="PROMPT",
@@ -148,21 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare-ar", action="store_true",
                      help="also run plain decoding of the target and report the speed-up measured in this run")
 
-    chat = sub.add_parser("chat", help="a conversation with the target in the terminal, answers decoded "
-                                       "speculatively (each turn prefills only what is new)")
+    chat = commands["chat"]
     _add_generation_args(chat)
     chat.add_argument("--system", default=None, help="a system message to start the conversation with")
     chat.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer, in tokens")
 
-    models = sub.add_parser("models", help="built-in model aliases")
-    models.add_argument("action", choices=["list", "fetch", "path"])
-    models.add_argument("alias", nargs="?")
+    add_models_arguments(commands["models"])
 
-    sub.add_parser("methods", help="list tree policies, their options, and verifiers")
-    kern = sub.add_parser("kernels", help="arborspec's own GGUF kernels (the native backend): build, or say what runs")
+    kern = commands["kernels"]
     kern.add_argument("action", choices=["build", "info"])
 
-    trees = sub.add_parser("trees", help="draw the trees a method drafts in the first steps (PNG)")
+    trees = commands["trees"]
     _add_generation_args(trees)
     trees.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
     trees.add_argument("--prompt-file", default=None, help="read the prompt from this file")
@@ -170,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     trees.add_argument("--max-new-tokens", type=int, default=64)
     trees.add_argument("--out", default="trees.png", help="PNG file to write")
 
-    cal = sub.add_parser("calibrate", help="measure the draft's positional acceptance rates (for sequoia)")
+    cal = commands["calibrate"]
     _add_generation_args(cal)
     cal.add_argument("--prompt", action="append", default=None, help="calibration prompt (repeatable)")
     cal.add_argument("--prompt-file", action="append", default=None, help="file with one calibration prompt (repeatable)")
@@ -178,8 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--ranks", type=int, default=16, help="length of the acceptance vector")
     cal.add_argument("--out", default="acceptance.json", help="JSON file for `sequoia --acceptance-file`")
 
-    prof = sub.add_parser("profile", help="measure a model's tree-forward cost t(N) and fit STree's runtime model; "
-                                          "--pair: the target's t(n) and the draft's per-layer cost that auto uses")
+    prof = commands["profile"]
     prof.add_argument("--model", default=None, help="alias, local dir, .gguf file or hub id")
     prof.add_argument("--pair", action="store_true",
                       help="profile --target and --draft as `--method auto` does (cached per model, dtype, threads, "
@@ -200,9 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_layout_arguments(prof)
     prof.add_argument("--out", default=None, help="PNG plot of the fit and the tau-ratio rule")
 
-    add_bench_arguments(sub.add_parser("bench", help="benchmark methods on prompt sets: results.json, report.md, plots"))
-    add_report_arguments(sub.add_parser("report", help="report.md and plots from a bench results.json; --check-equal"))
-    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server, streaming (docs/serve.md)"))
+    add_bench_arguments(commands["bench"])
+    add_report_arguments(commands["report"])
+    add_serve_arguments(commands["serve"])
     return parser
 
 
@@ -310,23 +292,6 @@ def cmd_chat(args) -> int:
     conversation = chat.Conversation(_decoder(args, spec, target, draft), args.system, args.max_new_tokens, args.seed)
     drafted = f", drafted by {args.draft}" if spec.needs_draft else ""
     return chat.run(conversation, f"[arborspec] chatting with {args.target}{drafted} (method {spec.name})")
-
-
-def cmd_models(args) -> int:
-    if args.action == "list":
-        for name, alias in aliases.ALIASES.items():
-            state = "fetched" if aliases.is_fetched(name) else "not fetched"
-            print(f"{name:24s} {state:12s} {getattr(alias, 'description', '')}")
-        return 0
-    if not args.alias:
-        raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(aliases.ALIASES)}")
-    if args.alias not in aliases.ALIASES:
-        raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(aliases.ALIASES)}")
-    if args.action == "fetch":
-        print(aliases.fetch_alias(args.alias))
-    else:
-        print(aliases.alias_path(args.alias))
-    return 0
 
 
 def cmd_kernels(args) -> int:
@@ -463,20 +428,9 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "k
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command, parsed in full (the console script calls this for all but the light ones, console.py)."""
     args = build_parser().parse_args(argv)
-    try:
-        with warnings.catch_warnings():
-            for message in TORCH_NOISE:
-                warnings.filterwarnings("ignore", message=message, category=UserWarning)
-            return COMMANDS[args.command](args)
-    except (CliError, ValueError, loading.ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
-        if os.environ.get("ARBORSPEC_DEBUG"):
-            raise
-        print(f"arborspec: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("arborspec: interrupted", file=sys.stderr)
-        return 130
+    return run_command(COMMANDS[args.command], args)
 
 
 if __name__ == "__main__":

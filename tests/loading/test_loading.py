@@ -198,13 +198,13 @@ def test_load_local_gguf_round_trips_weights(tmp_path, monkeypatch):
     path = tmp_path / "tiny.gguf"
     written = write_tiny_gguf(path)
     calls = []
-    original = aliases.AutoModelForCausalLM.from_pretrained
+    original = AutoModelForCausalLM.from_pretrained
 
     def spy(*args, **kwargs):
         calls.append((args, kwargs))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(aliases.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     loaded = load_model(str(path), dtype="fp32", progress=False)
     (args, kwargs), = calls
     assert Path(args[0]) == tmp_path.resolve() and kwargs["gguf_file"] == "tiny.gguf"
@@ -238,7 +238,7 @@ def test_unreachable_hub_id_is_a_load_error(monkeypatch):
         calls.append(name)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
-    monkeypatch.setattr(aliases.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", offline)
     monkeypatch.setattr(model_loading, "hub_reachable", lambda: True)
     with pytest.raises(ModelLoadError, match="hub") as info:
         load_model("someone/some-model", progress=False)
@@ -255,7 +255,7 @@ def test_a_hub_id_without_a_route_to_the_hub_reads_its_cache_alone(monkeypatch):
         seen.append(kwargs.get("local_files_only"))
         raise OSError("not in the cache")
 
-    monkeypatch.setattr(aliases.AutoModelForCausalLM, "from_pretrained", cache_only)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", cache_only)
     monkeypatch.setattr(model_loading, "hub_reachable", lambda: False)
     with pytest.raises(ModelLoadError, match="unreachable from this machine and the model is not in its local cache"):
         load_model("someone/some-model", progress=False)

