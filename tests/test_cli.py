@@ -192,13 +192,13 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
 
 
 @pytest.mark.parametrize("command,args,message", [
-    ("generate", ["--temperature", "nan"], "temperature must be a finite number"),
+    ("generate", ["--temperature", "nan"], "temperature must be 0 (greedy) or a finite number"),
     ("generate", ["--top-p", "2"], "top_p must be in (0, 1]"),
     ("trees", ["--top-k", "-1"], "top_k must be an integer"),
     ("trees", ["--out", "/nonexistent/folder/trees.png"], "its folder does not exist"),
-    ("calibrate", ["--temperature", "-0.5"], "temperature must be a finite number"),
+    ("calibrate", ["--temperature", "-0.5"], "temperature must be 0 (greedy) or a finite number"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),
-    ("bench", ["--temperatures", "0,inf"], "temperature must be a finite number"),
+    ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
 ])
 def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     # the target does not exist: an error about it would mean the models were being loaded first

@@ -133,6 +133,10 @@ def test_stop_strings_and_text(tokenizer):
     assert cut.text.index(stop) + len(stop) == len(cut.text)  # stopped right after the stop string
     assert "".join(dec.stream("def f(x):", max_new_tokens=40, ignore_eos=True)) == full.text
     assert dec.generate("def f(x):", max_new_tokens=40, ignore_eos=True, stop=stop).text == cut.text  # one string
+    longer = dec.generate("def f(x):", max_new_tokens=60, ignore_eos=True).text
+    long = longer[3:40]  # 37 characters, a token each: past the 32 tokens whose text the check once read
+    cut = dec.generate("def f(x):", max_new_tokens=60, ignore_eos=True, stop=long)
+    assert cut.stats.finish_reason == "stop" and cut.text == longer[:40]
     for bad in ([""], [stop, ""], [None]):
         with pytest.raises(ValueError, match="non-empty strings"):
             dec.generate("def f(x):", max_new_tokens=4, stop=bad)
@@ -158,6 +162,11 @@ def test_context_window_is_respected():
         (dict(method="static", verifier="nope"), "unknown verifier"),
         (dict(method="static", temperature=-1), "temperature"),
         (dict(method="static", temperature=0.7, verifier="greedy"), "temperature 0"),
+        (dict(method="static", temperature=1e-40), "temperature must be 0"),  # logits / T would overflow float32
+        (dict(method="static", top_k=2.0), "top_k"),
+        (dict(method="static", seed="1"), "seed"),
+        (dict(method="static", max_new_tokens=8), "argument of generate"),
+        (dict(method="static", do_sample=True), "do_sample"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs, match):
@@ -171,8 +180,11 @@ def test_bad_prompts_are_refused():
     dec = SpeculativeDecoder(target, method="ar")
     with pytest.raises(ValueError, match="empty"):
         dec.generate([], max_new_tokens=3)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        dec.generate([3], max_new_tokens=0)
+    for budget in (0, 2.0, True):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            dec.generate([3], max_new_tokens=budget)
+    with pytest.raises(ValueError, match="seed"):
+        dec.generate([3], max_new_tokens=2, seed=1.5)
 
 
 def test_nan_logits_are_refused():
@@ -298,6 +310,8 @@ def test_the_sampling_seed_is_the_default_seed_of_a_generation():
     assert want[0] != want[1]  # the seed decides something here
     seeded = SpeculativeDecoder(target, config=DecoderConfig(method="ar", sampling=SamplingConfig(1.0, seed=7)))
     assert seeded.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == want[0]
+    keyword = SpeculativeDecoder(target, method="ar", temperature=1.0, seed=7)  # as transformers users write it
+    assert keyword.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == want[0]
     assert seeded.generate(prompt, max_new_tokens=12, seed=8, ignore_eos=True).token_ids == want[1]
 
 

@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", default=None, help="read the prompt from this file ('-': standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=None,
+                     help="stop string (repeatable): the output ends with the token that completes it")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--per-step", action="store_true", help="with --json: include every step's statistics")

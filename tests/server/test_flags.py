@@ -37,9 +37,10 @@ def one_error_line(capsys) -> str:
     (["--prefill-chunk", "-8"], "--prefill-chunk", "must be at least 0"),
     (["--port", "70000"], "--port", "must be at most 65535"),
     (["--port", "-1"], "--port", "must be at least 0"),
-    (["--temperature", "-1"], "--temperature", "finite number >= 0"),
-    (["--temperature", "nan"], "--temperature", "finite number >= 0"),
-    (["--draft-temperature", "-0.5"], "--draft-temperature", "finite number >= 0"),
+    (["--temperature", "-1"], "--temperature", "0 (greedy) or a finite number >= 1e-06"),
+    (["--temperature", "nan"], "--temperature", "0 (greedy) or a finite number >= 1e-06"),
+    (["--draft-temperature", "-0.5"], "--draft-temperature", "0 (greedy) or a finite number >= 1e-06"),
+    (["--temperature", "1e-40"], "--temperature", "0 (greedy) or a finite number >= 1e-06"),
     (["--top-p", "0"], "--top-p", "in (0, 1]"),
     (["--top-p", "1.5"], "--top-p", "in (0, 1]"),
     (["--top-k", "-1"], "--top-k", "integer >= 0"),
@@ -69,7 +70,7 @@ def test_bad_server_settings_fail_before_loading_with_one_line(model_dirs, capsy
 
 def test_arborspec_serve_fails_the_same_way(model_dirs, capsys):
     assert cli.main(["serve", *unloadable(model_dirs, "--temperature", "-1")]) == 2
-    assert "--temperature must be a finite number >= 0, got -1.0" in one_error_line(capsys)
+    assert "--temperature must be 0 (greedy) or a finite number >= 1e-06, got -1.0" in one_error_line(capsys)
 
 
 def test_an_empty_key_in_the_environment_is_an_error(model_dirs, capsys, monkeypatch):

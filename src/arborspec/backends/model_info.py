@@ -1,5 +1,5 @@
-"""What arborspec reads off a model object, whatever its backend: its context window, its end-of-sequence ids, and
-whether a draft can serve a target.
+"""What arborspec reads off a model object, whatever its backend: its tokenizer, its context window, its
+end-of-sequence ids, and whether a draft can serve a target.
 
 Only `model.config` (vocab_size, max_position_embeddings or GPT-2's n_positions) and `model.generation_config`
 (eos_token_id) are read, so a model object that is not a torch module (e.g. a llama.cpp model offering a
@@ -8,6 +8,15 @@ Only `model.config` (vocab_size, max_position_embeddings or GPT-2's n_positions)
 from __future__ import annotations
 
 NO_LIMIT = 2**31  # the context window of a model whose config names none
+
+
+def model_and_tokenizer(model_or_loaded, tokenizer=None) -> tuple:
+    """(model, tokenizer) of a LoadedModel, a (model, tokenizer) pair, or a bare model and `tokenizer`."""
+    if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
+        return model_or_loaded.model, model_or_loaded.tokenizer
+    if isinstance(model_or_loaded, tuple) and len(model_or_loaded) == 2:
+        return model_or_loaded
+    return model_or_loaded, tokenizer
 
 
 def context_window(model, default: int = NO_LIMIT) -> int:

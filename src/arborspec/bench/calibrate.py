@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.model_info import model_and_tokenizer
 from ..core.disk_cache import write_json
 from ..engine import SpeculativeDecoder
-from ..engine.decoder import _unwrap
 from ..tuning.corpus import DEFAULT_PROMPTS
 
 
@@ -20,8 +20,8 @@ from ..tuning.corpus import DEFAULT_PROMPTS
 def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
               ranks: int = 16, seed: int | None = 0) -> dict:
     """The acceptance vector of `draft` against `target` on `prompts` (text or token-id lists)."""
-    target_model, tokenizer = _unwrap(target, tokenizer)
-    draft_model, _ = _unwrap(draft)
+    target_model, tokenizer = model_and_tokenizer(target, tokenizer)
+    draft_model, _ = model_and_tokenizer(draft)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks!r}")
     dec = SpeculativeDecoder(target_model, method="ar", temperature=temperature, tokenizer=tokenizer)

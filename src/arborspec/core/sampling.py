@@ -7,9 +7,18 @@ degenerates to greedy verification.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+# The smallest positive temperature. Below it sampling is greedy in all but name, and logits / T leave float32's range
+# (1e-40 is subnormal there: every logit became inf, the softmax NaN, and the tokens garbage or a sampling error).
+MIN_TEMPERATURE = 1e-6
+
+
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -22,10 +31,13 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t)) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
+        if not _whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if self.seed is not None and not _whole(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
@@ -91,6 +103,8 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     """None -> torch's global generator; an int -> a private generator, so one call is reproducible."""
     if seed is None:
         return None
+    if not _whole(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
     gen = torch.Generator()
     gen.manual_seed(int(seed))
     return gen

@@ -15,7 +15,9 @@ from ..core.tree import ORDERS
 from ..drafting import POLICIES
 from ..drafting.grafts import FreeBranches
 
-SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p")  # SpeculativeDecoder's keywords for `sampling`'s fields
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "seed")  # SpeculativeDecoder's keywords for `sampling`'s fields
+# keywords a transformers user may hand SpeculativeDecoder(...) that belong to each generate() call instead
+CALL_KEYWORDS = ("max_new_tokens", "stop", "ignore_eos", "logprobs", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class DecoderConfig:
         own = {f.name for f in fields(cls)}
         settings = {k: options.pop(k) for k in list(options) if k in own}
         warp = {k: options.pop(k) for k in SAMPLING_KEYWORDS if k in options}
+        misplaced = [k for k in CALL_KEYWORDS if k in options]
+        if misplaced:
+            raise ValueError(f"{misplaced[0]} is an argument of generate() / stream(), not of SpeculativeDecoder(...)")
+        if "do_sample" in options:
+            raise ValueError("do_sample: arborspec samples when temperature > 0; temperature 0 (the default) is greedy")
         if warp:
             settings["sampling"] = replace(settings.get("sampling", base.sampling), **warp)
         settings["method_options"] = {**base.method_options, **settings.get("method_options", {}), **options}

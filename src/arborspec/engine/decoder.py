@@ -15,7 +15,7 @@ import torch
 
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
-from ..backends.model_info import check_pair, context_window, eos_ids, pair_names
+from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names
 from ..core.options import check_int
 from ..core.sampling import make_generator
 from ..core.tree import ORDERS, TokenTree
@@ -23,21 +23,13 @@ from ..drafting import POLICIES, DraftContext
 from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
 from .config import DecoderConfig
-from .generation import Generation
+from .generation import Generation, check_budget
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .prompts import prompt_ids
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
 from .verifier_choice import choose_verifiers, with_free_branches
-
-
-def _unwrap(model_or_loaded, tokenizer=None):
-    """Accept a LoadedModel, a (model, tokenizer) pair, or a bare model; return (model, tokenizer)."""
-    if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
-        return model_or_loaded.model, model_or_loaded.tokenizer
-    return model_or_loaded, tokenizer
-
 
 PROMPT_PIECE = 64  # prompt tokens a forward reads when it keeps their logits: (64, vocab) rows, ~39 MB for Qwen2.5
 
@@ -63,8 +55,8 @@ class SpeculativeDecoder:
                             "keyword (method=...)")
         self.config = c = DecoderConfig.of(config, **options)
         self.free = c.free_branches()  # n-gram, suffix and lookahead branches (false when none)
-        self.target, self.tokenizer = _unwrap(target, tokenizer)
-        self.draft, draft_tok = _unwrap(draft) if draft is not None else (None, None)
+        self.target, self.tokenizer = model_and_tokenizer(target, tokenizer)
+        self.draft, draft_tok = model_and_tokenizer(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
             self.tokenizer = draft_tok
         if self.draft is not None:  # the draft's token ids must mean what the target's do
@@ -93,7 +85,7 @@ class SpeculativeDecoder:
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
-        ids = prompt_ids(self.tokenizer, prompt)
+        ids = prompt_ids(self.tokenizer, prompt, getattr(self.target.config, "vocab_size", None))
         window = context_window(self.target)
         if len(ids) >= window:
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
@@ -102,7 +94,9 @@ class SpeculativeDecoder:
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
                  prompt_logprobs: bool = False) -> GenerationResult:
-        """`prompt`: text, a conversation (a list of {"role", "content"} messages) or token ids (`encode`).
+        """`prompt`: text, a conversation (a list of {"role", "content"} messages) or token ids (`encode`). A `stop`
+        string ends the generation with the token that completes it, kept in the text as transformers' stop_strings
+        keep it (the server cuts the text before it, as OpenAI does: server/output.py).
         `logprobs` k: result.logprobs holds each token's log-probability under the target and its k most likely
         alternatives (engine/logprobs.py); None: not computed. `prompt_logprobs` (with `logprobs`): the same for
         the prompt's tokens, in result.prompt_logprobs (the first token's logprob is None: nothing predicts it);
@@ -133,14 +127,14 @@ class SpeculativeDecoder:
     def stream(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                ignore_eos: bool = False) -> Iterator[str]:
         """Yield the generated text incrementally, one chunk per step."""
-        shown = ""
+        shown, self.last_result = "", None  # then the result so far: a stream stopped early keeps what it made
         for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos):
+            self.last_result = result
             if result.text.endswith("\ufffd") and result.stats.finish_reason == "":
                 continue  # a multi-byte character is split across steps; wait for the rest
             if len(result.text) > len(shown):
                 yield result.text[len(shown):]
                 shown = result.text
-        self.last_result = result
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
@@ -230,9 +224,7 @@ class SpeculativeDecoder:
             yield result
 
     def _start(self, prompt, max_new_tokens, stop, seed, ignore_eos, scoring: bool = False) -> Generation:
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < (0 if scoring else 1):
-            raise ValueError(f"max_new_tokens must be a positive integer (0 only with prompt_logprobs: a prompt "
-                             f"scored), got {max_new_tokens!r}")
+        check_budget(max_new_tokens, scoring)
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)

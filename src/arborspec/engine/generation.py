@@ -3,6 +3,7 @@ committed context, the stopping rules (EOS, the token budget, the context window
 their clocks, and the result after every step."""
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Callable
 
@@ -20,6 +21,14 @@ def stop_strings(stop: str | list[str] | None) -> list[str] | None:
         raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at its "
                          f"first token), got {list(stop)!r}")
     return stop
+
+
+def check_budget(max_new_tokens, scoring: bool = False) -> None:
+    """ValueError unless `max_new_tokens` is an integer >= 1 (>= 0 when a prompt is scored: prompt_logprobs)."""
+    low = 0 if scoring else 1
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < low:
+        raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only with prompt_logprobs: a prompt scored), "
+                         f"got {max_new_tokens!r}")
 
 
 class Generation:
@@ -94,5 +103,11 @@ class Generation:
         return kept, ""
 
     def _hits_stop(self, tokens: list[int]) -> bool:
-        tail = self.decode(tokens[-32:])  # a stop string ends within the last few tokens
+        """Whether a stop string ends in the last token of `tokens`. Only a tail is decoded: enough tokens for the
+        longest stop string and the last token's own text, plus one character (the first token may hold part of a
+        character); a token can decode to nothing (a special token), so the tail grows until its text is that long."""
+        need = max(len(s) for s in self.stop) + len(self.decode(tokens[-1:])) + 1
+        k = 32
+        while len(tail := self.decode(tokens[-k:])) < need and k < len(tokens):
+            k *= 2
         return any(s in tail for s in self.stop)

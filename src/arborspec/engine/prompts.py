@@ -10,25 +10,47 @@ there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec 
 """
 from __future__ import annotations
 
-import torch
+import numbers
 
 
-def prompt_ids(tokenizer, prompt) -> list[int]:
-    """The token ids of `prompt` (text, a conversation, or ids); ValueError for an empty one, or text without a
-    tokenizer."""
+def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
+    """The token ids of `prompt`: text, a conversation, or one sequence of ids (a list, a (N,) or (1, N) tensor or
+    array, or a tokenizer's output with "input_ids"). ValueError for an empty prompt, text without a tokenizer, ids
+    that are not integers or not below `vocab`, several sequences (generate_batch takes those) or anything else."""
     if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     elif is_conversation(prompt):
         ids = conversation_ids(tokenizer, prompt)
-    elif isinstance(prompt, torch.Tensor):
-        ids = prompt.reshape(-1).tolist()
     else:
-        ids = [int(t) for t in prompt]
+        ids = _one_sequence(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
+    if vocab is not None and not all(0 <= t < vocab for t in ids):
+        raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the target's vocabulary "
+                         f"[0, {vocab})")
     return ids
+
+
+def _one_sequence(prompt) -> list[int]:
+    """`prompt` as one list of token ids (see prompt_ids): a list, a (N,) or (1, N) tensor or array, [[ids]]."""
+    if hasattr(prompt, "keys") and "input_ids" in prompt:  # a dict or transformers' BatchEncoding
+        prompt = prompt["input_ids"]
+    if hasattr(prompt, "shape") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is text, a list of chat messages or token ids, not {type(prompt).__name__}")
+    if prompt and all(isinstance(row, (list, tuple)) for row in prompt):
+        if len(prompt) != 1:
+            raise ValueError(f"the prompt holds {len(prompt)} sequences; one generation takes one "
+                             "(SpeculativeDecoder.generate_batch takes several)")
+        prompt = prompt[0]
+    for t in prompt:
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            hint = " (several prompts: SpeculativeDecoder.generate_batch)" if isinstance(t, (str, list, tuple)) else ""
+            raise ValueError(f"token ids must be integers, got {t!r}{hint}")
+    return [int(t) for t in prompt]
 
 
 def is_conversation(prompt) -> bool:

@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..core.sampling import MIN_TEMPERATURE
 from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 
@@ -176,10 +177,11 @@ def check_unsupported(data: dict, model: type[BaseModel]) -> None:
 
 
 # ---- what a request asks for ----------------------------------------------------------------------------------------
-_FINITE_NON_NEGATIVE = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+_TEMPERATURE = (lambda v: math.isfinite(v) and (v == 0 or v >= MIN_TEMPERATURE),
+                f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}")
 SAMPLING_RULES = {  # the engine's own rules (sampling.SamplingConfig), checked early to name the field or flag
-    "temperature": _FINITE_NON_NEGATIVE,
-    "draft_temperature": _FINITE_NON_NEGATIVE,
+    "temperature": _TEMPERATURE,
+    "draft_temperature": _TEMPERATURE,
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, "an integer >= 0 (0 turns it off)"),
     "seed": (lambda v: SEED_RANGE[0] <= v <= SEED_RANGE[1], f"in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
