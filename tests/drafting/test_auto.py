@@ -795,3 +795,35 @@ def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when
     assert again.source["calibration"] == "cache"
     # capped at 100 drafted steps, the same rate
     assert (again.first_child.hits.tolist(), again.first_child.trials.tolist()) == ([75.0], [100.0])
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_repeatable_auto_samples_the_same_tokens_whatever_the_clock_and_earlier_runs(monkeypatch):
+    """At T > 0 the tokens a seed gives depend on the trees (a tree's shape decides which random draws are made),
+    and auto's trees follow the measured step times and the calibration saved by earlier runs. auto(repeatable)
+    sizes them from the profile and this run alone, so a seeded run repeats: here under a steady clock, then one on
+    which every fourth reading jumps (a step measured slow: the guard falls back to plain decoding), the second run
+    with the first's saved calibration."""
+    from types import SimpleNamespace
+
+    from arborspec.engine import decoder as decoder_module
+
+    def clock(increments):
+        ticks, now = itertools.cycle(increments), [0.0]
+
+        def perf_counter():
+            now[0] += next(ticks)
+            return now[0]
+        return SimpleNamespace(perf_counter=perf_counter)
+
+    target, draft = make_pair("llama", seed=3, noise=0.3)
+    runs = {}
+    for repeatable in (False, True):
+        for jumps in (False, True):
+            dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0, repeatable=repeatable)
+            dec.policy.use_costs(CostModel(T_CPU, D_CPU))
+            monkeypatch.setattr(decoder_module, "time", clock([0.5, 0.001, 0.001, 0.001] if jumps else [0.001]))
+            res = dec.generate([5, 6, 7, 8, 9] * 4, max_new_tokens=40, ignore_eos=True, seed=0)
+            runs[repeatable, jumps] = res.token_ids
+    assert runs[True, False] == runs[True, True]
+    assert runs[False, False] != runs[False, True]  # without it, the same seed gives other tokens

@@ -8,7 +8,8 @@ round instead of once per request; elsewhere the steps run one after another.
 
 Each prompt gets its own fork of the decoder (the same models and settings, a fresh policy) and its own seed, so its
 output is bit for bit what `decoder.fork().generate(prompt, seed=seed)` gives alone: greedy and seeded sampled
-outputs do not depend on the batch.
+outputs do not depend on the batch (sampled ones from policies whose trees do not follow the clock: `auto` only with
+repeatable=true, drafting/auto/options.py).
 """
 from __future__ import annotations
 

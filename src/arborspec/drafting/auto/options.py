@@ -19,11 +19,15 @@ class AutoOptions:
     guard_cooldown: int = opt(16, "auto: plain steps before speculation is probed again")
     reprofile: bool = opt(False, "auto: measure the cost profile again instead of using the cached one")
     remember: bool = opt(True, "auto: load and save the calibration in the cache directory")
+    repeatable: bool = opt(False, "auto: trees from the cached profile and this run alone (adapt_costs, guard and "
+                                  "remember off), so a seeded sampled run gives the same tokens every time")
 
     def __post_init__(self):
         for name in ("max_nodes", "max_layers", "max_children", "guard_window", "guard_cooldown"):
             check_int(getattr(self, name), name)
-        for name in ("calibration", "adapt_costs", "guard", "reprofile", "remember"):
+        for name in ("calibration", "adapt_costs", "guard", "reprofile", "remember", "repeatable"):
             setattr(self, name, parse_bool(getattr(self, name), name))
+        if self.repeatable:  # each of these reads the clock or earlier runs, and a tree's shape moves its random draws
+            self.adapt_costs = self.guard = self.remember = False
         if not 0 <= self.guard_margin < 1:
             raise ValueError(f"guard_margin must be in [0, 1), got {self.guard_margin!r}")
