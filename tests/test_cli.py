@@ -102,7 +102,7 @@ def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, ca
     [
         (["--method", "nope"], "unknown method"),
         (["--method", "chain", "--depth", "3"], "takes no option --depth"),
-        (["--method", "chain", "--k", "0"], "positive integer"),
+        (["--method", "chain", "--k", "0"], "k must be an integer >= 1"),
         (["--prompt", ""], "empty"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
@@ -183,8 +183,8 @@ def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dir
     ("wetap", ["--verifier", "wetap"], "--allow-lossy"),
     ("chain(k=3)+fp8", [], "unknown lever"),
     ("chain(k=3)", ["--depth", "2"], "takes no option --depth"),
-    ("static(depth=0)", [], "depth must be a positive integer"),
-    ("static", ["--branch", "0"], "branch must be a positive integer"),
+    ("static(depth=0)", [], "depth must be an integer >= 1"),
+    ("static", ["--branch", "0"], "branch must be an integer >= 1"),
 ])
 def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--method", method, *extra)

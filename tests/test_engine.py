@@ -156,7 +156,7 @@ def test_context_window_is_respected():
     "kwargs,match",
     [
         (dict(method="nope"), "unknown method"),
-        (dict(method="chain", k=0), "positive integer"),
+        (dict(method="chain", k=0), "k must be an integer >= 1"),
         (dict(method="chain", depth=3), "takes no option 'depth'"),
         (dict(method="static", widths="3,x"), "comma-separated"),
         (dict(method="static", verifier="nope"), "unknown verifier"),
@@ -167,6 +167,13 @@ def test_context_window_is_respected():
         (dict(method="static", seed="1"), "seed"),
         (dict(method="static", max_new_tokens=8), "argument of generate"),
         (dict(method="static", do_sample=True), "do_sample"),
+        # a tree past MAX_TREE_NODES (1024): these ran until memory ran out, on a server at one client's request
+        (dict(method="static", depth=100, branch=100), "at most 1024"),
+        (dict(method="static", widths="600,600"), "at most 1024"),
+        (dict(method="dyspec", budget=100_000), "at most 1024"),
+        (dict(method="beam", beams=200_000), "at most"),
+        (dict(method="chain", k=5000), "at most 1024"),
+        (dict(method="auto", max_nodes=5000), "at most 1024"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs, match):

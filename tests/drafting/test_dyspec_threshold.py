@@ -3,8 +3,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arborspec.core.tree import MAX_TREE_NODES
 from arborspec.drafting import POLICIES
-from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
+from tests.drafting.equivalence import (
+    check_distribution,
+    check_greedy_equivalence,
+    make_pair,
+)
 from tests.drafting.fake_session import FakeSession, fake_context
 from tests.drafting.properties import check_tree
 
@@ -31,7 +36,7 @@ def test_tree_properties(session, budget, threshold, temperature, max_depth):
 def test_uncapped_threshold_tree_is_alg1_with_that_many_tokens(session, threshold):
     """App. A.1: without the cap, Alg. 2 keeps every draw worth more than t; that is Alg. 1's tree of the same size
     (Alg. 1 pops in non-increasing value), up to ties."""
-    big = 10_000
+    big = MAX_TREE_NODES  # the most any tree may hold: far past what these thresholds keep
     t_tree = POLICIES["dyspec-threshold"](budget=big, threshold=threshold).draft(fake_context(session, max_depth=8))
     policy = POLICIES["dyspec"](budget=len(t_tree) - 1)
     s2 = FakeSession(session.vocab, session.seed, session.sharpness)

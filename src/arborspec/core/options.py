@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 
-def check_int(value, what: str, low: int = 1) -> None:
+def check_int(value, what: str, low: int = 1, high: int | None = None) -> None:
     if isinstance(value, bool) or int(value) != value or value < low:
         raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{what} must be at most {high}, got {value!r}")
 
 
 def parse_bool(value, what: str) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.options import check_int, opt
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 from .layers import layer_probs
 
@@ -25,8 +25,8 @@ class BeamOptions:
     beams: int = opt(3, "beams M (tokens per layer)")
 
     def __post_init__(self):
-        check_int(self.steps, "steps")
-        check_int(self.beams, "beams")
+        check_int(self.steps, "steps", high=MAX_TREE_NODES)
+        check_int(self.beams, "beams", high=MAX_TREE_NODES // self.steps)  # steps x beams nodes
 
 
 class BeamPolicy(Policy):

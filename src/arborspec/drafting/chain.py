@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.options import opt
+from ..core.options import check_int, opt
 from ..core.sampling import SamplingConfig
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 from .layers import draw_children, layer_probs
 
@@ -15,8 +15,7 @@ class ChainOptions:
     k: int = opt(5, "number of tokens the draft proposes per step")
 
     def __post_init__(self):
-        if int(self.k) != self.k or self.k < 1:
-            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+        check_int(self.k, "k", high=MAX_TREE_NODES)
 
 
 class ChainPolicy(Policy):

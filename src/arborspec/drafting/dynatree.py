@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.options import check_int, opt, parse_bool
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 
 
@@ -59,7 +59,7 @@ class DynaTreeOptions:
 
     def __post_init__(self):
         for name in ("budget", "b_min", "b_mid", "b_max", "d0", "d_max", "window"):
-            check_int(getattr(self, name), name)
+            check_int(getattr(self, name), name, high=MAX_TREE_NODES)
         if not self.b_min <= self.b_mid <= self.b_max:
             raise ValueError(f"need b_min <= b_mid <= b_max, got {self.b_min}, {self.b_mid}, {self.b_max}")
         if not 0 < self.tau_l < self.tau_h < 1:

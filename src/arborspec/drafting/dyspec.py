@@ -40,7 +40,7 @@ import torch
 
 from ..core.options import check_int, opt, parse_bool
 from ..core.sampling import SamplingConfig, sample
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .auto import AutoPolicy
 from .base import DraftContext, Policy
 
@@ -55,7 +55,7 @@ def parse_budget(value, what: str = "budget"):
             value = int(text)
         except ValueError:
             raise ValueError(f"{what} must be an integer >= 1 or 'auto', got {value!r}") from None
-    check_int(value, what)
+    check_int(value, what, high=MAX_TREE_NODES)
     return value
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..core.options import check_int, opt
 from ..core.sampling import sample
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 
 
@@ -26,7 +26,7 @@ class DySpecThresholdOptions:
     threshold: float = opt(0.0, "expand every draw whose value exceeds this (0 = 1/budget)")
 
     def __post_init__(self):
-        check_int(self.budget, "budget")
+        check_int(self.budget, "budget", high=MAX_TREE_NODES)
         if not 0 <= float(self.threshold) < 1:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold!r}")
         self.threshold = float(self.threshold) or 1.0 / self.budget

@@ -44,7 +44,7 @@ def draw_children(
     distribution and drawing rule on the tree; storage order is drawing order, which greedy-draft relies on.
     """
     if ctx.sampling.greedy:
-        tokens = torch.topk(plain, k).indices.tolist()
+        tokens = torch.topk(plain, min(k, plain.shape[-1])).indices.tolist()
         tree.set_children_dist(node, warped, DrawRule.DETERMINISTIC)
         return [tree.add(node, t, float(plain[t])) for t in tokens]
     tokens = sampled_children(warped, k, draw, ctx.generator)

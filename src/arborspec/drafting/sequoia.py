@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.options import check_int, opt
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
@@ -136,7 +136,7 @@ class SequoiaOptions:
     draw: str = opt("sample", DRAW_HELP)
 
     def __post_init__(self):
-        check_int(self.budget, "budget")
+        check_int(self.budget, "budget", high=MAX_TREE_NODES)
         check_draw(self.draw)
         if self.acceptance_file:
             self.vector = load_acceptance_file(self.acceptance_file)

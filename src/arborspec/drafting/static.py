@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.options import opt, parse_int_list
-from ..core.tree import DrawRule, TokenTree
+from ..core.options import check_int, opt, parse_int_list
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 from .layers import DRAW_HELP, DRAW_RULES, check_draw, draw_children, layer_probs
 
@@ -41,10 +41,11 @@ class StaticOptions:
 
     def __post_init__(self):
         for name in ("depth", "branch"):
-            value = getattr(self, name)
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(getattr(self, name), name, high=MAX_TREE_NODES)
         self.width_list = parse_int_list(self.widths, "widths") if self.widths else ()
+        nodes = sum(self.width_list) or sum(self.branch ** i for i in range(1, self.depth + 1))
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"this tree has {nodes} drafted nodes; a step's tree may hold at most {MAX_TREE_NODES}")
         check_draw(self.draw)
         if self.width_list and self.draw != "sample":
             raise ValueError("draw applies to k-ary trees (depth, branch); a widths tree picks its tokens "

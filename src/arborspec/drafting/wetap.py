@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.options import check_int, opt
-from ..core.tree import DrawRule, TokenTree
+from ..core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from .base import DraftContext, Policy
 from .layers import layer_probs
 
@@ -48,7 +48,7 @@ class WetapOptions:
 
     def __post_init__(self):
         for name in ("budget", "length", "w_min", "w_max"):
-            check_int(getattr(self, name), name)
+            check_int(getattr(self, name), name, high=MAX_TREE_NODES)
         if self.w_min > self.w_max:
             raise ValueError(f"need w_min <= w_max, got {self.w_min} > {self.w_max}")
         if not self.gamma > 0:

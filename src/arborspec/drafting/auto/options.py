@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...core.options import check_int, opt, parse_bool
+from ...core.tree import MAX_TREE_NODES
 
 
 @dataclass
@@ -23,7 +24,9 @@ class AutoOptions:
                                   "remember off), so a seeded sampled run gives the same tokens every time")
 
     def __post_init__(self):
-        for name in ("max_nodes", "max_layers", "max_children", "guard_window", "guard_cooldown"):
+        for name in ("max_nodes", "max_layers", "max_children"):
+            check_int(getattr(self, name), name, high=MAX_TREE_NODES)
+        for name in ("guard_window", "guard_cooldown"):
             check_int(getattr(self, name), name)
         for name in ("calibration", "adapt_costs", "guard", "reprofile", "remember", "repeatable"):
             setattr(self, name, parse_bool(getattr(self, name), name))
