@@ -64,3 +64,10 @@ def test_a_stream_stopped_early_leaves_its_result_so_far(decoder):
     assert decoder.last_result.text.startswith(shown) and 0 < decoder.last_result.stats.new_tokens < 30
     "".join(decoder.stream([5, 6, 7], max_new_tokens=5, ignore_eos=True))
     assert decoder.last_result.stats.new_tokens == 5 and decoder.last_result.stats.finish_reason == "length"
+
+
+def test_text_that_is_not_utf8_is_refused(decoder):
+    """A byte that is not UTF-8, in a command-line argument or a file, reaches Python as a lone surrogate; the
+    tokenizer failed on it with a type error (a traceback, or a server's 500)."""
+    with pytest.raises(ValueError, match="not valid Unicode text .* at character 3"):
+        decoder.generate("caf\udce9", max_new_tokens=2)

@@ -284,7 +284,7 @@ BAD_BODIES = [
     ("prompt over the context window", {"prompt": LONG, "max_tokens": 4}, 400, "context window"),
     ("empty prompt", {"prompt": "", "max_tokens": 4}, 400, "empty"),
     ("several prompts", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt"),
-    ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "token ids"),
+    ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "outside the target's vocabulary"),
     ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
     ("n = 2", {"prompt": "x", "n": 2}, 400, "'n'"),
     ("logprobs over 5", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
@@ -294,6 +294,11 @@ BAD_BODIES = [
     ("unknown extension field", {"prompt": "x", "arborspec": {"depth": 3}}, 400, "arborspec"),
     ("unknown model", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ("body too large", {"prompt": "x" * 5000}, 413, "4096"),
+    ("nested too deeply", b"[" * 2000 + b"]" * 2000, 400, "too deeply"),  # was a 500 (RecursionError)
+    ("a lone surrogate", b'{"prompt": "\\ud800", "max_tokens": 4}', 400, "not valid Unicode"),  # was a 500
+    ("a tree past the node bound", {"prompt": "x", "arborspec": {"method": "dyspec@100000"}}, 400, "at most 1024"),
+    ("a file on the server", {"prompt": "x", "arborspec": {"method": "sequoia(acceptance_file=/etc/passwd)"}}, 400,
+     "may not set acceptance_file"),
 ]
 
 

@@ -81,3 +81,13 @@ def test_requests_run_the_servers_draft_as_auto_prepared_it():
     for method in ("chain+vocab1024", "chain+iq4_nl"):
         with pytest.raises(ValueError, match="this server's draft has q4_0 and 32768"):
             decoders.spec_for(method=method)
+    # a request naming only a verifier or a budget runs the server's method on its draft (was refused: its spec
+    # still said quantization "auto", which was compared with the resolved q4_0)
+    decoders = Decoders(parse("chain"), None, object(), "iq4_nl", 65536, DecoderConfig())
+    assert decoders.spec.quant == "auto"
+    for request in ({"verifier": "mss"}, {"budget": 4}):
+        spec = decoders.spec_for(**request)
+        assert (spec.name, spec.quant, spec.vocab) == ("chain", "iq4_nl", 65536)
+    for method in ("sequoia(acceptance_file=/etc/passwd)", "auto(reprofile=true)"):  # a client's probe, or a stall
+        with pytest.raises(ValueError, match="a request may not set"):
+            decoders.spec_for(method=method)

@@ -20,7 +20,7 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
     if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
     if isinstance(prompt, str):
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(_text(prompt), add_special_tokens=True)["input_ids"]
     elif is_conversation(prompt):
         ids = conversation_ids(tokenizer, prompt)
     else:
@@ -31,6 +31,18 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
         raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the target's vocabulary "
                          f"[0, {vocab})")
     return ids
+
+
+def _text(text: str, what: str = "the prompt") -> str:
+    """`text`, if it can be written as UTF-8. A lone surrogate cannot: Python makes one of each byte of a command-line
+    argument or file that is not UTF-8 ("caf\\xe9"), and JSON can escape one ("\\ud800"); the tokenizer then failed
+    with a type error naming none of this."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode text ({err.reason} at character {err.start}: bytes that are "
+                         "not UTF-8?)") from None
+    return text
 
 
 def _one_sequence(prompt) -> list[int]:
@@ -68,6 +80,9 @@ def conversation_text(tokenizer, messages: list[dict]) -> str:
     template; a template's own error (e.g. roles out of the order it expects) as it raises it."""
     if not has_chat_template(tokenizer):
         raise ValueError("chat messages need a tokenizer with a chat template; this target's tokenizer has none")
+    for m in messages:
+        if isinstance(m.get("content"), str):
+            _text(m["content"], f"a {m['role']} message")
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 

@@ -183,10 +183,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
             decoder = decoders.build(spec, sampling)
         if chat:
             prompt = render_chat(decoder.tokenizer, prompt, model_name)
-        if isinstance(prompt, list) and not all(0 <= t < decoder.target.config.vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {decoder.target.config.vocab_size})",
-                           param="prompt")
-        ids = decoder.encode(prompt)
+        ids = decoder.encode(prompt)  # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
         return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk, logprobs,
                              prompt_logprobs)

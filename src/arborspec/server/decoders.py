@@ -9,12 +9,20 @@ server's own method is auto, else by the first request that asks for auto).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig, SpeculativeDecoder
 from ..engine.prefix_cache import PrefixCache
 from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
+
+
+# method options a request may not set, though `arborspec serve --method` may: what each would let any client do
+SERVER_ONLY_OPTIONS = {
+    "acceptance_file": "read a file on the server (and learn from the error whether it exists)",
+    "reprofile": "make the server measure its cost profiles again, for minutes",
+}
 
 
 @dataclass
@@ -41,7 +49,13 @@ class Decoders:
         run that, or not exactly: a lossy verifier needs the request's own `allow_lossy`)."""
         if method is None and verifier is None and budget is None:
             return self.spec
-        base = self.spec if method is None else parse(method, draft_quant=self.quant, allow_lossy=True)
+        for name in SERVER_ONLY_OPTIONS:  # before parse, which would read the file
+            if method is not None and re.search(rf"\b{name}\s*=", method):
+                raise ValueError(f"a request may not set {name} (it would {SERVER_ONLY_OPTIONS[name]}); start the "
+                                 "server with it in --method instead")
+        # the server's own method with its draft as prepared ("auto" resolved), or the request's
+        base = replace(self.spec, quant=self.quant) if method is None else parse(method, draft_quant=self.quant,
+                                                                                 allow_lossy=True)
         if base.policy is None:
             raise ValueError(f"{base.name!r} is a baseline (transformers' or llama.cpp's own loop), which "
                              "`arborspec bench` runs, not the server")

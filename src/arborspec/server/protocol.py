@@ -153,6 +153,8 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:  # "[[[[...": json nests by recursion, so a body within the size limit could 500
+        raise APIError(400, "the request body nests its JSON too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_unsupported(data, model)
