@@ -100,3 +100,19 @@ def test_a_second_run_into_the_same_folder_stops_before_it_writes(tmp_path, caps
     assert (tmp_path / records.NAME).read_text() == '{"first": "run"}'  # the first run's record untouched
     with records.writing(tmp_path):  # free again once the first run ends
         pass
+
+
+def test_bad_outputs_and_records_are_one_line_errors(tmp_path, capsys):
+    from arborspec.cli import main
+
+    (tmp_path / "afile").write_text("")
+    assert main(["bench", "--out", str(tmp_path / "afile"), "--target", "/nonexistent/model"]) == 2
+    assert "is a file; bench writes a folder" in capsys.readouterr().err
+    for name, text, message in [("object", "{}", "no list of runs"), ("list", "[]", "no list of runs"),
+                                ("runs", '{"runs": 5}', "no list of runs"),
+                                ("field", '{"runs": [{"label": "ar"}]}', "a run lacks a field")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / records.NAME).write_text(text)
+        assert main(["report", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)

@@ -38,6 +38,8 @@ def writing(directory: str | Path) -> Iterator[None]:
     writer removes the other form), so the later one silently replaced the earlier's record with its first prompts:
     a whole 20 + 20 run was lost so on 2026-11-26. The second run now stops at once and names the first one's pid."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--out {directory} is a file; bench writes a folder (results.json, report.md, plots)")
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / LOCK, "a+") as f:
         try:

@@ -30,7 +30,11 @@ def load_results(path: str | Path) -> tuple[dict, Path]:
     file = records.find(path)
     if file is None:
         raise FileNotFoundError(f"no results.json at {str(path)!r}")
-    return records.read(file), file.parent
+    results = records.read(file)
+    if not (isinstance(results, dict) and isinstance(results.get("runs"), list)
+            and all(isinstance(run, dict) for run in results["runs"])):
+        raise ValueError(f"{file} is not a results.json of `arborspec bench`: no list of runs under \"runs\"")
+    return results, file.parent
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -223,6 +227,16 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
 
 
 def report_from_args(args) -> int:
+    """`arborspec report`. A results.json whose runs lack a field or hold one of another type (edited by hand, or
+    from another tool) is one error line naming the file, not a traceback from deep in the tables."""
+    try:
+        return _report(args)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{args.results}: a run lacks a field or holds one of the wrong type ({type(err).__name__}: "
+                         f"{err}); was it written by `arborspec bench`?") from err
+
+
+def _report(args) -> int:
     if getattr(args, "reproduction", None):
         if not Path(args.results).is_dir():
             raise FileNotFoundError(f"--reproduction needs a results directory, got {args.results!r}")

@@ -17,7 +17,6 @@ from ..engine import DecoderConfig, SpeculativeDecoder
 from ..engine.prefix_cache import PrefixCache
 from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
 
-
 # method options a request may not set, though `arborspec serve --method` may: what each would let any client do
 SERVER_ONLY_OPTIONS = {
     "acceptance_file": "read a file on the server (and learn from the error whether it exists)",

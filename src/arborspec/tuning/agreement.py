@@ -19,7 +19,7 @@ from ..backends.model_info import context_window
 from ..core.disk_cache import read_record, record_path, write_record
 from ..core.sampling import SamplingConfig
 from ..core.tree import TokenTree
-from .costs import profile_key
+from .costs import measured_role, profile_key
 from .logit_table import TABLE_K, LogitTable
 from .reference_texts import reference_texts
 
@@ -40,7 +40,7 @@ def next_token_logits(model, ids: list[int]) -> torch.Tensor:
     """(len(ids) - 1, vocab): the model's logits for the token after each proper prefix of `ids` (one chain
     forward through a fresh session of its own backend)."""
     chain = TokenTree.from_parents(ids, [-1] + list(range(len(ids) - 1)))
-    return make_session(model, "target").forward(list(ids[:1]), chain, list(range(len(ids))))[:-1]
+    return make_session(model, measured_role(model)).forward(list(ids[:1]), chain, list(range(len(ids))))[:-1]
 
 
 def fitting(texts: list[list[int]], *models) -> list[list[int]]:

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,8 +54,8 @@ class TreeTimer:
         self.rng = random.Random(seed)
         self.vocab = int(model.config.vocab_size)
         self.context = [self.rng.randrange(self.vocab) for _ in range(prefix)]
-        self.session = new_session(model, "target") if new_session else make_session(model, "target",
-                                                                                     ssm_tree=ssm_tree)
+        role = measured_role(model)
+        self.session = new_session(model, role) if new_session else make_session(model, role, ssm_tree=ssm_tree)
         self.session.prefill(self.context[:-1])
 
     def round(self, sizes) -> list[float]:
@@ -126,6 +127,13 @@ class CostCurve:
 
 
 # ---- profiles: curves cached per model, dtype, thread count, machine and library versions ---------------------------
+def measured_role(model) -> str:
+    """How errors name a model measured here, target or draft alike ("the profiled draft.gguf model produced
+    non-finite logits"): a session's role said "target" for either, which blamed the target for a broken draft."""
+    name = str(getattr(model.config, "_name_or_path", "") or "") or type(model).__name__
+    return f"profiled {Path(name).name or name}"
+
+
 def model_threads(model) -> int:
     """The threads `model` computes with: its own setting for a backend that has one (llama.cpp), else torch's."""
     return getattr(model, "n_threads", None) or torch.get_num_threads()

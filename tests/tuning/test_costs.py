@@ -1,0 +1,19 @@
+"""The forward-cost measurements (tuning/costs.py) name the model they measured when it fails."""
+import pytest
+import torch
+
+from arborspec.tuning import agreement, costs
+from tests.conftest import tiny_model
+
+
+def test_a_broken_model_is_named_by_what_was_profiled_not_called_the_target():
+    """`--backend auto` profiles the draft too; a draft whose logits are NaN was reported as "the target model
+    produced non-finite logits"."""
+    draft = tiny_model("llama", seed=1)
+    draft.config._name_or_path = "/models/broken-draft.gguf"
+    with torch.no_grad():
+        draft.get_output_embeddings().weight[:, 0] = float("nan")
+    for measure in (lambda: costs.measure_forward_cost(draft, sizes=(1, 2), prefix=4, repeats=1),
+                    lambda: agreement.next_token_logits(draft, [3, 4, 5])):
+        with pytest.raises(FloatingPointError, match="the profiled broken-draft.gguf model produced non-finite"):
+            measure()
