@@ -167,6 +167,8 @@ def test_context_window_is_respected():
         (dict(method="static", seed="1"), "seed"),
         (dict(method="static", max_new_tokens=8), "argument of generate"),
         (dict(method="static", do_sample=True), "do_sample"),
+        (dict(method="static", draft_temperature=-2.0), "draft_temperature must be"),  # at T = 0 as well
+        (dict(method="static", temperature=0.5, seed=2**70), "seed must be an integer in"),
         # a tree past MAX_TREE_NODES (1024): these ran until memory ran out, on a server at one client's request
         (dict(method="static", depth=100, branch=100), "at most 1024"),
         (dict(method="static", widths="600,600"), "at most 1024"),

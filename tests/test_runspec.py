@@ -47,7 +47,8 @@ def test_a_name_carries_options_budget_and_levers():
     ("ar+int8", "without a draft"), ("hf-ar+noquant", "without a draft"), ("ar+vocab100", "without a draft"),
     ("wetap-lossy@64", "--allow-lossy"), ("wetap(verifier=wetap)", "--allow-lossy"),
     ("hf-ar+lookahead", "baselines"), ("ar+lookahead4x1", "at least 2 tokens"), ("ar+lookahead0", "at least 1 guess"),
-    ("static(depth=0)", "depth must be an integer >= 1"), ("chain@0", "N >= 1"), ("static@0", "N >= 1"),
+    ("static(depth=0)", "depth must be an integer >= 1"), ("chain(k=5,k=6)", "k is given twice"),
+    ("chain@0", "N >= 1"), ("static@0", "N >= 1"),
     ("dyspec(budget=-2)", "budget must be an integer >= 1"), ("chain(k=2.5)", "k takes an integer, got '2.5'"),
 ])
 def test_bad_names_say_what_is_wrong(name, words):

@@ -208,6 +208,8 @@ def _with_options(spec: RunSpec, text: str) -> RunSpec:
     for item in filter(None, (x.strip() for x in re.split(r",(?=\s*[a-z_-]+\s*=)", text))):  # values may hold commas
         key, sep, value = item.partition("=")
         key, value = key.strip().replace("-", "_"), value.strip()
+        if any(key == given for given, _ in options[len(spec.options):]):
+            raise ValueError(f"{key} is given twice in {text!r}")
         if sep and key == "verifier":
             spec = replace(spec, verifier=check_verifier(value))
         elif sep and key in known:

@@ -17,6 +17,16 @@ import torch
 MIN_TEMPERATURE = 1e-6
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def check_seed(seed) -> None:
+    """ValueError unless `seed` is None or an integer torch's generator takes (a larger one failed with "Overflow when
+    unpacking long long", naming no seed)."""
+    if seed is not None and not (_whole(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, got {seed!r}")
+
+
 def _whole(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -36,8 +46,7 @@ class SamplingConfig:
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
         if not _whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if self.seed is not None and not _whole(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        check_seed(self.seed)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
@@ -103,8 +112,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     """None -> torch's global generator; an int -> a private generator, so one call is reproducible."""
     if seed is None:
         return None
-    if not _whole(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    check_seed(seed)
     gen = torch.Generator()
     gen.manual_seed(int(seed))
     return gen

@@ -50,6 +50,11 @@ class DecoderConfig:
             raise ValueError(f"unknown ssm_tree {self.ssm_tree!r}; choose 'packed' or 'unrolled'")
         if self.method not in POLICIES:
             raise ValueError(f"unknown method {self.method!r}; choose one of: {', '.join(sorted(POLICIES))}")
+        if self.draft_temperature is not None:  # checked at T = 0 too, where it goes unused
+            try:
+                SamplingConfig(self.draft_temperature)
+            except ValueError as err:
+                raise ValueError(f"draft_{err}") from None
 
     @classmethod
     def of(cls, base: DecoderConfig | None = None, **options) -> DecoderConfig:

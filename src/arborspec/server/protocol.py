@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..core.sampling import MIN_TEMPERATURE
+from ..core.sampling import MIN_TEMPERATURE, SEED_RANGE
 from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 
@@ -42,7 +42,6 @@ class Limits:
     api_key: str | None = None  # None: no authentication
 
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 # ---- request bodies ------------------------------------------------------------------------------------------------
