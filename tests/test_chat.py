@@ -116,6 +116,9 @@ def test_a_message_of_several_lines_goes_between_triple_quotes(model_dirs, capsy
     want = SpeculativeDecoder(target, method="ar").generate("user: def f(x):\n    return x\nassistant: ",
                                                             max_new_tokens=8).text
     assert code == 0 and out == f"> ... ... {want}\n> \n"
+    code, again, err = chat_cli(model_dirs, capsys, monkeypatch, '/rest\n"""def f(x):\n    return x\n')
+    assert code == 0 and again == f"> > ... ... {want}\n> \n"  # the input ended inside the quotes: still sent
+    assert "[unknown command /rest" in err  # a mistyped command is not sent
 
 
 @pytest.mark.parametrize("presses", [1, 2])

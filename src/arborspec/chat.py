@@ -9,6 +9,7 @@ the target and on the draft: the conversation's earlier turns are not read again
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -79,7 +80,10 @@ def read_message() -> str:
         return text
     lines = [text[len(QUOTE):]]
     while not lines[-1].rstrip().endswith(QUOTE):
-        lines.append(input("... "))
+        try:
+            lines.append(input("... "))
+        except EOFError:  # the input ended inside the message: what came is the message (it was dropped)
+            return "\n".join(lines).strip()
     return "\n".join(lines).rstrip()[:-len(QUOTE)].rstrip().lstrip("\n")  # a first line's indent is kept
 
 
@@ -101,6 +105,9 @@ def run(conversation: Conversation, banner: str) -> int:
             print("[a new conversation]", file=sys.stderr)
             continue
         if not text:
+            continue
+        if re.fullmatch(r"/[a-z]+", text):  # a mistyped command is not a message
+            print(f"[unknown command {text}; {HELP}]", file=sys.stderr)
             continue
         try:
             stopped = stream(conversation.answer(text))
