@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arborspec.core.tree import MAX_TREE_NODES, DrawRule, TokenTree, bfs_order, block_count, dfs_order, heavy_path_order, packed
+from arborspec.core.tree import DrawRule, TokenTree, bfs_order, block_count, dfs_order, heavy_path_order, packed
 
 
 @st.composite
@@ -119,11 +119,3 @@ def test_reshaping_keeps_each_nodes_sources(tree, order, rnd):
     path = tree.path(len(tree) - 1)[1:]
     assert out.by_source([where[n] for n in path]) == tree.by_source(path)
 
-
-def test_a_tree_stops_growing_at_the_node_bound():
-    tree = TokenTree.root(0)
-    for i in range(MAX_TREE_NODES):
-        tree.add(0, i % 7)
-    with pytest.raises(ValueError, match=f"at most {MAX_TREE_NODES} drafted nodes"):
-        tree.add(0, 1)
-    assert len(tree) == MAX_TREE_NODES + 1  # the root and the drafted nodes
