@@ -199,6 +199,10 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("calibrate", ["--temperature", "-0.5"], "temperature must be 0 (greedy) or a finite number"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),
     ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
+    ("generate", ["--llama-threads", "0"], "--llama-threads must be at least 1"),  # the native backend ignored it
+    ("bench", ["--llama-batch", "0"], "--llama-batch must be at least 1"),
+    ("generate", ["--per-step"], "--per-step adds every step's statistics to --json's output"),
+    ("bench", ["--methods", ""], "--methods names no method"),
 ])
 def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     # the target does not exist: an error about it would mean the models were being loaded first

@@ -253,6 +253,8 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise CliError("the prompt is empty")
     stop_strings(args.stop)  # the engine's check, before minutes of loading
+    if args.per_step and not args.json:
+        raise CliError("--per-step adds every step's statistics to --json's output; give --json too")
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=args.per_step)

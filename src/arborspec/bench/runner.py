@@ -452,6 +452,10 @@ def _resumed(path: Path, fresh: dict, configs: list[Config]) -> tuple[dict, int]
 
 
 # ------------------------------------------------------------------------------------------------- the CLI
+def _no_methods(text: str) -> list[str]:
+    raise ValueError(f"--methods names no method, got {text!r} (e.g. --methods ar,chain,auto; `arborspec methods`)")
+
+
 def _floats(text: str, what: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -482,7 +486,7 @@ def settings_from_args(args) -> BenchSettings:
         datasets = [d.strip() for d in args.dataset.split(",") if d.strip()]
     return BenchSettings(
         target=args.target, draft=args.draft, dtype=args.dtype, datasets=datasets, prompt_file=args.prompt_file,
-        methods=split_methods(args.methods),
+        methods=split_methods(args.methods) or _no_methods(args.methods),
         temperatures=_floats(args.temperatures, "--temperatures"),
         budgets=list(parse_int_list(args.budgets, "--budgets")) if args.budgets else None,
         draft_quant=args.draft_quant, backend=args.backend, draft_backend=args.draft_backend, llama=llama_options(args),
