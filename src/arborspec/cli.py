@@ -245,10 +245,15 @@ def _summary(stats) -> str:
             + (f"\n{stats.policy['summary']}" if stats.policy.get("summary") else ""))
 
 
-def cmd_generate(args) -> int:
+def _check_answer_flags(args) -> None:
+    """--max-new-tokens and the sampling values of `generate` and `chat`, checked before minutes of loading."""
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
     _check_sampling(args)
+
+
+def cmd_generate(args) -> int:
+    _check_answer_flags(args)
     prompt = _read_prompt(args)
     if not prompt:
         raise CliError("the prompt is empty")
@@ -287,9 +292,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    if args.max_new_tokens < 1:
-        raise CliError("--max-new-tokens must be at least 1")
-    _check_sampling(args)
+    _check_answer_flags(args)
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     conversation = chat.Conversation(_decoder(args, spec, target, draft), args.system, args.max_new_tokens, args.seed)

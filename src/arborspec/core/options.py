@@ -3,6 +3,13 @@ booleans, integer lists, and the dataclass fields a policy declares its options 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+
+
+def is_whole(value) -> bool:
+    """An integer of any kind (Python's, numpy's), not a bool and not a float that happens to be whole: what the
+    engine takes for a token id, a token budget or a seed (2.0 as max_new_tokens crashed the chain policy)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_int(value, what: str, low: int = 1, high: int | None = None) -> None:

@@ -7,14 +7,21 @@ degenerates to greedy verification.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
+from .options import is_whole
+
 # The smallest positive temperature. Below it sampling is greedy in all but name, and logits / T leave float32's range
 # (1e-40 is subnormal there: every logit became inf, the softmax NaN, and the tokens garbage or a sampling error).
 MIN_TEMPERATURE = 1e-6
+TEMPERATURE_RULE = f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"  # what valid_temperature accepts
+
+
+def valid_temperature(t) -> bool:
+    """The one temperature rule: the target's, the draft's, a server flag's and a request's field."""
+    return isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -23,12 +30,8 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 def check_seed(seed) -> None:
     """ValueError unless `seed` is None or an integer torch's generator takes (a larger one failed with "Overflow when
     unpacking long long", naming no seed)."""
-    if seed is not None and not (_whole(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+    if seed is not None and not (is_whole(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] or None, got {seed!r}")
-
-
-def _whole(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,9 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        t = self.temperature
-        if not (isinstance(t, (int, float)) and math.isfinite(t)) or t < 0 or 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {t!r}")
-        if not _whole(self.top_k) or self.top_k < 0:
+        if not valid_temperature(self.temperature):
+            raise ValueError(f"temperature must be {TEMPERATURE_RULE}, got {self.temperature!r}")
+        if not is_whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
         check_seed(self.seed)
         if not 0 < self.top_p <= 1:

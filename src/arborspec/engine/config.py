@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from ..core.sampling import SamplingConfig
+from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
 from ..core.tree import ORDERS
 from ..drafting import POLICIES
 from ..drafting.grafts import FreeBranches
@@ -50,11 +50,8 @@ class DecoderConfig:
             raise ValueError(f"unknown ssm_tree {self.ssm_tree!r}; choose 'packed' or 'unrolled'")
         if self.method not in POLICIES:
             raise ValueError(f"unknown method {self.method!r}; choose one of: {', '.join(sorted(POLICIES))}")
-        if self.draft_temperature is not None:  # checked at T = 0 too, where it goes unused
-            try:
-                SamplingConfig(self.draft_temperature)
-            except ValueError as err:
-                raise ValueError(f"draft_{err}") from None
+        if self.draft_temperature is not None and not valid_temperature(self.draft_temperature):  # at T = 0 too
+            raise ValueError(f"draft_temperature must be {TEMPERATURE_RULE}, got {self.draft_temperature!r}")
 
     @classmethod
     def of(cls, base: DecoderConfig | None = None, **options) -> DecoderConfig:

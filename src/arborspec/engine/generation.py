@@ -3,12 +3,12 @@ committed context, the stopping rules (EOS, the token budget, the context window
 their clocks, and the result after every step."""
 from __future__ import annotations
 
-import numbers
 import time
 from typing import Callable
 
 import torch
 
+from ..core.options import is_whole
 from .logprobs import TokenLogprob, token_logprobs
 from .stats import GenerationResult, GenerationStats, StepStats
 
@@ -26,7 +26,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str] | None:
 def check_budget(max_new_tokens, scoring: bool = False) -> None:
     """ValueError unless `max_new_tokens` is an integer >= 1 (>= 0 when a prompt is scored: prompt_logprobs)."""
     low = 0 if scoring else 1
-    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < low:
+    if not is_whole(max_new_tokens) or max_new_tokens < low:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only with prompt_logprobs: a prompt scored), "
                          f"got {max_new_tokens!r}")
 

@@ -10,7 +10,7 @@ there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec 
 """
 from __future__ import annotations
 
-import numbers
+from ..core.options import is_whole
 
 
 def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
@@ -59,7 +59,7 @@ def _one_sequence(prompt) -> list[int]:
                              "(SpeculativeDecoder.generate_batch takes several)")
         prompt = prompt[0]
     for t in prompt:
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+        if not is_whole(t):
             hint = " (several prompts: SpeculativeDecoder.generate_batch)" if isinstance(t, (str, list, tuple)) else ""
             raise ValueError(f"token ids must be integers, got {t!r}{hint}")
     return [int(t) for t in prompt]

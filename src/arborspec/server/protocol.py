@@ -8,13 +8,12 @@ strictly (a string "16" is not a `max_tokens`), because coercing guesses would m
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..core.sampling import MIN_TEMPERATURE, SEED_RANGE
+from ..core.sampling import SEED_RANGE, TEMPERATURE_RULE, valid_temperature
 from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 
@@ -178,8 +177,7 @@ def check_unsupported(data: dict, model: type[BaseModel]) -> None:
 
 
 # ---- what a request asks for ----------------------------------------------------------------------------------------
-_TEMPERATURE = (lambda v: math.isfinite(v) and (v == 0 or v >= MIN_TEMPERATURE),
-                f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}")
+_TEMPERATURE = (valid_temperature, TEMPERATURE_RULE)
 SAMPLING_RULES = {  # the engine's own rules (sampling.SamplingConfig), checked early to name the field or flag
     "temperature": _TEMPERATURE,
     "draft_temperature": _TEMPERATURE,

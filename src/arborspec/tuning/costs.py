@@ -130,8 +130,13 @@ class CostCurve:
 def measured_role(model) -> str:
     """How errors name a model measured here, target or draft alike ("the profiled draft.gguf model produced
     non-finite logits"): a session's role said "target" for either, which blamed the target for a broken draft."""
-    name = str(getattr(model.config, "_name_or_path", "") or "") or type(model).__name__
+    name = _name(model) or type(model).__name__
     return f"profiled {Path(name).name or name}"
+
+
+def _name(model) -> str:
+    """Where `model` was loaded from, as its config says ("" when it does not)."""
+    return str(getattr(model.config, "_name_or_path", "") or "")
 
 
 def model_threads(model) -> int:
@@ -140,8 +145,7 @@ def model_threads(model) -> int:
 
 
 def profile_key(model) -> dict:
-    return _key(model_fingerprint(model), str(getattr(model.config, "_name_or_path", "") or ""), model.dtype,
-                model_threads(model))
+    return _key(model_fingerprint(model), _name(model), model.dtype, model_threads(model))
 
 
 def native_profile_key(info) -> dict:
