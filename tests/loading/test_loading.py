@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from arborspec.core.disk_cache import cache_dir
-from arborspec.loading import aliases, load_model
+from arborspec.loading import aliases, load_model, load_pair
 from arborspec.loading import model as model_loading
 from arborspec.loading.aliases import ALIASES, MARKER_NAME, AliasSpec, alias_path, fetch_alias, is_fetched
 from arborspec.loading.model import (
@@ -149,6 +149,15 @@ def test_resolve_dtype(given, expected):
 def test_resolve_dtype_rejects_unknown_names():
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("int3")
+
+
+@pytest.mark.parametrize("backend", ["native", "llamacpp", "auto"])
+def test_an_unknown_dtype_is_refused_before_anything_loads_whichever_backend(backend):
+    """The GGUF backends ignore --dtype; a mistyped one was ignored with it (fp8 ran as if unset)."""
+    with pytest.raises(ModelLoadError, match="unknown dtype 'fp8'"):
+        load_model("no-such-model.gguf", dtype="fp8", backend=backend)
+    with pytest.raises(ModelLoadError, match="unknown dtype 'fp8'"):
+        load_pair("no-such-model.gguf", "no-such-draft.gguf", dtype="fp8", backend=backend)
 
 
 def test_load_local_directory(tmp_path):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import API_KEY, MODEL
 
 LONG_STREAM = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 480, "stream": True, "ignore_eos": True}
 SHORT = {"model": MODEL, "prompt": "def g(y):", "max_tokens": 2}
@@ -53,6 +54,25 @@ def test_a_full_server_answers_429_at_once_and_a_client_that_leaves_frees_its_sl
             break
         time.sleep(0.05)
     assert metric(url, left) == 1  # as a non-streamed request whose client leaves is
+
+
+def test_a_client_that_leaves_before_its_body_is_sent_is_counted_499_without_a_traceback(servers):
+    server = servers["main"]
+    url = server.url()
+    left = 'arborspec_requests_total{endpoint="/v1/chat/completions",status="499"}'
+    before = metric(url, left)
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:  # promises 1000 bytes, sends 10, leaves
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    for _ in range(100):
+        if metric(url, left) == before + 1:
+            break
+        time.sleep(0.05)
+    assert metric(url, left) == before + 1
+    assert "ClientDisconnect" not in server.log.read_text()
+    still = httpx.post(url + "/v1/completions", json=SHORT, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert still.status_code == 200
 
 
 def test_sigterm_ends_in_flight_streams_cleanly_and_the_server_exits(servers):

@@ -13,7 +13,7 @@ from ..core.downloads import ModelLoadError
 from ..tuning import draft_levers
 from ..tuning.draft_choice import best_variant, cached_native_choice, choose_draft_quant, label, variant
 from ..tuning.gguf_requant import LEAN_TYPES, requantized
-from .model import DEFAULT_DTYPE_NAME, _spec_gguf, check_tokenizers_compatible
+from .model import DEFAULT_DTYPE_NAME, _spec_gguf, check_tokenizers_compatible, resolve_dtype
 from .plan import load_planned, plan_backends
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -139,6 +139,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     (n_threads, n_ctx, n_batch) for models on that backend."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
+    resolve_dtype(dtype)  # before anything loads, whichever backend runs (the GGUF ones ignore a valid name)
     llama = llama or {}
     plan = plan_backends(target, draft, backend, draft_backend, llama, progress)
     lean = cached_lean_draft(target, draft, plan, draft_quant, draft_vocab, progress)

@@ -21,6 +21,7 @@ from .model import (
     load_native_model,
     load_torch_model,
     resolve_backend,
+    resolve_dtype,
 )
 
 
@@ -130,6 +131,7 @@ def load_model(
     goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr. `tokenizer_like`: a
     tokenizer loaded already (a pair's target's) that a GGUF whose vocabulary files are the same bytes shares
     instead of loading its own (model.gguf_tokenizer)."""
+    resolve_dtype(dtype)  # an unknown name is refused whichever backend runs (the GGUF ones ignore a valid one)
     chosen = resolve_backend(spec, backend)
     if backend == "auto" and chosen != "torch":  # a GGUF: the backend measured fastest for it here
         plan = plan_backends(spec, None, "auto", None, llama, progress)

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine.prompts import conversation_ids, has_chat_template
 from .decoders import Decoders
@@ -210,10 +211,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"the request body is {declared} bytes; this server takes at most {limit}",
                        code="body_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+    except ClientDisconnect:  # gone before its body was whole: nobody to answer; counted as nginx's 499, no traceback
+        raise APIError(499, "the client closed the connection before sending its whole request",
+                       code="client_closed") from None
     return bytes(body)
 
 
