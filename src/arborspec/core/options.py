@@ -13,7 +13,9 @@ def is_whole(value) -> bool:
 
 
 def check_int(value, what: str, low: int = 1, high: int | None = None) -> None:
-    if isinstance(value, bool) or int(value) != value or value < low:
+    """ValueError unless `value` is an integer (is_whole: not 2.0, which the policies passed on to range()) in
+    [low, high]."""
+    if not is_whole(value) or value < low:
         raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
     if high is not None and value > high:
         raise ValueError(f"{what} must be at most {high}, got {value!r}")
