@@ -193,7 +193,7 @@ def test_stream_options_need_a_stream(client):
 # ---- the model: listed, retrieved, or left out --------------------------------------------------------------------
 def test_the_model_is_retrieved_by_name_and_served_when_a_request_names_none(client, main_url, pair):
     model = client.models.retrieve(MODEL)
-    assert model.id == MODEL and model.object == "model"
+    assert model.id == MODEL and model.object == "model" and model.created > 1.7e9  # when the server started
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4")
     assert info.value.code == "model_not_found" and info.value.param == "model"
@@ -240,6 +240,7 @@ def test_api_key_is_required_on_v1_routes_only(main_url, servers):
     models = httpx.get(main_url + "/v1/models", headers=AUTH, timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.get(main_url + "/health", timeout=30).status_code == 200
+    assert httpx.head(main_url + "/health", timeout=30).status_code == 200  # as load balancers' probes ask
 
 
 def test_openai_client_reports_an_unknown_model_and_bad_values(client):

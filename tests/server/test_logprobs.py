@@ -3,12 +3,14 @@ token's entry goes out once the text shown covers it, a token that splits a char
 waits for the rest of the character, and a stop string's tokens never go out."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from arborspec.backends.llamacpp import gguf_tokenizer
 from arborspec.engine.logprobs import TokenLogprob
 from arborspec.engine.stats import GenerationResult, GenerationStats
-from arborspec.server.logprobs import Logprobs
+from arborspec.server.logprobs import Logprobs, grown
 from tests.backends.tiny_gguf import write_tiny_gguf
 
 
@@ -67,3 +69,38 @@ def test_an_echoed_prompts_offsets_index_the_prompt_text_past_a_token_the_tokeni
     written = tokenizer.decode([bos]) + "hi"  # the prompt itself spelled the special token out
     assert Logprobs(tokenizer, chat=False).prompt(scored, written)["text_offset"] == [0, len(written) - 2,
                                                                                       len(written) - 1]
+
+
+def test_completions_name_half_characters_by_their_bytes_and_count_whole_characters_in_offsets(tokenizer):
+    """Every byte token decodes to "\ufffd": as keys of one dict they were one entry holding the runner-up's value."""
+    ids = [ord("a"), 0xC3, 0xA9, ord("b")]  # "a", "é" as two byte tokens, "b"
+    done = result(tokenizer, ids)
+    done.logprobs[1] = TokenLogprob(0xC3, -0.1, [(0xC3, -0.1), (0xC4, -2.0), (0xC5, -3.0)])
+    out = Logprobs(tokenizer, chat=False).take(done, "aéb")
+    assert out["tokens"] == ["a", "bytes:\\xc3", "bytes:\\xa9", "b"]
+    assert out["top_logprobs"][1] == {"bytes:\\xc3": -0.1, "bytes:\\xc4": -2.0, "bytes:\\xc5": -3.0}
+    assert out["text_offset"] == [0, 1, 1, 2]  # both halves of "é" start where it starts
+
+
+def test_each_tokens_text_length_is_the_one_its_whole_prefix_decodes_to(tokenizer):
+    """`grown` decodes a window, not the prefix; on text mixing byte tokens, whole characters, special tokens and
+    invalid bytes it must give the length decoding every prefix gives, and on valid text the length of its whole
+    characters."""
+    rng = random.Random(0)
+    chars = ["a", "b", " ", "\n", "é", "€", "😀"]
+    special = tokenizer.eos_token_id
+    for case in range(60):
+        if case % 2:  # any bytes at all: invalid UTF-8 included
+            ids = [rng.choice([0x61, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, special])
+                   for _ in range(rng.randint(1, 30))]
+        else:  # whole characters, each one byte token per byte, now and then a special token
+            ids = [b for _ in range(rng.randint(1, 12))
+                   for b in ([special] if rng.random() < 0.1 else list(rng.choice(chars).encode()))]
+        for skip in (False, True):
+            length = 0
+            for i in range(len(ids)):
+                length, whole = grown(tokenizer, ids, i, length, skip)
+                text = tokenizer.decode(ids[:i + 1], skip_special_tokens=skip)
+                assert length == len(text)
+                if case % 2 == 0:
+                    assert whole == len(text.rstrip("\ufffd"))

@@ -6,13 +6,15 @@ import json
 
 import pytest
 
-from arborspec.server.app import render_chat
+from arborspec.server.app import check_context, render_chat
 from arborspec.server.output import visible_text
 from arborspec.server.protocol import (
+    MAX_STOP_CHARS,
     APIError,
     ChatRequest,
     CompletionRequest,
     Limits,
+    chat_messages,
     check_sampling,
     completion_prompt,
     max_tokens,
@@ -72,6 +74,50 @@ def test_bad_bodies_are_400s_naming_the_field(body, param):
 def test_neutral_values_of_unsupported_fields_pass():
     parse({"model": "t", "prompt": "x", "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0,
            "logit_bias": {}, "best_of": 1})
+    parse({"model": "t", "messages": [{"role": "user", "content": "a"}], "tool_choice": "auto", "modalities": ["text"],
+           "function_call": "none"}, ChatRequest)
+
+
+def test_null_means_the_default_as_openai_clients_send_it():
+    req = parse({"model": "t", "prompt": "x", "stream": None, "echo": None, "logprobs": None, "ignore_eos": None})
+    assert not req.stream and not req.echo and req.top_logprobs_asked() is None
+    chat = parse({"model": "t", "messages": [{"role": "user", "content": "a"}], "logprobs": None, "stream": None},
+                 ChatRequest)
+    assert chat.top_logprobs_asked() is None
+
+
+@pytest.mark.parametrize("field, value", [("tool_choice", "required"),
+                                          ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+                                          ("function_call", {"name": "f"}), ("modalities", ["text", "audio"]),
+                                          ("audio", {"voice": "alloy", "format": "wav"})])
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, value):
+    err = refused({"model": "t", "messages": [{"role": "user", "content": "a"}], field: value}, ChatRequest)
+    assert err.status == 400 and err.param == field
+
+
+def test_a_developer_message_is_a_system_message_and_tool_calls_are_refused():
+    req = parse({"model": "t", "messages": [{"role": "developer", "content": "be brief"},
+                                            {"role": "user", "content": "a"}]}, ChatRequest)
+    assert chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    err = refused({"model": "t", "messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": None, "tool_calls": [call]}]},
+                  ChatRequest)
+    assert err.param == "messages" and "tool calls" in err.message
+
+
+def test_stop_strings_are_bounded_in_length():
+    assert stop_strings(parse({"model": "t", "prompt": "x", "stop": "s" * MAX_STOP_CHARS})) == ["s" * MAX_STOP_CHARS]
+    assert refused({"model": "t", "prompt": "x", "stop": "s" * (MAX_STOP_CHARS + 1)}).param == "stop"
+
+
+def test_max_tokens_past_the_context_window_is_a_400_and_none_asked_runs_to_its_end():
+    asked = parse({"model": "t", "prompt": "x", "max_tokens": 10})
+    check_context([1] * 90, 10, asked, window=100, chat=False)  # fits exactly
+    with pytest.raises(APIError, match="91 in the prompt, 10 in the completion") as info:
+        check_context([1] * 91, 10, asked, window=100, chat=False)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+    check_context([1] * 91, 10, parse({"model": "t", "prompt": "x"}), window=100, chat=False)
 
 
 def test_logprobs_are_asked_for_as_openai_asks_per_endpoint():
@@ -82,7 +128,7 @@ def test_logprobs_are_asked_for_as_openai_asks_per_endpoint():
     assert parse({**chat, "logprobs": True, "top_logprobs": 20}, ChatRequest).top_logprobs_asked() == 20
     assert parse({**chat, "logprobs": True}, ChatRequest).top_logprobs_asked() == 0
     assert parse({**chat, "logprobs": False, "top_logprobs": 0}, ChatRequest).top_logprobs_asked() is None
-    assert refused({**chat, "top_logprobs": 3}, ChatRequest).param is None  # needs "logprobs": true
+    assert refused({**chat, "top_logprobs": 3}, ChatRequest).param == "top_logprobs"  # needs "logprobs": true
     assert refused({**chat, "logprobs": True, "top_logprobs": 21}, ChatRequest).param == "top_logprobs"
     assert refused({**chat, "echo": True}, ChatRequest).param == "echo"  # completions' field only
     assert parse({"model": "t", "prompt": "x", "echo": True, "logprobs": 1}).echo
@@ -95,7 +141,7 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens():
     assert refused({"model": "t", "messages": []}, ChatRequest).param == "messages"
     assert refused({"model": "t", "messages": [{"role": "robot", "content": "x"}]}, ChatRequest).param == "messages"
     assert refused({"model": "t", "max_completion_tokens": 0, "max_tokens": 5,
-                    "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_tokens"
+                    "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_completion_tokens"
 
 
 def test_only_an_assistants_message_may_leave_content_out():
@@ -133,6 +179,8 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer):
     ("hello wor", ["world"], True, "hello wor"),  # finished: nothing more can come
     ("ab\ufffd", [], False, "ab"),  # half a character
     ("x END y STOP", ["STOP", "END"], True, "x "),  # the earliest stop string wins
+    ("\U00013018\ufffd", ["\U00013018\U00013019"], False, ""),  # a stop string's start before a half character
+    ("\U00013018\U00013019\ufffd", ["\U00013019\U0001301a"], False, "\U00013018"),
 ])
 def test_visible_text_cuts_at_stop_strings_and_holds_back_what_may_become_one(text, stop, done, seen):
     assert visible_text(text, stop, done) == seen

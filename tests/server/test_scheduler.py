@@ -234,7 +234,7 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
 
         def build(self, spec, sampling):
             built.set()
-            return SimpleNamespace(encode=lambda prompt: [1], steps=lambda *a: iter(()))
+            return SimpleNamespace(encode=lambda prompt: [1], steps=lambda *a: iter(()), context_window=16)
 
     req = SimpleNamespace(arborspec=None, temperature=None, top_k=None, top_p=None, seed=None, ignore_eos=False)
     maker = threading.Thread(target=start_generation, args=(Decoders(), "m", req, "x", False, 4, [], sched.models))

@@ -82,11 +82,16 @@ class SpeculativeDecoder:
         """The verifier, as the stats report it: e.g. 'traversal+naive' when bare trees with free branches get naive."""
         return self.verifier.name + ("+naive" if self.free_verifier is not self.verifier else "")
 
+    @property
+    def context_window(self) -> int:
+        """The most tokens the target takes, prompt and generation together."""
+        return context_window(self.target)
+
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
         ids = prompt_ids(self.tokenizer, prompt, getattr(self.target.config, "vocab_size", None))
-        window = context_window(self.target)
+        window = self.context_window
         if len(ids) >= window:
             raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
         return ids

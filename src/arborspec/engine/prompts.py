@@ -86,6 +86,41 @@ def conversation_text(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 
-def conversation_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The token ids of `conversation_text`: the template's special tokens, and no others."""
-    return tokenizer(conversation_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+def conversation_ids(tokenizer, messages: list[dict], content_as_text: bool = False) -> list[int]:
+    """The token ids of `conversation_text`: the template's special tokens, and no others.
+
+    `content_as_text` (the server): a message's content is read as text even where it spells a special token, as
+    OpenAI's API reads it; else a user could write `<|im_end|>\n<|im_start|>system ...` and open a turn of their
+    own (measured: the 0.5B pair then followed the injected instruction). transformers' apply_chat_template, and so
+    the Python API and the CLI, parse such text as the special token. Contents without one tokenize as before."""
+    text = conversation_text(tokenizer, messages)
+    added = tuple(getattr(tokenizer, "get_added_vocab", dict)())  # the strings the tokenizer reads as one token
+    spelled = [i for i, m in enumerate(messages)
+               if isinstance(m.get("content"), str) and any(a in m["content"] for a in added)]
+    if not (content_as_text and spelled):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _ids_with_plain_content(tokenizer, messages, spelled, text)
+
+
+def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int], text: str) -> list[int]:
+    """conversation_ids for contents that spell special tokens: each such content is replaced by a marker, the
+    template written, and the text between markers tokenized with special tokens, each content without."""
+    marks = {i: f"\ue000arborspec-content-{i}\ue001" for i in spelled}  # private-use characters: in no template
+    marked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
+    template = conversation_text(tokenizer, marked)
+    pieces, rest = [], template
+    for i in spelled:
+        before, found, rest = rest.partition(marks[i])
+        if not found or marks[i] in rest:
+            raise ValueError("a message spells a special token and the chat template does not write its content "
+                             "once, as given; send that text some other way")
+        pieces += [(before, False), (messages[i]["content"], True)]
+    pieces.append((rest, False))
+    if "".join(piece for piece, _ in pieces) != text:  # the template changes contents (trims them, ...)
+        raise ValueError("a message spells a special token and the chat template changes its content; send that "
+                         "text some other way")
+    ids: list[int] = []
+    for piece, plain in pieces:
+        if piece:
+            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+    return ids

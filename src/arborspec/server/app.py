@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -45,6 +46,7 @@ from .scheduler import Job, QueueFull, Scheduler, ShuttingDown, Update
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request": only ever seen in the metrics
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+STARTED = int(time.time())  # a model card's `created`: when this server started
 RETRY_AFTER_S = 1  # a full server's hint: one round of steps frees slots, so a second later is worth a try
 
 
@@ -72,7 +74,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
     async def internal_error(request: Request, err: Exception):
         return error_response(request, metrics, APIError(500, f"internal error: {err}", "server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what load balancers' probes often send
     async def health():
         active, waiting = scheduler.load()
         status = "stopping" if scheduler.draining else "ok"
@@ -130,7 +132,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
             except RuntimeError:  # the event loop is gone: nobody is left to tell
                 pass
 
-        job = Job(steps, deliver, stream=req.stream)
+        job = Job(steps, deliver, stream=bool(req.stream))
         try:
             scheduler.submit(job)
         except QueueFull as err:
@@ -166,7 +168,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
 
 # ---- helpers --------------------------------------------------------------------------------------------------------
 def model_card(limits: Limits) -> dict:
-    return {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "arborspec"}
+    return {"id": limits.model_name, "object": "model", "created": STARTED, "owned_by": "arborspec"}
 
 
 def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str],
@@ -185,12 +187,24 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         if chat:
             prompt = render_chat(decoder.tokenizer, prompt, model_name)
         ids = decoder.encode(prompt)  # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...
+        check_context(ids, n, req, decoder.context_window, chat)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
-        return decoder.steps(ids, n, stop or None, sampling.seed, req.ignore_eos, decoders.prefill_chunk, logprobs,
-                             prompt_logprobs)
+        return decoder.steps(ids, n, stop or None, sampling.seed, bool(req.ignore_eos), decoders.prefill_chunk,
+                             logprobs, prompt_logprobs)
     except ValueError as err:
         code = "context_length_exceeded" if "context window" in str(err) else None
         raise APIError(400, str(err), code=code) from None
+
+
+def check_context(ids: list[int], n: int, req, window: int, chat: bool) -> None:
+    """A request that names its max_tokens and cannot have them in the target's context window is a 400, as
+    OpenAI's (it ran, and ended cut short as "length"). One that names none runs to the window's end."""
+    asked = any(getattr(req, name, None) is not None for name in ("max_completion_tokens", "max_tokens"))
+    if asked and len(ids) + n > window:
+        where = "messages" if chat else "prompt"
+        raise APIError(400, f"this model's context window is {window} tokens, but {len(ids) + n} were asked for "
+                            f"({len(ids)} in the {where}, {n} in the completion); shorten the {where} or lower "
+                            f"max_tokens", param=where, code="context_length_exceeded")
 
 
 def render_chat(tokenizer, messages: list[dict], model_name: str) -> list[int]:
@@ -199,7 +213,7 @@ def render_chat(tokenizer, messages: list[dict], model_name: str) -> list[int]:
     if not has_chat_template(tokenizer):
         raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions")
     try:
-        return conversation_ids(tokenizer, messages)
+        return conversation_ids(tokenizer, messages, content_as_text=True)
     except Exception as err:  # templates raise their own errors, e.g. on roles out of the order they expect
         raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from None
 
@@ -216,8 +230,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             body += chunk
             if len(body) > limit:
                 raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
-    except ClientDisconnect:  # gone before its body was whole: nobody to answer; counted as nginx's 499, no traceback
-        raise APIError(499, "the client closed the connection before sending its whole request",
+    except ClientDisconnect:  # gone before its body was whole: nobody to answer; counted, never a traceback
+        raise APIError(CLIENT_CLOSED, "the client closed the connection before sending its whole request",
                        code="client_closed") from None
     return bytes(body)
 

@@ -9,7 +9,12 @@ So a stream's logprobs arrive with its content, a stop string's tokens never arr
 in the middle of a character waits for the token that completes it. Chat leaves special tokens out (the end of the
 turn is no part of the content); completions keep them, as OpenAI's legacy completions list `<|endoftext|>`.
 `bytes` are a token's own bytes (a byte-level BPE token that splits a character holds part of its UTF-8), where
-`token` is its text as the tokenizer decodes it.
+`token` is its text as the tokenizer decodes it. Completions have no `bytes`: there such a token is written as OpenAI
+writes it, `bytes:\\xe2\\x80`, so two of them (both "\ufffd" decoded) are not one key of `top_logprobs`, and a
+`text_offset` counts whole characters only (the three tokens of one 3-byte character all start where it starts).
+
+Each token's text is found by decoding it after the WINDOW tokens before it, not its whole prefix: a 6000-token
+echo with logprobs decoded every prefix (quadratic: 6.5 s at 8k tokens, on the server's event loop).
 """
 from __future__ import annotations
 
@@ -22,6 +27,19 @@ except ImportError:  # another transformers layout: bytes from the decoded text 
     _BYTE_OF = {}
 
 MAX_COMPLETION_TOP, MAX_CHAT_TOP = 5, 20  # OpenAI's limits on completions' logprobs and chat's top_logprobs
+# tokens decoded before each new one: a character's bytes (at most 4 tokens) and a SentencePiece decoder's rule for
+# the first token's leading space both lie within it, so the new token changes the text's length as in its prefix
+WINDOW = 8
+
+
+def grown(tokenizer, ids: list[int], i: int, length: int, skip_special_tokens: bool = False) -> tuple[int, int]:
+    """(len(decode(ids[:i + 1])), the same without a trailing half character), given `length` =
+    len(decode(ids[:i])), decoding at most WINDOW + 1 tokens."""
+    lo = max(0, i - WINDOW)
+    before = tokenizer.decode(ids[lo:i], skip_special_tokens=skip_special_tokens)
+    after = tokenizer.decode(ids[lo:i + 1], skip_special_tokens=skip_special_tokens)
+    end = length + len(after) - len(before)
+    return end, end - (len(after) - len(after.rstrip("\ufffd")))
 
 
 class Logprobs:
@@ -30,7 +48,8 @@ class Logprobs:
     def __init__(self, tokenizer, chat: bool, base: int = 0):
         self.tokenizer, self.chat, self.base = tokenizer, chat, base  # base: an echoed prompt's characters
         self.sent = 0  # tokens whose entries have gone out
-        self.offset = base  # completions' text_offset of the next token: characters of the text before it
+        self.length = 0  # len(decode(the tokens sent)), special tokens skipped
+        self.offset = base  # completions' text_offset of the next token: whole characters of the text before it
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel" and bool(_BYTE_OF)
         # chat's entries are its content's tokens: a special token (the end of the turn) is no part of the content
@@ -41,12 +60,12 @@ class Logprobs:
         OpenAI's shape; None when there are none."""
         ids, entries = result.token_ids, []
         while self.sent < len(ids):
-            end = len(self.tokenizer.decode(ids[:self.sent + 1], skip_special_tokens=True))
+            end, whole = grown(self.tokenizer, ids, self.sent, self.length, skip_special_tokens=True)
             if end > len(shown):
                 break
             if ids[self.sent] not in self.skip:
                 entries.append((result.logprobs[self.sent], self.offset))
-            self.sent, self.offset = self.sent + 1, self.base + end
+            self.sent, self.length, self.offset = self.sent + 1, end, self.base + whole
         if not entries:
             return None
         return self._chat(entries) if self.chat else self._completion(entries)
@@ -56,10 +75,12 @@ class Logprobs:
         Offsets index `text`, the echoed prompt: a token the tokenizer put in front of it (a BOS token, whose text
         `<s>` the client never sees) starts at 0 and moves no later token."""
         ids = [lp.token for lp in result.prompt_logprobs]
-        ends = [len(self.tokenizer.decode(ids[:i + 1])) for i in range(len(ids))]
-        whole = self.tokenizer.decode(ids)
-        lead = len(whole) - len(text) if whole.endswith(text) else 0  # the added tokens' characters
-        return self._completion(list(zip(result.prompt_logprobs, [max(0, end - lead) for end in [0] + ends[:-1]])))
+        length, whole, starts = 0, 0, []  # starts[i]: the whole characters before token i
+        for i in range(len(ids)):
+            starts.append(whole)
+            length, whole = grown(self.tokenizer, ids, i, length)
+        lead = length - len(text) if self.tokenizer.decode(ids).endswith(text) else 0  # the added tokens' characters
+        return self._completion(list(zip(result.prompt_logprobs, [max(0, start - lead) for start in starts])))
 
     def _chat(self, entries) -> dict:
         return {"content": [{**self._token(lp.token, lp.logprob),
@@ -67,17 +88,29 @@ class Logprobs:
                 "refusal": None}
 
     def _completion(self, entries) -> dict:
-        return {"tokens": [self.text(lp.token) for lp, _ in entries],
+        return {"tokens": [self.key(lp.token) for lp, _ in entries],
                 "token_logprobs": [lp.logprob for lp, _ in entries],
-                "top_logprobs": [{self.text(t): v for t, v in lp.top} if lp.logprob is not None else None
-                                 for lp, _ in entries],
+                "top_logprobs": [self._top(lp.top) if lp.logprob is not None else None for lp, _ in entries],
                 "text_offset": [offset for _, offset in entries]}
+
+    def _top(self, top) -> dict[str, float]:
+        """Completions' alternatives by text; where two tokens' texts are one (OpenAI has the same), the likelier's
+        value stays."""
+        out: dict[str, float] = {}
+        for token, value in top:
+            out.setdefault(self.key(token), value)
+        return out
 
     def _token(self, token: int, logprob: float) -> dict:
         return {"token": self.text(token), "logprob": logprob, "bytes": list(self.bytes(token))}
 
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+    def key(self, token: int) -> str:
+        """Completions' name for a token: its text, or `bytes:\\xNN...` where it holds part of a character."""
+        text = self.text(token)
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.bytes(token)) if "\ufffd" in text else text
 
     def bytes(self, token: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token) if self.byte_level else None

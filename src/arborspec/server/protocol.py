@@ -41,8 +41,6 @@ class Limits:
     api_key: str | None = None  # None: no authentication
 
 
-
-
 # ---- request bodies ------------------------------------------------------------------------------------------------
 class ArborspecOptions(BaseModel):
     """The `arborspec` extension field: this request's method and sizing instead of the server's."""
@@ -61,7 +59,7 @@ class ArborspecOptions(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False  # a last chunk with empty `choices` carrying `usage` (and the `arborspec` stats)
+    include_usage: bool | None = False  # a last chunk with empty `choices` carrying `usage` (and the `arborspec` stats)
 
 
 class _Generation(BaseModel):
@@ -77,16 +75,16 @@ class _Generation(BaseModel):
     top_k: int | None = None  # an extension (vLLM's name): 0 turns it off
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # None, as OpenAI's clients may send for any optional field: the default
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # an extension (vLLM's name): generate past end-of-sequence tokens
+    ignore_eos: bool | None = False  # an extension (vLLM's name): generate past end-of-sequence tokens
     arborspec: ArborspecOptions | None = None
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_TOP)  # k alternatives (server/logprobs.py)
-    echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
+    echo: bool | None = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -102,9 +100,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None only for an assistant's turn (OpenAI: one with tool calls)
+    tool_calls: list | None = None  # refused unless empty: this server has no tools, and dropping them would
+    function_call: dict | None = None  # show the model a turn other than the one the client sent
 
     @model_validator(mode="after")
     def _content_given(self):
+        if self.tool_calls or self.function_call:
+            raise ValueError("messages with tool calls are not supported by this server (it serves no tools)")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content' (a string or a list of text parts)")
         return self
@@ -118,14 +120,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool = False  # each token's logprob (server/logprobs.py)
+    logprobs: bool | None = False  # each token's logprob (server/logprobs.py)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP)  # and this many alternatives
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("'top_logprobs' needs 'logprobs': true")
-        return self
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -137,7 +133,8 @@ NEUTRAL = {
     "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False),
     "top_logprobs": (None, 0), "presence_penalty": (0, None), "frequency_penalty": (0, None),
     "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "audio": (None,),
 }
 
 _TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location
@@ -157,13 +154,16 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
         raise APIError(400, "the request body must be a JSON object")
     check_unsupported(data, model)
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         # a union's errors name the member type tried ('str', 'list[int]'): the client wants the field's path
         where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in _TYPES or "[" in p)))
         param = str(first["loc"][0]) if first["loc"] else None
         raise APIError(400, f"invalid '{where or 'body'}': {first['msg']}", param=param) from None
+    if getattr(req, "top_logprobs", None) and not req.logprobs:  # chat's: checked here to name the field
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return req
 
 
 def check_unsupported(data: dict, model: type[BaseModel]) -> None:
@@ -204,23 +204,27 @@ def check_sampling(req: _Generation) -> None:
 
 
 def max_tokens(req: _Generation, limits: Limits) -> int:
-    value = getattr(req, "max_completion_tokens", None)
-    value = req.max_tokens if value is None else value
+    value, name = getattr(req, "max_completion_tokens", None), "max_completion_tokens"
+    if value is None:
+        value, name = req.max_tokens, "max_tokens"
     if value is None:
         return min(limits.default_max_tokens, limits.max_tokens_limit)
     if value == 0 and getattr(req, "echo", False) and req.top_logprobs_asked() is not None:
         return 0  # a prompt scored: its tokens' logprobs, no completion (OpenAI's legacy echo)
     if not 1 <= value <= limits.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be between 1 and {limits.max_tokens_limit} (0 only with echo and "
-                            f"logprobs: a prompt scored), got {value}",
-                       param="max_tokens")
+        raise APIError(400, f"{name} must be between 1 and {limits.max_tokens_limit} (0 only with echo and "
+                            f"logprobs: a prompt scored), got {value}", param=name)
     return value
+
+
+MAX_STOP_CHARS = 4096  # each event checks the text's end against every start of a stop string (server/output.py)
 
 
 def stop_strings(req: _Generation) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4 or any(not s for s in stop):
-        raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
+    if len(stop) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop takes up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
     return stop
 
 
@@ -238,8 +242,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
-    """The conversation as a chat template takes it."""
-    return [{"role": m.role, "content": m.text()} for m in req.messages]
+    """The conversation as a chat template takes it. A `developer` message is OpenAI's newer name for a system
+    message; templates know only `system` (Qwen2.5's has no branch for `developer` and put its default system
+    prompt in the instructions' place)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
 
 
 def check_model(name: str | None, limits: Limits) -> None:
