@@ -42,7 +42,8 @@ def test_ar_matches_plain_greedy(pair):
         prompt = [rng.randrange(2, 56) for _ in range(rng.randrange(1, 10))]
         res = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=20, ignore_eos=True)
         assert res.token_ids == hf_greedy(target, prompt, 20)
-        assert res.stats.n_steps == 20
+        assert res.stats.n_steps == 19  # decoding steps: the first token came from the prompt's forward
+        assert res.stats.steps[0].prefill and not any(s.prefill for s in res.stats.steps[1:])
 
 
 def test_sample_one_draws_the_distribution():
@@ -76,7 +77,7 @@ def test_plain_loop_equals_the_general_loop(pair, temperature, top_p):
         general.policy.plain = False  # the same policy, stepped through draft -> verify -> commit
         a = plain.generate(prompt, max_new_tokens=20, seed=seed, ignore_eos=True)
         b = general.generate(prompt, max_new_tokens=20, seed=seed, ignore_eos=True)
-        assert a.token_ids == b.token_ids and a.stats.n_steps == b.stats.n_steps == 20
+        assert a.token_ids == b.token_ids and a.stats.n_steps == b.stats.n_steps == 19
         assert 0 < a.stats.t_prefill <= a.stats.t_first_token <= a.stats.t_total
 
 

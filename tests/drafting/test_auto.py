@@ -526,7 +526,7 @@ def test_stats_explain_the_choices(cheap_profile):
     res = dec.generate([5, 6, 7, 8], max_new_tokens=30, ignore_eos=True)
     info = res.stats.policy
     drafted = res.stats.steps[1:]  # the first token comes from the prompt's forward, before the policy drafts
-    assert len(info["steps"]) == len(drafted) == res.stats.n_steps - 1
+    assert len(info["steps"]) == len(drafted) == res.stats.n_steps
     assert [s["widths"] for s in info["steps"]] == [s.widths for s in drafted]
     assert sum(s.tree_size for s in res.stats.steps) > 0
     assert len(info["calibration"]) == len(Calibrator().centers) and info["costs"]["target_ms"]

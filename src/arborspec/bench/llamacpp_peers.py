@@ -87,8 +87,11 @@ def llamacpp_generate(path: str, ids: list[int], max_new_tokens: int, temperatur
     for _, call in stamps:
         per_call[call] = per_call.get(call, 0) + 1
     committed = list(per_call.values())
-    # the prompt's eval carries no draft; every later eval carries the previous lookup's proposal
+    # the prompt's eval carries no draft; every later eval carries the previous lookup's proposal. The prompt's eval
+    # is no decoding step (engine/stats.py), so its first token is left out of the per-step lists, as arborspec's
     drafted = [0] + drafts[: len(committed) - 1] if lookup else [0] * len(committed)
+    if len(committed) > 1:
+        committed, drafted = committed[1:], drafted[1:]
     return dict(
         token_ids=new, wall=wall, ttft=(stamps[0][0] - start) if stamps else None,
         committed_per_step=committed, accepted_per_step=[max(n - 1, 0) for n in committed],

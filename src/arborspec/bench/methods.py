@@ -90,6 +90,8 @@ def hf_generate(spec: RunSpec, target, draft, ids: list[int], max_new_tokens: in
         wall = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     committed = [n for _, n in clock.rounds]
+    if not counts.rounds and len(committed) > 1:  # plain generate: the prompt's forward is no decoding step
+        committed = committed[1:]  # (assisted generation and lookup read the prompt in their first verification)
     drafted = [d for d, _ in counts.rounds] if counts.rounds else [0] * len(committed)
     return dict(
         token_ids=new, wall=wall, ttft=(clock.rounds[0][0] - start) if clock.rounds else None,

@@ -2,8 +2,10 @@
 
 Names, because every paper calls the same thing something else:
 
-- **MAT** (Spec-Bench: "mean accepted tokens") = committed tokens per target forward, the bonus token included, so
-  plain decoding scores 1.00. The same quantity is DySpec's and Sequoia's "tokens/step" / *M*, Medusa's and EAGLE's
+- **MAT** (Spec-Bench: "mean accepted tokens") = committed tokens per decoding step's target forward, the bonus token
+  included, so plain decoding scores 1.00. The prompt's forward, which makes the first token and drafts nothing, is
+  no decoding step (so a chain of k drafts trees of k, not of k times steps / (steps + 1)); transformers' assisted
+  generation has no such forward (its first verification reads the prompt). The same quantity is DySpec's and Sequoia's "tokens/step" / *M*, Medusa's and EAGLE's
   *tau*, WETAP's mean generated length *L-bar*, DynaTree's average accepted length, and "ATN" (accepted tokens number)
   elsewhere. `mat` computes it.
 - **acceptance rate** = drafted tokens the target accepted / drafted tokens (bonus tokens are not drafted).
@@ -27,7 +29,7 @@ import torch
 
 
 def mat(committed_per_step: Sequence[int]) -> float | None:
-    """Mean accepted tokens per step (MAT / tau / M / L-bar): committed tokens per target forward, bonus included."""
+    """Mean accepted tokens per step (MAT / tau / M / L-bar): committed tokens per decoding step, bonus included."""
     if not committed_per_step:
         return None
     return sum(committed_per_step) / len(committed_per_step)

@@ -228,11 +228,12 @@ class Bench:
         st = res.stats
         wall = time.perf_counter() - start - st.t_measure  # the root optimum is the bench's statistic, not decoding
         nodes = [(round(p, 5), int(a)) for s in st.steps if s.tree for p, a in metrics.node_outcomes(s.tree)]
+        steps = st.decoding_steps  # the prompt's forward is no step (engine/stats.py), as in the papers' MAT
         return dict(
             token_ids=list(res.token_ids), wall=wall, ttft=st.t_first_token, finish_reason=st.finish_reason,
-            committed_per_step=[s.committed for s in st.steps], accepted_per_step=[s.accepted for s in st.steps],
-            drafted_per_step=[s.tree_size for s in st.steps], depth_per_step=[s.depth for s in st.steps],
-            root_optimum_per_step=[None if s.root_optimum is None else round(s.root_optimum, 5) for s in st.steps],
+            committed_per_step=[s.committed for s in steps], accepted_per_step=[s.accepted for s in steps],
+            drafted_per_step=[s.tree_size for s in steps], depth_per_step=[s.depth for s in steps],
+            root_optimum_per_step=[None if s.root_optimum is None else round(s.root_optimum, 5) for s in steps],
             accepted_at_depth=st.accepted_at_depth, zero_accept_share=st.zero_accept_share,
             root_acceptance=st.root_acceptance, root_optimum=st.root_optimum, verifier=st.verifier, lossy=st.lossy,
             t_prefill=st.t_prefill, t_draft=sum(s.t_draft for s in st.steps),

@@ -370,7 +370,8 @@ class SpeculativeDecoder:
             tree = TokenTree.root(run.context[-1])
             logits = target.forward(run.context, tree, [0])  # (1, vocab)
             t1 = time.perf_counter()
-            if not run.stats.steps:
+            first = not run.stats.steps  # the prompt's forward
+            if first:
                 run.stats.t_prefill, t0 = t1 - run.t_start, t1
             token = self._pick(logits, run.generator)
             t2 = time.perf_counter()
@@ -378,7 +379,7 @@ class SpeculativeDecoder:
             run.note_logprobs(logits, [0], kept)
             target.commit([0])
             step = StepStats(tree_size=0, depth=0, widths=[1], accepted=0, committed=len(kept), draft_calls=0,
-                             t_draft=0.0, t_verify=t2 - t0, t_other=time.perf_counter() - t2)
+                             t_draft=0.0, t_verify=t2 - t0, t_other=time.perf_counter() - t2, prefill=first)
             if self.config.record_trees:
                 step.tree = tree_record(tree, [], token)
             return run.record(step)

@@ -51,8 +51,8 @@ class Metrics:
                                ["method"], registry=r)
         self.accepted = Counter("arborspec_accepted_tokens", "drafted tokens the target accepted, by method",
                                 ["method"], registry=r)
-        self.emitted = Counter("arborspec_emitted_tokens", "tokens committed (accepted + the target's own token each "
-                               "step), by method", ["method"], registry=r)
+        self.emitted = Counter("arborspec_emitted_tokens", "tokens committed by speculative steps (accepted + the "
+                               "target's own token each; the prompt's forward's first token is no step's), by method", ["method"], registry=r)
         self.info = Info("arborspec_server", "what this server runs: its method, the backends and the models",
                          registry=r)
         self.queue_depth = Gauge("arborspec_queue_depth", "requests waiting for a slot", registry=r)
@@ -60,8 +60,11 @@ class Metrics:
                                 registry=r)
 
     def step(self, step: StepStats, method: str = "") -> None:
-        """One speculative step of a request running `method` (its policy)."""
+        """One step of a request running `method` (its policy). The prompt's forward, which makes the first token,
+        counts among the generated tokens and in no per-step figure (engine/stats.py: decoding steps)."""
         self.generated_tokens.inc(step.committed)
+        if step.prefill:
+            return
         self.tokens_per_step.observe(step.committed)
         self.accepted_per_step.observe(step.accepted)
         self.steps.labels(method=method).inc()
