@@ -104,3 +104,65 @@ def test_sliding_window_models_are_refused():
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match="sliding"):
         check_cache_support(model)
+
+
+def _tiny(config_class, **kw):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config_class(vocab_size=64, **kw)).eval()
+
+
+def _models_that_would_run_trees_wrong():
+    from transformers import BloomConfig, GPTNeoConfig, MptConfig, OpenAIGPTConfig, RwkvConfig
+
+    return [
+        ("ALiBi", _tiny(BloomConfig, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0)),
+        ("ALiBi", _tiny(MptConfig, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, pad_token_id=0)),
+        ("local attention", _tiny(GPTNeoConfig, hidden_size=32, num_layers=2, num_heads=4, window_size=16,
+                                  attention_types=[[["global", "local"], 1]], max_position_embeddings=512)),
+        ("takes no past_key_values", _tiny(RwkvConfig, hidden_size=32, num_hidden_layers=2,
+                                           attention_hidden_size=32, intermediate_size=64, pad_token_id=0)),
+        ("takes no past_key_values", _tiny(OpenAIGPTConfig, n_embd=32, n_layer=2, n_head=4)),
+    ]
+
+
+def test_models_whose_attention_follows_cache_slots_are_refused_before_they_answer_wrong():
+    """A sweep of transformers' architectures against their own generate found these: chains right, trees wrong
+    (ALiBi, GPT-Neo's local layers), or every method wrong (RWKV, GPT-1)."""
+    from arborspec.backends import check_session_support
+
+    for reason, model in _models_that_would_run_trees_wrong():
+        with pytest.raises(ValueError, match="cannot run tree attention exactly") as info:
+            check_session_support(model)
+        assert reason in str(info.value), (type(model).__name__, str(info.value))
+
+
+def test_a_local_window_as_long_as_the_context_is_accepted():
+    from transformers import GPTNeoConfig
+
+    from arborspec.backends import check_session_support
+
+    check_session_support(_tiny(GPTNeoConfig, hidden_size=32, num_layers=2, num_heads=4, window_size=512,
+                                attention_types=[[["global", "local"], 1]], max_position_embeddings=512))
+    check_session_support(tiny_model("llama"))
+
+
+def test_longrope_runs_to_its_original_length_and_stops_there():
+    """Past it longrope changes every key's frequencies: Phi-3's own generate recomputes its cache, and a tree
+    forward cannot, so the generation ends there ("context") rather than differ from the model's own."""
+    from transformers import Phi3Config
+
+    from arborspec import SpeculativeDecoder
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4, long_factor=[16.0] * 4,
+                original_max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = _tiny(Phi3Config, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, original_max_position_embeddings=32,
+                  rope_parameters=rope, sliding_window=None, pad_token_id=0)
+    prompt = [5, 6, 7, 8]
+    res = SpeculativeDecoder(model, model, method="static", depth=2, branch=2).generate(prompt, 60, ignore_eos=True)
+    assert res.stats.finish_reason == "context" and len(prompt) + len(res.token_ids) == 32
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=len(res.token_ids), do_sample=False)
+    assert res.token_ids == want[0, len(prompt):].tolist()

@@ -4,7 +4,7 @@ model's own sessions for a model object that brings them (`model.new_session(rol
 modules, e.g. llama.cpp). Every session implements `session.Session`."""
 from __future__ import annotations
 
-from .hf import TreeSession, check_cache_support
+from .hf import TreeSession, check_cache_support, check_tree_attention
 from .session import Session
 from .ssm import SSM_MODEL_TYPES, SSMTreeSession, check_ssm_support
 
@@ -39,3 +39,4 @@ def check_session_support(model) -> None:
     except ValueError as err:
         raise ValueError(f"{err}; the state-space backend (STree) supports model types "
                          f"{', '.join(SSM_MODEL_TYPES)}") from None
+    check_tree_attention(model)

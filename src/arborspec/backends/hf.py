@@ -16,6 +16,8 @@ adds it to the scores: logits off by ~27).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -23,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from ..core.sampling import check_finite
 from ..core.tree import TokenTree
 from . import batching
+from .model_info import context_window
 from .session import TreeRegion
 
 
@@ -146,6 +149,31 @@ def end_forward(session, pending: list[int], new_slot: dict[int, int]) -> None:
     session.cached.extend(pending)
     session.slot.update(new_slot)
     session.region_len += len(new_slot)
+
+
+def check_tree_attention(model) -> None:
+    """Refuse models whose attention would not follow a tree's positions and mask, so that a tree forward would
+    silently differ from the model's own decoding (found by running 74 transformers architectures, tiny and random,
+    against their own `generate`; ALiBi models and GPT-Neo's local layers ran chains right and trees wrong):
+    - a forward without `past_key_values` or `position_ids` (RWKV swallows the cache in **kwargs; GPT-1 has none;
+      BART's decoder and MPT place every token by its cache slot);
+    - ALiBi (BLOOM, MPT, Falcon's alibi=True): the bias grows with the key's cache slot, not its tree position;
+    - GPT-Neo's local layers: a window over cache slots, which a tree's siblings push its prefix out of.
+    (longrope / dynamic RoPE, whose cached keys go stale past their original length, run up to it: model_info's
+    context_window stops there.)"""
+    cfg, name = model.config, type(model).__name__
+    params = inspect.signature(model.forward).parameters
+    missing = [arg for arg in ("past_key_values", "position_ids") if arg not in params]
+    problem = None
+    if cfg.model_type in ("bloom", "mpt") or getattr(cfg, "alibi", False):
+        problem = "ALiBi's bias follows a key's cache slot, not its position in the tree"
+    elif missing:
+        problem = f"its forward takes no {' or '.join(missing)}, which a tree forward passes"
+    elif "local" in (getattr(cfg, "attention_layers", None) or []) and \
+            getattr(cfg, "window_size", 0) < context_window(model):
+        problem = f"its local attention layers window {cfg.window_size} cache slots, not tree positions"
+    if problem:
+        raise ValueError(f"{name} cannot run tree attention exactly: {problem}")
 
 
 def check_cache_support(model) -> None:

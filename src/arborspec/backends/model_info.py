@@ -20,9 +20,19 @@ def model_and_tokenizer(model_or_loaded, tokenizer=None) -> tuple:
 
 
 def context_window(model, default: int = NO_LIMIT) -> int:
-    """The longest sequence `model` takes: max_position_embeddings, or n_positions (GPT-2); `default` if neither."""
+    """The longest sequence `model` takes: max_position_embeddings, or n_positions (GPT-2); `default` if neither.
+    With longrope or dynamic RoPE (Phi-3's 128k models), the original length: past it those change every key's
+    frequencies, so keys already cached go stale (Phi-3's own generate recomputes its cache there, a tree forward
+    cannot), and a generation that ran on past it differed from the model's own from the next token on."""
     cfg = model.config
-    return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or default)
+    window = int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or default)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("longrope", "dynamic"):
+        original = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings",
+                                                                           None)
+        if original:
+            window = min(window, int(original))
+    return window
 
 
 def eos_ids(model, tokenizer) -> set[int]:
