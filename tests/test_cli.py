@@ -196,8 +196,12 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--temperature", "nan"], "temperature must be 0 (greedy) or a finite number"),
     ("generate", ["--top-p", "2"], "top_p must be in (0, 1]"),
     ("trees", ["--top-k", "-1"], "top_k must be an integer"),
-    ("trees", ["--out", "/nonexistent/folder/trees.png"], "its folder does not exist"),
+    ("trees", ["--out", "/etc/passwd/trees.png"], "/etc/passwd is not a writable directory"),
     ("calibrate", ["--temperature", "-0.5"], "temperature must be 0 (greedy) or a finite number"),
+    ("calibrate", ["--out", "/etc"], "'/etc' is a directory"),
+    ("calibrate", ["--max-new-tokens", "0"], "--max-new-tokens and --ranks must be at least 1"),
+    ("profile", ["--sizes", "1,100000"], "--sizes must each be between 1 and 1024"),
+    ("profile", ["--pair", "--model", "x"], "--pair profiles --target and --draft"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),
     ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
     ("generate", ["--llama-threads", "0"], "--llama-threads must be at least 1"),  # the native backend ignored it
@@ -228,3 +232,15 @@ def test_torch_deprecation_noise_is_hidden_in_the_cli_only(monkeypatch):
         outside = [str(w.message) for w in seen][len(inside):]
     assert inside == ["a warning the user can act on"]
     assert len(outside) == 3
+
+
+def test_a_system_error_is_one_line_not_a_traceback(capsys):
+    """An --out under a file, a directory given for a file, a full disk: what the system said, exit status 2."""
+    from arborspec.console import run_command
+
+    def writes_under_a_file(args):
+        open("/etc/passwd/results.json", "w")
+
+    assert run_command(writes_under_a_file, None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("arborspec: error: ") and "Not a directory" in err and "Traceback" not in err

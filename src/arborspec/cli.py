@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import replace
@@ -32,6 +33,7 @@ from .bench.report import report_from_args
 from .console import CliError, add_models_arguments, cmd_models, run_command, top_parser
 from .core.options import option_parser, parse_int_list
 from .core.sampling import SamplingConfig
+from .core.tree import MAX_TREE_NODES
 from .drafting import POLICIES
 from .engine.generation import stop_strings
 from .flags import (
@@ -154,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     trees.add_argument("--max-new-tokens", type=int, default=64)
     trees.add_argument("--out", default="trees.png", help="PNG file to write")
 
-    cal = commands["calibrate"]
-    _add_generation_args(cal)
+    cal = commands["calibrate"]  # the pair and the target's sampling: it runs no method and drafts nothing
+    add_pair_arguments(cal, quant=False)
+    add_sampling_arguments(cal, draft=False)
     cal.add_argument("--prompt", action="append", default=None, help="calibration prompt (repeatable)")
     cal.add_argument("--prompt-file", action="append", default=None, help="file with one calibration prompt (repeatable)")
     cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens the target generates per prompt")
@@ -221,6 +224,18 @@ def _check_sampling(args) -> None:
     SamplingConfig(temperature=args.temperature, top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0))
 
 
+def _check_out_file(path: str, flag: str = "--out") -> None:
+    """An output file that cannot be written, refused before anything loads (not after minutes of measuring)."""
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"{flag} {path!r} is a directory; give a file name")
+    parent = target.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise CliError(f"{flag} {path!r} cannot be written: {parent} is not a writable directory")
+
+
 def _read_prompt(args) -> str:
     """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT."""
     if args.prompt_file == "-":
@@ -231,6 +246,8 @@ def _read_prompt(args) -> str:
                 return fh.read()
         except OSError as err:
             raise CliError(f"cannot read prompt file {args.prompt_file!r}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise CliError(f"prompt file {args.prompt_file!r} is not UTF-8 text ({err.reason} at byte {err.start})")
     text = getattr(args, "text", None)
     prompt = text if text is not None else args.prompt
     return DEFAULT_PROMPT if prompt is None else prompt
@@ -327,16 +344,19 @@ def cmd_trees(args) -> int:
     if args.num_trees < 1 or args.max_new_tokens < 1:
         raise CliError("--num-trees and --max-new-tokens must be at least 1")
     _check_sampling(args)
-    if not Path(args.out).resolve().parent.is_dir():
-        raise CliError(f"--out {args.out!r}: its folder does not exist")
+    _check_out_file(args.out)
     prompt = _read_prompt(args)
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
     dec = _decoder(args, spec, target, draft, record_trees=True)
     result = dec.generate(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed)
     # the first step is the prompt's own forward, which drafts nothing (engine/decoder.py): the trees come after it
-    steps = result.stats.steps[1:] or result.stats.steps
+    steps = [s for s in result.stats.steps if not s.prefill]
+    if not steps:
+        raise CliError("the generation ended with the prompt's own forward, before any tree was drafted; raise "
+                       "--max-new-tokens")
     trees = [s.tree for s in steps[: args.num_trees]]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     title = (f"{spec.policy} ({', '.join(f'{k}={v}' for k, v in spec.options) or 'defaults'}), "
              f"T={args.temperature}: {result.stats.tokens_per_step:.2f} tokens/step over {result.stats.n_steps} steps")
     print(draw_trees(trees, dec.tokenizer, args.out, title=title))
@@ -351,12 +371,17 @@ def cmd_calibrate(args) -> int:
                 prompts.append(fh.read())
         except OSError as err:
             raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise CliError(f"prompt file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     prompts = prompts or DEFAULT_PROMPTS
     _check_sampling(args)
+    if args.max_new_tokens < 1 or args.ranks < 1:
+        raise CliError("--max-new-tokens and --ranks must be at least 1")
+    _check_out_file(args.out)
     target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype, backend=args.backend,
                               draft_backend=args.draft_backend, llama=llama_options(args))
     result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       ranks=args.ranks, seed=args.seed)
+                       top_k=args.top_k, top_p=args.top_p, ranks=args.ranks, seed=args.seed)
     result.update(target=args.target, draft=args.draft)
     write_acceptance_file(args.out, result)
     print(f"acceptance over {result['positions']} positions: "
@@ -368,7 +393,12 @@ def cmd_profile(args) -> int:
     sizes = list(parse_int_list(args.sizes, "--sizes"))
     if args.repeats < 1 or args.prefix < 2:
         raise CliError("--repeats must be at least 1 and --prefix at least 2")
+    if any(n < 1 or n > MAX_TREE_NODES for n in sizes):
+        raise CliError(f"--sizes must each be between 1 and {MAX_TREE_NODES} (the largest tree a policy drafts)")
+    if args.pair and args.model:
+        raise CliError("--pair profiles --target and --draft; --model is for one model without --pair")
     if args.out:
+        _check_out_file(args.out)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.pair:
         return _profile_pair(args, sizes)

@@ -59,6 +59,8 @@ def add_models_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_models(args) -> int:
     from .loading import aliases
     if args.action == "list":
+        if args.alias:
+            raise CliError(f"`arborspec models list` takes no alias (got {args.alias!r})")
         for name, alias in aliases.ALIASES.items():
             state = "fetched" if aliases.is_fetched(name) else "not fetched"
             print(f"{name:24s} {state:12s} {getattr(alias, 'description', '')}")
@@ -83,7 +85,8 @@ def run_command(command, args) -> int:
             for message in TORCH_NOISE:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
             return command(args)
-    except (CliError, ValueError, ModelLoadError, FileNotFoundError, FloatingPointError, ImportError) as err:
+    # OSError: an --out under a file, a directory given for a file, a disk full ...: what the system said, one line
+    except (CliError, ValueError, ModelLoadError, OSError, FloatingPointError, ImportError) as err:
         if os.environ.get("ARBORSPEC_DEBUG"):
             raise
         print(f"arborspec: error: {err}", file=sys.stderr)

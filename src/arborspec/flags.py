@@ -19,11 +19,14 @@ from .runspec import DEFAULT_METHOD, GRAMMAR
 from .verify import VERIFIERS
 
 
-def add_pair_arguments(p: argparse.ArgumentParser) -> None:
-    """--target, --draft, --dtype and --draft-quant, with the defaults above (`generate`, `trees`, `bench`)."""
+def add_pair_arguments(p: argparse.ArgumentParser, quant: bool = True) -> None:
+    """--target, --draft, --dtype and --draft-quant, with the defaults above (`generate`, `trees`, `bench`;
+    `calibrate` without --draft-quant: it measures the draft as loaded)."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
+    if not quant:
+        return add_backend_arguments(p)
     p.add_argument("--draft-quant", default=DEFAULT_DRAFT_QUANT, choices=DRAFT_QUANTS,
                    help="the draft variant: int8 / int4 quantize a PyTorch draft's linear layers (int4 needs torchao); "
                         "q4_0 / iq4_nl requantize a GGUF draft on the native backend to a lean 4-bit file (once, "
@@ -51,15 +54,16 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
 
 
-def add_sampling_arguments(p) -> None:
-    """--temperature, --top-k, --top-p, --draft-temperature and --seed (`generate`, `trees`, `calibrate`; `serve`:
-    the defaults for requests that leave the field out). `p`: a parser or an argument group."""
+def add_sampling_arguments(p, draft: bool = True) -> None:
+    """--temperature, --top-k, --top-p, --draft-temperature (unless not `draft`) and --seed (`generate`, `trees`,
+    `calibrate`; `serve`: the defaults for requests that leave the field out). `p`: a parser or an argument group."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the most likely tokens whose probabilities add up to P (1 = off)")
-    p.add_argument("--draft-temperature", type=float, default=None,
-                   help="the draft's own temperature (default: --temperature)")
+    if draft:
+        p.add_argument("--draft-temperature", type=float, default=None,
+                       help="the draft's own temperature (default: --temperature)")
     p.add_argument("--seed", type=int, default=None, help="seeds the sampling, for a repeatable run (default: random)")
 
 

@@ -545,3 +545,16 @@ def test_sampled_speculative_output_follows_the_target_distribution(gguf_dir, me
     assert dec.verifier.name == verifier
     counts = sample_outputs(dec, prompt, 2, plan_samples(probs), seed=11, max_new_tokens=3)
     assert_same_distribution(counts, probs)
+
+
+@needs_llama
+def test_calibration_ranks_a_llamacpp_draft(gguf_dir):
+    """`arborspec calibrate` on llama.cpp models ranked the draft by calling it as a torch module (a TypeError)."""
+    from arborspec.bench.calibrate import calibrate
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_ctx=128)
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, n_ctx=128)
+    same = calibrate(target.model, target.model, [[5, 6, 7], [9, 3]], max_new_tokens=8, ranks=4)
+    assert same["acceptance"][0] == pytest.approx(1.0) and same["positions"] == 16  # the target as its own draft
+    other = calibrate(target.model, draft.model, [[5, 6, 7], [9, 3]], max_new_tokens=8, ranks=4)
+    assert other["positions"] == 16 and 0 < sum(other["acceptance"]) <= 1

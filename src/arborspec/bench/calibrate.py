@@ -1,7 +1,8 @@
 """Measure a draft/target pair's positional acceptance rates: Sequoia's acceptance vector.
 
 For each calibration prompt the target generates a continuation (greedy at temperature 0, sampled above it); one
-forward of the draft over prompt + continuation then ranks, at every generated position, the draft's candidates.
+forward of the draft over prompt + continuation (through its own backend's session: transformers, llama.cpp or
+native) then ranks, at every generated position, the draft's candidates.
 `acceptance[i]` is the fraction of positions where the target's token was the draft's (i+1)-th most likely token:
 the probability that the (i+1)-th ranked child of an accepted node is the one the target takes (the events are
 disjoint, so the vector sums to at most 1). `arborspec calibrate` writes it as JSON for `sequoia --acceptance-file`.
@@ -13,18 +14,21 @@ import torch
 from ..backends.model_info import model_and_tokenizer
 from ..core.disk_cache import write_json
 from ..engine import SpeculativeDecoder
+from ..tuning.agreement import next_token_logits
 from ..tuning.corpus import DEFAULT_PROMPTS
 
 
 @torch.inference_mode()
 def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0,
-              ranks: int = 16, seed: int | None = 0) -> dict:
-    """The acceptance vector of `draft` against `target` on `prompts` (text or token-id lists)."""
+              ranks: int = 16, seed: int | None = 0, top_k: int = 0, top_p: float = 1.0) -> dict:
+    """The acceptance vector of `draft` against `target` on `prompts` (text or token-id lists), the target sampling
+    at `temperature`, `top_k`, `top_p`."""
     target_model, tokenizer = model_and_tokenizer(target, tokenizer)
     draft_model, _ = model_and_tokenizer(draft)
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks!r}")
-    dec = SpeculativeDecoder(target_model, method="ar", temperature=temperature, tokenizer=tokenizer)
+    if ranks < 1 or max_new_tokens < 1:
+        raise ValueError(f"ranks and max_new_tokens must be >= 1, got {ranks!r} and {max_new_tokens!r}")
+    dec = SpeculativeDecoder(target_model, method="ar", temperature=temperature, top_k=top_k, top_p=top_p,
+                             tokenizer=tokenizer)
     counts = torch.zeros(ranks, dtype=torch.float64)
     positions = 0
     for i, prompt in enumerate(prompts):
@@ -32,8 +36,7 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
         out = dec.generate(ids, max_new_tokens=max_new_tokens, seed=None if seed is None else seed + i).token_ids
         if not out:
             continue
-        full = torch.tensor([ids + out])
-        logits = draft_model(input_ids=full).logits[0, len(ids) - 1 : len(ids) - 1 + len(out)].float()
+        logits = next_token_logits(draft_model, ids + out)[len(ids) - 1 : len(ids) - 1 + len(out)].float()
         chosen = logits.gather(1, torch.tensor(out)[:, None])  # (len(out), 1)
         rank = (logits > chosen).sum(dim=1)  # 0 = the draft's top token
         for r in rank.tolist():

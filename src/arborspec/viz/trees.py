@@ -7,6 +7,9 @@ The accepted path is green, the target's bonus token orange (dashed edge); rejec
 """
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 from .canvas import pyplot
 
 ACCEPTED, REJECTED, BONUS, ROOT = "#2e9d48", "#c9c9c9", "#f08c1a", "#5b8bd9"
@@ -104,10 +107,14 @@ def draw_trees(trees: list[dict], tokenizer, path: str, title: str = "", max_nod
         ax.set_title(f"step {k + 1}: {len(t['tokens']) - 1} drafted, {len(t.get('path', []))} accepted{shown}",
                      fontsize=9, loc="left")
     axes[-1][0].set_xlabel("depth")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    top = 1 - 0.35 / fig.get_figheight() if title else 1
+    top = 1.0
+    if title:  # placed and wrapped in inches: a fraction of a 90-inch-tall figure put it over the first tree
+        width, height = fig.get_size_inches()
+        lines = textwrap.wrap(title, max(20, int(width * 11)))  # ~11 characters an inch at 10 pt
+        fig.suptitle("\n".join(lines), fontsize=10, y=1 - 0.1 / height, va="top")
+        top = 1 - (0.2 + 0.2 * len(lines)) / height
     fig.tight_layout(rect=(0, 0, 1, top))
+    path = str(path) if Path(path).suffix else f"{path}.png"  # what matplotlib writes for a name without one
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
