@@ -23,7 +23,7 @@ def bench_run(tmp_path_factory):
                        '{"id": "sum", "prompt": "x = [1, 2, 3]\\ny = ", "category": "math"}\n')
     out = root / "out"
     code = main(["bench", "--target", str(root / "target"), "--draft", str(root / "draft"), "--dtype", "fp32",
-                 "--prompt-file", str(prompts), "--methods", "ar,hf-assisted,chain,static,asps,sps,nonexistent",
+                 "--prompt-file", str(prompts), "--methods", "ar,hf-assisted,chain,static,asps,sps",
                  "--temperatures", "0,1", "--budgets", "2,4", "--max-new-tokens", "16", "--ignore-eos",
                  "--out", str(out), "--no-progress", "--threads", "1", "--draft-quant", "none"])
     assert code == 0
@@ -33,8 +33,8 @@ def bench_run(tmp_path_factory):
 def test_results_json_records_every_run(bench_run):
     results = records.read(bench_run)  # plain or gzipped
     assert results["env"]["cpu"] and results["env"]["threads"] == 1 and results["env"]["dtype"] == "fp32"
+    assert results["env"]["backend"] == results["env"]["draft_backend"] == "torch"  # what ran, "auto" resolved
     assert results["command"].startswith("arborspec bench")
-    assert any("nonexistent" in w for w in results["warnings"])
     labels = {r["label"] for r in results["runs"]}
     assert {"ar", "hf-assisted", "chain@2", "chain@4", "static@2", "static@4", "asps@4", "sps@2"} <= labels
     # 2 prompts x 2 temperatures x (ar + hf + 4 x 2 budgets) configurations
@@ -118,3 +118,26 @@ def test_acceptance_profile_columns(bench_run):
     assert re.fullmatch(r" \d\.\d\d / \d\.\d\d ", chain[9])
     ar = next(line for line in section.splitlines() if line.startswith("| ar ")).split("|")
     assert [c.strip() for c in ar[7:10]] == ["–", "–", "–"]  # plain decoding drafts nothing
+
+
+def test_prompts_past_the_context_window_are_left_out_and_the_warm_up_uses_the_shortest(tmp_path):
+    """A long first prompt failed every method's warm-up (all skipped) while transformers' assisted generation ran
+    past the window and reported it "ok"."""
+    target = tiny_model("llama", seed=0, context=64)
+    tok = char_tokenizer()
+    for name, model in [("target", target), ("draft", noisy_copy(target, 0.2))]:
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt": "x = 1\n" * 9}) + "\n"  # 54 tokens + 16 > 64
+                       + json.dumps({"id": "short", "prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
+                 "--prompt-file", str(prompts), "--methods", "ar,chain,hf-assisted", "--temperatures", "0",
+                 "--max-new-tokens", "16", "--ignore-eos", "--out", str(out), "--no-progress", "--draft-quant", "none",
+                 "--no-perplexity"])
+    assert code == 0
+    results = records.read(out)
+    assert not results["skipped"] and {r["prompt_id"] for r in results["runs"]} == {"short"}
+    assert {r["method"] for r in results["runs"]} == {"ar", "chain", "hf-assisted"}
+    assert any("1 prompt(s) skipped" in w and "context window of 64" in w for w in results["warnings"])

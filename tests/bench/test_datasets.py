@@ -236,3 +236,15 @@ def test_the_real_sets_have_the_documented_counts(tok):
     turns = datasets.load_prompts("multi-turn", 1000, tok, max_prompt_tokens=10**6, progress=False)
     assert len(turns) == 30 and [p.category for p in turns[:3]] == ["reasoning", "math", "coding"]
     assert all(p.text.count("user: ") == 2 and p.meta["first_answer"] in p.text for p in turns)
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "id 'a' is used on line 1 too"),
+    (['{"prompt": 123}'], '"prompt" must be text'),
+])
+def test_a_prompt_file_with_a_repeated_id_or_a_prompt_that_is_not_text_is_refused(tmp_path, tok, lines, message):
+    """Runs are paired by prompt id: two prompts under one id were compared with each other (a false MISMATCH)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        datasets.load_prompt_file(path, tok)

@@ -41,17 +41,18 @@ def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkey
     assert "static broke" in render(results, [])
 
 
-def test_bad_names_are_skipped_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("bad, message", [("future", "not registered"), ("chian", "unknown method"),
+                                          ("chain+fp8", "unknown lever"), ("wetap-lossy@64", "--allow-lossy")])
+def test_a_bad_method_name_is_an_error_before_anything_runs(monkeypatch, tmp_path, bad, message):
+    """Skipped with a warning in report.md alone, a misspelled method vanished from a run that exited 0."""
     monkeypatch.setitem(runspec.METHODS, "future", runspec.RunSpec("future", "not-yet-written"))
-    warnings = []
-    settings = BenchSettings(target="t", draft="d", methods=["ar", "future", "no-such-method", "chain+fp8",
-                                                             "wetap-lossy@64"])
-    assert [c.label for c in runner._configs(settings, warnings)] == ["ar"]
-    assert len(warnings) == 4 and all(w.endswith("; skipped") for w in warnings)
-    assert "not registered" in warnings[0] and "unknown lever" in warnings[2] and "--allow-lossy" in warnings[3]
+    settings = BenchSettings(target="t", draft="d", methods=["ar", bad], out=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=message):
+        runner.run_bench(settings)
+    assert not (tmp_path / "out").exists()  # nothing left behind
     settings.allow_lossy = True
-    labels = [c.label for c in runner._configs(settings, [])]
-    assert labels == ["ar", "wetap-lossy@64"]
+    if bad == "wetap-lossy@64":
+        assert [c.label for c in runner._configs(settings, [])] == ["ar", "wetap-lossy@64"]
 
 
 def test_a_pinned_budget_ignores_budgets_and_labels_stay_unique():

@@ -65,14 +65,15 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
             configs.append(cfg)
     if not configs:
         raise ValueError("none of the methods can run batched: " + "; ".join(warnings))
-    target, draft = models if models is not None else load_models(settings, configs)
+    pair = models if models is not None else load_models(settings, configs)
+    target, draft = pair
     bench = Bench(settings, target, draft)
     prompts = _prompts(settings, bench.tokenizer)
     ids = [prompt_ids(bench.tokenizer, p) for p in prompts]
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "concurrency.json"
-    results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=environment(settings),
+    results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=environment(settings, getattr(pair, "backends", ())),
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED}, levels=levels,
                    batched=can_batch(target.model), warnings=warnings,
                    prompts=[f"{p.dataset}/{p.id}" for p in prompts], levels_run=[])

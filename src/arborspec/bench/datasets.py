@@ -182,6 +182,7 @@ def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prom
         raise FileNotFoundError(f"cannot read prompt file {str(path)!r}: {err.strerror}") from None
 
     def records() -> Iterator[Prompt]:
+        seen: dict[str, int] = {}  # id -> line: runs are paired across methods (speed-ups, --resume) by prompt id
         for i, line in enumerate(lines):
             if not line.strip():
                 continue
@@ -191,7 +192,15 @@ def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prom
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" field") from None
             chat = bool(rec.get("chat", False))
-            yield Prompt(path.stem, str(rec.get("id", i)), _chat(tokenizer, text) if chat else text,
+            if not (isinstance(text, list) and chat) and not isinstance(text, str):
+                raise ValueError(f"{path}:{i + 1}: \"prompt\" must be text (or, with \"chat\": true, a list of "
+                                 f"messages), got {type(text).__name__}")
+            key = str(rec.get("id", i))
+            if key in seen:
+                raise ValueError(f"{path}:{i + 1}: id {key!r} is used on line {seen[key]} too; every prompt needs "
+                                 "its own (runs are paired by it)")
+            seen[key] = i + 1
+            yield Prompt(path.stem, key, _chat(tokenizer, text) if chat else text,
                          category=rec.get("category"), chat=chat)
 
     return _take(records(), n, tokenizer, max_prompt_tokens)

@@ -132,7 +132,10 @@ def render(results: dict, plots: list[str]) -> str:
              f"Machine: {env.get('cpu', '?')}, {env.get('cores', '?')} cores, {env.get('threads', '?')} torch threads; "
              f"arborspec {env.get('arborspec')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
              f"Python {env.get('python')}", "",
-             f"Target `{results.get('target')}`, draft `{results.get('draft')}`, dtype {env.get('dtype')}; "
+             f"Target `{results.get('target')}`, draft `{results.get('draft')}`"
+             + (f" on {env['backend']}" + (f" / {env['draft_backend']}" if env.get("draft_backend") not in
+                                           (None, env["backend"]) else "") if env.get("backend") else "")
+             + f", dtype {env.get('dtype')}; "
              f"max new tokens {st.get('max_new_tokens')}, {'EOS ignored' if st.get('ignore_eos') else 'stops at EOS'}; "
              f"{len(results.get('prompts', []))} prompts; {len(results['runs'])} runs; "
              f"started {results.get('started')}, finished {results.get('finished') or '(not finished)'}.", ""]

@@ -45,7 +45,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from ..backends.model_info import eos_ids
+from ..backends.model_info import context_window, eos_ids
 from ..core.host import this_cpu
 from ..core.options import parse_int_list
 from ..core.sampling import SamplingConfig
@@ -140,15 +140,19 @@ def peak_rss_mb() -> float:
     return kb / 2**20 if sys.platform == "darwin" else kb / 1024  # macOS reports bytes, Linux KiB
 
 
-def environment(settings: BenchSettings) -> dict:
+def environment(settings: BenchSettings, backends: tuple = ()) -> dict:
+    """The host and versions; `backends`: what the target and the draft ran on, `--backend auto` resolved (the
+    report said "auto"). On the GGUF backends --dtype does not apply: the dtype is the file's own."""
     try:
         ours = version("arborspec")
     except PackageNotFoundError:
         ours = "unknown"
+    target_backend = backends[0] if backends else None
+    dtype = settings.dtype if target_backend in (None, "torch") else f"the GGUF's own ({target_backend})"
     return dict(arborspec=ours, torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), cpu=this_cpu().describe(), cores=os.cpu_count(),
-                threads=torch.get_num_threads(), dtype=settings.dtype, command=settings.command,
-                llama_cpp=llamacpp_info())
+                threads=torch.get_num_threads(), dtype=dtype, command=settings.command, llama_cpp=llamacpp_info(),
+                backend=target_backend, draft_backend=backends[1] if len(backends) > 1 else None)
 
 
 def target_perplexity(model, prompt: list[int], new: list[int]) -> float | None:
@@ -292,15 +296,19 @@ def load_models(settings: BenchSettings, configs: list) -> tuple:
 
 
 def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
+    """Every (method, budget, temperature) to run. A method name that does not parse (a typo, a lossy verifier without
+    --allow-lossy) is a ValueError naming it, before anything loads: skipped with a warning in report.md alone, a
+    misspelled method vanished from a run that ended with exit status 0. A method that parses and then cannot run
+    (a missing package) is skipped at its warm-up instead."""
+    specs = {}
+    for name in settings.methods:
+        try:
+            specs[name] = parse(name, draft_quant=settings.draft_quant, allow_lossy=settings.allow_lossy)
+        except ValueError as err:
+            raise ValueError(f"--methods: {err}") from None
     out = []
     for t in settings.temperatures:
-        for name in settings.methods:
-            try:
-                spec = parse(name, draft_quant=settings.draft_quant, allow_lossy=settings.allow_lossy)
-            except ValueError as err:  # one bad name must not end the benchmark
-                if f"{err}; skipped" not in warnings:
-                    warnings.append(f"{err}; skipped")
-                continue
+        for name, spec in specs.items():
             if spec.budget is not None:
                 budgets = [spec.budget]
             else:
@@ -324,6 +332,21 @@ def check_settings(settings: BenchSettings) -> None:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
 
 
+def _fitting(prompts: list[Prompt], bench, settings: BenchSettings, warnings: list[str]) -> list[Prompt]:
+    """The prompts with room for --max-new-tokens in the target's context window. A longer one ended arborspec's
+    runs at the window ("context") while transformers' generate ran past it: no like-for-like comparison."""
+    window = context_window(bench.target.model)
+    kept = [p for p in prompts if len(prompt_ids(bench.tokenizer, p)) + settings.max_new_tokens <= window]
+    if len(kept) < len(prompts):
+        warnings.append(f"{len(prompts) - len(kept)} prompt(s) skipped: with --max-new-tokens "
+                        f"{settings.max_new_tokens} they do not fit the target's context window of {window} tokens")
+        print(f"[arborspec] {warnings[-1]}", file=sys.stderr)
+    if not kept:
+        raise ValueError(f"no prompt fits the target's context window ({window} tokens) with --max-new-tokens "
+                         f"{settings.max_new_tokens}")
+    return kept
+
+
 def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
     per_dataset = [load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
                                 progress=settings.progress) for name in settings.datasets]
@@ -339,32 +362,31 @@ def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
 def run_bench(settings: BenchSettings, models=None) -> Path:
     """Run the benchmark; returns the path of results.json (or results.json.gz, see records.py). `models`: an
     already loaded (target, draft) pair."""
+    warnings: list[str] = []
+    configs = _configs(settings, warnings)  # before --out is made: a typo leaves nothing behind
+    check_settings(settings)  # before minutes of loading: a typo fails at once
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
         with records.writing(settings.out):
-            return _run_bench(settings, models)
+            return _run_bench(settings, models, configs, warnings)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_bench(settings: BenchSettings, models) -> Path:
+def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings: list[str]) -> Path:
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    warnings: list[str] = []
-    configs = _configs(settings, warnings)
-    if not configs:
-        raise ValueError("none of the methods can run: " + "; ".join(warnings))
-    check_settings(settings)  # before minutes of loading: a typo fails at once
     need_draft = any(c.spec.needs_draft for c in configs)
     # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
-    target, draft = models if models is not None else load_models(settings, configs)
+    pair = models if models is not None else load_models(settings, configs)
+    target, draft = pair
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
-    prompts = _prompts(settings, bench.tokenizer)
-    env = environment(settings)
+    prompts = _fitting(_prompts(settings, bench.tokenizer), bench, settings, warnings)
+    env = environment(settings, getattr(pair, "backends", ()))
     results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED},
                    target=settings.target, draft=settings.draft, started=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -381,9 +403,10 @@ def _run_bench(settings: BenchSettings, models) -> Path:
         print(f"[arborspec] resuming {path}: {first} of {len(prompts)} prompts already done", file=sys.stderr)
 
     if settings.warmup:  # one short generation per configuration, not timed, not recorded
+        shortest = min(ids_of, key=len)  # (a long first prompt made every method fail its warm-up)
         for cfg in list(configs):
             try:
-                bench.generate(cfg, ids_of[0], min(WARMUP_TOKENS, settings.max_new_tokens), settings.seed)
+                bench.generate(cfg, shortest, min(WARMUP_TOKENS, settings.max_new_tokens), settings.seed)
             except Exception as err:
                 configs.remove(cfg)
                 results["skipped"].append(dict(label=cfg.label, method=cfg.method, budget=cfg.budget,
@@ -481,6 +504,8 @@ def command_line(args) -> str:
 def settings_from_args(args) -> BenchSettings:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--prompts and --max-new-tokens must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.dataset is None:  # --prompt-file alone runs only the file
         datasets = [] if args.prompt_file else ["humaneval"]
     else:
