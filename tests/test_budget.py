@@ -256,3 +256,11 @@ def test_cli_profile_pair_and_generate_auto(llama_dirs, tmp_path, monkeypatch, c
                      "--prompt", "def f(x):", "--max-new-tokens", "12", "--ignore-eos", "--compare-ar", *extra])
         out = capsys.readouterr().out
         assert code == 0 and "auto:" in out and "identical output" in out
+
+
+def test_a_fit_is_written_with_each_sign_once():
+    from arborspec.tuning.runtime_model import RuntimeModel
+
+    assert RuntimeModel("quadratic", (1.568e-6, -5.423e-4, 1.096e-2)).describe() == \
+        "t(N) = 0.001568*N^2 - 0.5423*N + 10.96 ms"
+    assert RuntimeModel("linear", (-2e-3, 5e-3)).describe() == "t(N) = -2*N + 5 ms"

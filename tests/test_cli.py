@@ -202,6 +202,8 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("calibrate", ["--max-new-tokens", "0"], "--max-new-tokens and --ranks must be at least 1"),
     ("profile", ["--sizes", "1,100000"], "--sizes must each be between 1 and 1024"),
     ("profile", ["--pair", "--model", "x"], "--pair profiles --target and --draft"),
+    ("generate", ["--draft-vocab", "-5"], "the draft vocabulary must be 0 (off) or more"),
+    ("generate", ["--ngram", "3", "--ngram-len", "0"], "an n-gram branch needs at least 1 token"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),
     ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
     ("generate", ["--llama-threads", "0"], "--llama-threads must be at least 1"),  # the native backend ignored it
@@ -244,3 +246,9 @@ def test_a_system_error_is_one_line_not_a_traceback(capsys):
     assert run_command(writes_under_a_file, None) == 2
     err = capsys.readouterr().err
     assert err.startswith("arborspec: error: ") and "Not a directory" in err and "Traceback" not in err
+
+
+def test_kernels_info_compiles_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    code, out, _ = run_cli(capsys, "kernels", "info")
+    assert code == 0 and "not built for this CPU" in out and not (tmp_path / "kernels").exists()

@@ -74,14 +74,16 @@ def describe(result: GenerationResult) -> str:
 
 def read_message() -> str:
     """The next message typed: one line, or the lines from one that starts with QUOTE to one that ends with it (a
-    paste of code). EOFError / KeyboardInterrupt as input() raises them."""
-    text = input("> ").strip()
+    paste of code). EOFError / KeyboardInterrupt as input() raises them. The prompts show on a terminal only: with
+    the messages piped in, standard output holds the answers alone."""
+    prompt = (lambda text: text) if sys.stdin.isatty() else (lambda text: "")
+    text = input(prompt("> ")).strip()
     if not text.startswith(QUOTE):
         return text
     lines = [text[len(QUOTE):]]
     while not lines[-1].rstrip().endswith(QUOTE):
         try:
-            lines.append(input("... "))
+            lines.append(input(prompt("... ")))
         except EOFError:  # the input ended inside the message: what came is the message (it was dropped)
             return "\n".join(lines).strip()
     return "\n".join(lines).rstrip()[:-len(QUOTE)].rstrip().lstrip("\n")  # a first line's indent is kept
@@ -96,7 +98,8 @@ def run(conversation: Conversation, banner: str) -> int:
         try:
             text = read_message()
         except (EOFError, KeyboardInterrupt):
-            print()
+            if sys.stdin.isatty():  # ends the prompt's line
+                print()
             return 0
         if text in ("/exit", "/quit"):
             return 0

@@ -318,8 +318,14 @@ def cmd_chat(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    """Compile the kernels for this CPU now (the set-up scripts run this) and say which code path they run."""
+    """`build`: compile the kernels for this CPU now (the set-up scripts run this) and say which code path they run;
+    `info`: say so without compiling."""
+    from .core.host import this_cpu
     from .kernels.build import KernelBuildError, build_dir, library
+    if args.action == "info" and not any(build_dir().glob("*.so")):
+        print(f"arborspec kernels: not built for this CPU ({this_cpu().describe()}) yet; `arborspec kernels build` "
+              f"compiles them into {build_dir()} (20-40 s), as the first native run would")
+        return 0
     start = time.perf_counter()
     try:
         kernels = library()

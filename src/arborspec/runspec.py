@@ -180,6 +180,13 @@ def check_options(spec: RunSpec) -> RunSpec:
             POLICIES[spec.policy].Options(**options_for(spec)[0])
         except (TypeError, ValueError) as err:
             raise ValueError(f"method {spec.name!r}: {err}") from None
+    levers = {"draft vocabulary": spec.vocab, "n-gram branches": spec.ngram, "suffix nodes": spec.suffix or 0,
+              "lookahead window": spec.lookahead}
+    for what, value in levers.items():  # refused here, not after the pair has loaded
+        if value < 0:
+            raise ValueError(f"method {spec.name!r}: the {what} must be 0 (off) or more, got {value}")
+    if spec.ngram and spec.ngram_len < 1:
+        raise ValueError(f"method {spec.name!r}: an n-gram branch needs at least 1 token, got {spec.ngram_len}")
     return spec
 
 

@@ -84,6 +84,10 @@ def test_cli_writes_the_report_and_refuses_a_file(tmp_path, capsys):
     assert out.read_text().startswith("# Reproducing the five papers")
     assert main(["report", str(tmp_path / "policies-grid" / "results.json"), "--reproduction", str(out)]) == 2
     assert "needs a results directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "policies-grid"), "--reproduction", str(out)]) == 2  # one experiment
+    assert "one experiment's folder" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "docs"), "--reproduction", str(out)]) == 2  # no experiment in it
+    assert "no experiment of the reproduction report" in capsys.readouterr().err
     (tmp_path / "policies-grid" / "results.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
         reproduction.load_sources(tmp_path)

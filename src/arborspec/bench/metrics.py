@@ -5,9 +5,9 @@ Names, because every paper calls the same thing something else:
 - **MAT** (Spec-Bench: "mean accepted tokens") = committed tokens per decoding step's target forward, the bonus token
   included, so plain decoding scores 1.00. The prompt's forward, which makes the first token and drafts nothing, is
   no decoding step (so a chain of k drafts trees of k, not of k times steps / (steps + 1)); transformers' assisted
-  generation has no such forward (its first verification reads the prompt). The same quantity is DySpec's and Sequoia's "tokens/step" / *M*, Medusa's and EAGLE's
-  *tau*, WETAP's mean generated length *L-bar*, DynaTree's average accepted length, and "ATN" (accepted tokens number)
-  elsewhere. `mat` computes it.
+  generation has no such forward (its first verification reads the prompt). The same quantity is DySpec's and
+  Sequoia's "tokens/step" / *M*, Medusa's and EAGLE's *tau*, WETAP's mean generated length *L-bar*, DynaTree's
+  average accepted length, and "ATN" (accepted tokens number) elsewhere. `mat` computes it.
 - **acceptance rate** = drafted tokens the target accepted / drafted tokens (bonus tokens are not drafted).
 - **acceptance at depth d** = among steps whose tree reached depth d, the share that accepted at least d drafted tokens;
   **zero-accept share** = among steps that drafted anything, the share that accepted none.

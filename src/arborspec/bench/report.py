@@ -39,8 +39,8 @@ def load_results(path: str | Path) -> tuple[dict, Path]:
 
 # ----------------------------------------------------------------------------------------------------- report
 GLOSSARY = """\
-- **MAT** (Spec-Bench's *mean accepted tokens*) = tokens committed per target forward, the bonus token included
-  (plain decoding: 1.00). The same number is called *M* / tokens per step (DySpec, Sequoia), *tau* (Medusa, EAGLE),
+- **MAT** (Spec-Bench's *mean accepted tokens*) = tokens committed per decoding step (one target forward each), the
+  bonus token included (plain decoding: 1.00); the prompt's forward, which makes the first token, is no step. The same number is called *M* / tokens per step (DySpec, Sequoia), *tau* (Medusa, EAGLE),
   *L-bar* mean generated length (WETAP), average acceptance length / ATN elsewhere. *acc./step* excludes the bonus.
 - **acc. rate** = accepted drafted tokens / drafted tokens; **tree** = mean drafted tokens per step.
 - **acc@1/2/3** = per-position acceptance: among steps whose tree reached depth d, the share that accepted at least d

@@ -622,14 +622,23 @@ def render(root: str | Path) -> str:
              "experiment, each with the command that made it). The papers ran 7B-70B models on GPUs; here the "
              "default pair is Qwen2.5-Coder-1.5B-Instruct (target) and 0.5B (draft) in bf16 on a 2-core CPU, where a "
              "draft call costs about a third of a target call instead of a few percent. Directions, not absolute "
-             "numbers, are what can transfer; each section says whether they do. MAT = committed tokens per target "
-             "forward (the papers' M / tau / L / ATN, bonus token included).", ""]
+             "numbers, are what can transfer; each section says whether they do. MAT = committed tokens per decoding "
+             "step's target forward (the papers' M / tau / L / ATN, bonus token included).", ""]
     for section in SECTIONS:
         lines += render_section(section, src)
     return "\n".join(lines)
 
 
 def write_reproduction(root: str | Path, out: str | Path) -> Path:
+    """The report of the experiments under `root` (a folder of experiment folders, as results/). ValueError for one
+    experiment's own folder, or one in which no experiment is found: the report said "Not run yet" in every section
+    and the command exited 0."""
+    if (Path(root) / "results.json").exists() or (Path(root) / "results.json.gz").exists():
+        raise ValueError(f"{root} is one experiment's folder; --reproduction reads the folder above the experiments "
+                         "(results/)")
+    if not any(records.find(Path(root) / rel) for rel, _ in SOURCES.values()):
+        raise ValueError(f"no experiment of the reproduction report is under {root} (expected e.g. "
+                         f"{root}/<experiment>/results.json; see docs/reproduction.md)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(root))

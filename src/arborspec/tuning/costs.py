@@ -328,9 +328,9 @@ def plot_pair(target: CostCurve, draft: CostCurve, out: str, title: str = "") ->
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(10, 4))
     for curve, label in ((target, "target t(n): verify n tree tokens"), (draft, "draft d(n): one layer of n nodes")):
         grid = np.arange(1, max(curve.sizes) + 1)
-        ax1.plot(curve.sizes, [t * 1e3 for t in curve.times], "o")
-        ax1.plot(grid, curve(grid) * 1e3, "-", label=label)
-        ax2.plot(grid, curve(grid) / target(1), "-", label=label.split(":")[0])
+        line, = ax1.plot(grid, curve(grid) * 1e3, "-", label=label)  # its dots and its right-hand line: its colour
+        ax1.plot(curve.sizes, [t * 1e3 for t in curve.times], "o", color=line.get_color())
+        ax2.plot(grid, curve(grid) / target(1), "-", label=label.split(":")[0], color=line.get_color())
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("tokens n")
     ax1.set_ylabel("ms per call")

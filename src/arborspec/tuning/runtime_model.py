@@ -30,10 +30,12 @@ class RuntimeModel:
         return float(np.polyval(self.coeffs, n))
 
     def describe(self, unit: float = 1e3, suffix: str = "ms") -> str:
+        """The fit as a formula, each sign written once ("+ -0.54*N" read as a typo)."""
         c = [x * unit for x in self.coeffs]
-        if self.kind == "linear":
-            return f"t(N) = {c[0]:.4g}*N + {c[1]:.4g} {suffix}"
-        return f"t(N) = {c[0]:.4g}*N^2 + {c[1]:.4g}*N + {c[2]:.4g} {suffix}"
+        terms = [f"{abs(v):.4g}{power}" for v, power in zip(c, ["*N^2", "*N", ""][-len(c):])]
+        text = ("-" if c[0] < 0 else "") + terms[0]
+        text += "".join(f" {'-' if v < 0 else '+'} {term}" for v, term in zip(c[1:], terms[1:]))
+        return f"t(N) = {text} {suffix}"
 
 
 def fit_runtime(sizes, times, kind: str = "linear") -> RuntimeModel:
