@@ -69,11 +69,12 @@ class _CountDrafts:
 def hf_generate(spec: RunSpec, target, draft, ids: list[int], max_new_tokens: int, temperature: float,
                 top_k: int, top_p: float, eos: list[int], seed: int | None) -> dict:
     """Run transformers' own generate (plain, assisted, or prompt lookup) and time it like an arborspec run."""
-    # every sampling setting explicit: a None would be filled from the model's generation config or transformers'
-    # global defaults (top_k=50), which the arborspec runs do not use
+    # sampling: every setting explicit (a None would be filled from the model's generation config or transformers'
+    # global defaults, top_k=50, which the arborspec runs do not use); greedy: none (any value, neutral or not, made
+    # transformers warn "may be ignored" on every run)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 else {}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0, eos_token_id=list(eos),
-                           pad_token_id=(eos[0] if eos else 0), temperature=temperature if temperature > 0 else 1.0,
-                           top_k=top_k, top_p=top_p, repetition_penalty=1.0)
+                           pad_token_id=(eos[0] if eos else 0), repetition_penalty=1.0, **sampling)
     kwargs = dict(spec.hf)
     if kwargs.pop("assistant_model", False):
         kwargs["assistant_model"] = draft
