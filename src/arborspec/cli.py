@@ -441,6 +441,9 @@ def _profile_pair(args, sizes: list[int]) -> int:
                                       repeats=args.repeats, progress=True)
         curves[role] = curve
         print(f"{role}: {getattr(args, role)} ({args.dtype}): {source} profile {profile_path(model)}")
+        if source != "measured" and list(curve.sizes) != sizes:
+            print(f"  (the cached profile's sizes {','.join(map(str, curve.sizes))}: --sizes and --repeats apply "
+                  "when it is measured again, --refresh)")
     t, d = curves["target"], curves["draft"]
     t1 = t(1)
     print(f"{'n':>5} {'target t(n) ms':>15} {'t(n)/t(1)':>10} {'draft d(n) ms':>14} {'d(n)/d(1)':>10} "

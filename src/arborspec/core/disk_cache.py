@@ -32,11 +32,15 @@ def atomic_write(path: Path | str, data: str | bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data)
-    tmp.replace(path)
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        tmp.replace(path)
+    except BaseException:  # a full disk, `path` a directory, Ctrl-C: no temporary file left beside it
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
