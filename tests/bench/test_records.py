@@ -116,3 +116,23 @@ def test_bad_outputs_and_records_are_one_line_errors(tmp_path, capsys):
         assert main(["report", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (name, err)
+
+
+def test_a_schema_1_record_leaves_the_prompts_forward_out_of_its_steps(tmp_path):
+    """Since session 29 the prompt's forward (one token, nothing drafted) is no decoding step; records written before
+    are read the same way, and a first step that drafted a tree (before session 24) stays."""
+    runs = [dict(method="chain", policy="chain", committed_per_step=[1, 3, 3], drafted_per_step=[0, 5, 5],
+                 accepted_per_step=[0, 2, 2], depth_per_step=[0, 5, 5], steps=3, mat=7 / 3),
+            dict(method="chain", policy="chain", committed_per_step=[4, 3], drafted_per_step=[5, 5],
+                 accepted_per_step=[3, 2], depth_per_step=[5, 5], steps=2, mat=3.5),
+            dict(method="llamacpp-ar", policy=None, committed_per_step=[1, 1, 1], drafted_per_step=[0, 0, 0],
+                 steps=3, mat=1.0),
+            dict(method="hf-assisted", policy=None, committed_per_step=[1, 4], drafted_per_step=[0, 4], steps=2,
+                 mat=2.5)]
+    records.write(tmp_path / "results.json", dict(schema=1, runs=runs))
+    got = records.read(tmp_path)["runs"]
+    assert got[0]["committed_per_step"] == [3, 3] and got[0]["drafted_per_step"] == [5, 5] and got[0]["mat"] == 3.0
+    assert got[0]["accepted_per_step"] == [2, 2] and got[0]["steps"] == 2
+    assert got[1]["committed_per_step"] == [4, 3] and got[1]["mat"] == 3.5  # its first step drafted
+    assert got[2]["committed_per_step"] == [1, 1] and got[2]["steps"] == 2
+    assert got[3]["committed_per_step"] == [1, 4]  # assisted generation has no prompt-only forward

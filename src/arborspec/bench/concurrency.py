@@ -73,7 +73,8 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "concurrency.json"
-    results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=environment(settings, getattr(pair, "backends", ())),
+    env = environment(settings, getattr(pair, "backends", ()))
+    results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED}, levels=levels,
                    batched=can_batch(target.model), warnings=warnings,
                    prompts=[f"{p.dataset}/{p.id}" for p in prompts], levels_run=[])

@@ -10,6 +10,12 @@ Paths name the plain file (`DIR/results.json`, as the bench's commands and docs 
 or such a path to whichever form exists, and the writer removes the other form, so there is one record per
 directory. gzip is written with a zero timestamp: the same data gives the same bytes, so git sees no change.
 
+A record of schema 1 (before session 29) counted the prompt's forward, which makes the first token and drafts
+nothing, as a decoding step of arborspec's runs (since session 24; before, the first step drafted a tree) and of
+llama.cpp's and transformers' plain loops; `read` drops such a first step (one token committed, nothing drafted) from
+the per-step lists, as the runner records them now (engine/stats.py), so reports recomputed from results/ count MAT
+and tree sizes the same way as new runs.
+
 `python -m arborspec.bench.records DIR...` rewrites every results.json under DIR in the form the writer picks (how
 results/ was compressed).
 """
@@ -77,9 +83,33 @@ def read(path: str | Path):
         raise FileNotFoundError(f"no {NAME} at {str(path)!r}")
     try:
         raw = gzip.decompress(file.read_bytes()) if file.name.endswith(GZ) else file.read_bytes()
-        return json.loads(raw)
+        data = json.loads(raw)
     except (OSError, EOFError, ValueError) as err:  # a cut gzip stream, bad UTF-8, bad JSON
         raise ValueError(f"{file} is not valid JSON: {err}") from None
+    return upgraded(data)
+
+
+PER_STEP = ("committed_per_step", "accepted_per_step", "drafted_per_step", "depth_per_step", "root_optimum_per_step")
+PLAIN_FIRST = ("hf-ar", "llamacpp-ar", "llamacpp-lookup")  # baselines whose first recorded step read the prompt
+
+
+def upgraded(data):
+    """A schema-1 bench record with the prompt's forward left out of its runs' per-step lists (see above)."""
+    if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("runs"), list):
+        return data
+    for run in data["runs"]:
+        steps, drafted = run.get("committed_per_step"), run.get("drafted_per_step")
+        if not steps or len(steps) < 2 or not (run.get("policy") or run.get("method") in PLAIN_FIRST):
+            continue
+        if steps[0] != 1 or (drafted and drafted[0] != 0):  # a first step that drafted: no prompt-only forward
+            continue
+        for key in PER_STEP:
+            if isinstance(run.get(key), list) and len(run[key]) == len(steps):
+                run[key] = run[key][1:]
+        run["steps"] = len(run["committed_per_step"])
+        run["mat"] = sum(run["committed_per_step"]) / run["steps"]
+    data["schema"] = 2
+    return data
 
 
 def write(path: str | Path, data) -> Path:

@@ -59,7 +59,7 @@ from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
 from .methods import hf_generate
 from .report import write_report
 
-SCHEMA = 1
+SCHEMA = 2  # 2: the prompt's forward is no step in the per-step lists (records.upgraded reads a 1)
 WARMUP_TOKENS = 8
 
 
