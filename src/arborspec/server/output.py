@@ -123,7 +123,7 @@ class Reply:
         if not self.chat:
             return None
         return event({**self._head(True), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
 
     def text_event(self, text: str, result: GenerationResult, shown: str) -> str:
         """A chunk of new text (`text`: what `shown`, all the client has now, adds), with its tokens' logprobs."""
