@@ -99,3 +99,10 @@ def test_a_template_that_changes_a_content_spelling_a_special_token_is_refused()
     with pytest.raises(ValueError, match="changes its content"):
         conversation_ids(tok, [{"role": "user", "content": " [end] "}], content_as_text=True)
     assert conversation_ids(tok, [{"role": "user", "content": " a "}], content_as_text=True)  # nothing spelled
+
+
+def test_a_batch_takes_a_list_of_prompts_and_a_list_of_seeds(decoder):
+    with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+        decoder.generate_batch("def f", max_new_tokens=2)  # was five one-letter prompts
+    with pytest.raises(ValueError, match="seeds must be a list"):
+        decoder.generate_batch(["a", "b"], max_new_tokens=2, seeds=5)

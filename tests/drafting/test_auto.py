@@ -827,3 +827,25 @@ def test_a_repeatable_auto_samples_the_same_tokens_whatever_the_clock_and_earlie
             runs[repeatable, jumps] = res.token_ids
     assert runs[True, False] == runs[True, True]
     assert runs[False, False] != runs[False, True]  # without it, the same seed gives other tokens
+
+
+def test_a_repeatable_auto_repeats_after_other_generations_and_in_a_batch(monkeypatch):
+    """Two ways a seeded auto(repeatable) run gave other tokens: a decoder reused after an unrelated generation (the
+    calibration it had learned moved the trees), and a batch (trees sized for the requests sharing a round)."""
+    target, draft = make_pair("llama", seed=3, noise=0.3)
+    monkeypatch.setattr(forward_costs, "profile_model",  # every decoder and fork prices its trees alike
+                        lambda model, **kw: (T_CPU if model is target else D_CPU, "measured"))
+    prompts = [[5, 6, 7, 8, 9] * 4, [9, 3, 2, 7], [11, 4, 4, 2, 8, 1]]
+
+    def decoder():
+        return SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0, repeatable=True)
+
+    alone = [decoder().generate(p, max_new_tokens=30, ignore_eos=True, seed=i).token_ids for i, p in enumerate(prompts)]
+    used = decoder()
+    used.generate([3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=40, ignore_eos=True, seed=7)  # moves its calibration
+    assert used.generate(prompts[0], max_new_tokens=30, ignore_eos=True, seed=0).token_ids == alone[0]
+    batched = decoder().generate_batch(prompts, max_new_tokens=30, seeds=[0, 1, 2], ignore_eos=True, concurrency=3)
+    assert [b.token_ids for b in batched] == alone
+    from arborspec.engine import decoder as decoder_module
+    monkeypatch.setattr(decoder_module, "sharing", lambda: 64)  # a round of 64 requests, as a busy server's
+    assert decoder().generate(prompts[0], max_new_tokens=30, ignore_eos=True, seed=0).token_ids == alone[0]

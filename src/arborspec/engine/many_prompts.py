@@ -26,7 +26,12 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
                    concurrency: int | None = None) -> list:
     """One GenerationResult per prompt, in order (see the module docstring); `seeds`: one per prompt (None: each
     unseeded); `concurrency`: the most requests active at once (None: all of them)."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):  # a string was read as one-letter prompts
+        raise ValueError(f"prompts must be a list of prompts (texts, token-id lists or conversations), not "
+                         f"{type(prompts).__name__}; one prompt: generate()")
     n = len(prompts)
+    if seeds is not None and not isinstance(seeds, (list, tuple)):
+        raise ValueError(f"seeds must be a list of one seed (or None) per prompt, got {seeds!r}")
     seeds = [None] * n if seeds is None else list(seeds)
     if len(seeds) != n:
         raise ValueError(f"got {len(seeds)} seeds for {n} prompts")

@@ -16,10 +16,14 @@ steps and when a new generation starts, keyed by the pair's fingerprints, dtypes
 `result.stats.policy` (GenerationStats) explains the choices (`explain`): per step the mode, layer widths, predicted
 tokens and seconds and why growth stopped; the calibration curve; the predictor; the cost model and its source; the
 guard's decisions.
+
+Over 400 lines: the policy's state, its start (costs, agreement, memory) and its account of itself; the objective,
+calibration, tree builder and guard are modules of their own.
 """
 from __future__ import annotations
 
 import collections
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +85,7 @@ class AutoPolicy(Policy):
         # how often the root's first child is accepted, this sampling setting's: one bin of the calibrator's kind
         # (a Beta(1, 1) prior, old evidence scaled down past 400 steps, loaded capped at 100)
         self.first_child = Calibrator(edges=(0.0, 1.0))
+        self._start_state = None  # repeatable: the evidence each generation starts from (_restart)
         self.guard = Guard(opts.guard_margin, opts.guard_window, opts.guard_cooldown, enabled=opts.guard)
         self.source: dict = {"costs": "unset"}
         self._calib_key: dict | None = None
@@ -178,11 +183,23 @@ class AutoPolicy(Policy):
         plain decoding itself."""
         if self.costs is None:
             return self.needs_draft
+        if self.options.repeatable:  # called once as each generation starts
+            self._restart()
         rate = self._expected_rate()
         if new_tokens > 0 and prompt_tokens > 1:
             rate = new_tokens / (new_tokens / rate + self.costs.layer(prompt_tokens - 1))
         self.cannot_pay = rate <= (1.0 + self._margin) / self.costs.plain_step()
         return not self.cannot_pay
+
+    def _restart(self) -> None:
+        """A repeatable run starts from the acceptance evidence the policy was built with, whatever the decoder
+        generated before: a seeded prompt drew other tokens after an unrelated generation had moved the calibration
+        (`repeatable`: "this run alone")."""
+        state = (self.calibrator, self.child_probs, self.first_child)
+        if self._start_state is None:
+            self._start_state = copy.deepcopy(state)
+        else:
+            self.calibrator, self.child_probs, self.first_child = copy.deepcopy(self._start_state)
 
     @property
     def _margin(self) -> float:
@@ -237,7 +254,9 @@ class AutoPolicy(Policy):
             raise RuntimeError("the auto policy has no cost profile: build it through SpeculativeDecoder (which "
                                "profiles the models) or call use_costs()")
         self._track_generation(ctx.context)
-        self.costs.sharing = ctx.sharing  # rows of a batching round count for every request (objective.py)
+        # rows of a batching round count for every request (objective.py); not for a repeatable run, whose trees must
+        # not depend on how many requests share its rounds (a seeded batch drew other tokens than each alone)
+        self.costs.sharing = 1 if self.options.repeatable else ctx.sharing
         mode = self.guard.plan()
         session = ctx.session
         cached = getattr(session, "cached", None)  # (test stand-ins may not track it: then nothing is pending)
