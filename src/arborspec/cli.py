@@ -236,18 +236,23 @@ def _check_out_file(path: str, flag: str = "--out") -> None:
         raise CliError(f"{flag} {path!r} cannot be written: {parent} is not a writable directory")
 
 
+def _read_prompt_file(path: str) -> str:
+    """A prompt file's text; CliError naming the file when it cannot be read or is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as err:
+        raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise CliError(f"prompt file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def _read_prompt(args) -> str:
     """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT."""
     if args.prompt_file == "-":
         return sys.stdin.read()
     if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                return fh.read()
-        except OSError as err:
-            raise CliError(f"cannot read prompt file {args.prompt_file!r}: {err.strerror}") from None
-        except UnicodeDecodeError as err:
-            raise CliError(f"prompt file {args.prompt_file!r} is not UTF-8 text ({err.reason} at byte {err.start})")
+        return _read_prompt_file(args.prompt_file)
     text = getattr(args, "text", None)
     prompt = text if text is not None else args.prompt
     return DEFAULT_PROMPT if prompt is None else prompt
@@ -375,15 +380,7 @@ def cmd_trees(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    prompts = list(args.prompt or [])
-    for path in args.prompt_file or []:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                prompts.append(fh.read())
-        except OSError as err:
-            raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
-        except UnicodeDecodeError as err:
-            raise CliError(f"prompt file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    prompts = list(args.prompt or []) + [_read_prompt_file(path) for path in args.prompt_file or []]
     prompts = prompts or DEFAULT_PROMPTS
     _check_sampling(args)
     if args.max_new_tokens < 1 or args.ranks < 1:

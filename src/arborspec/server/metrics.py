@@ -52,7 +52,8 @@ class Metrics:
         self.accepted = Counter("arborspec_accepted_tokens", "drafted tokens the target accepted, by method",
                                 ["method"], registry=r)
         self.emitted = Counter("arborspec_emitted_tokens", "tokens committed by speculative steps (accepted + the "
-                               "target's own token each; the prompt's forward's first token is no step's), by method", ["method"], registry=r)
+                               "target's own token each; the prompt's forward's first token is no step's), by method",
+                               ["method"], registry=r)
         self.info = Info("arborspec_server", "what this server runs: its method, the backends and the models",
                          registry=r)
         self.queue_depth = Gauge("arborspec_queue_depth", "requests waiting for a slot", registry=r)
