@@ -54,6 +54,7 @@ FILES = {  # name -> write_tiny_gguf options
     "llama": {"dtype": "mixed", "ffn": 288, "arch": "llama"},  # attn_q / attn_k rows in llama.cpp's rope order
     "tied": {"dtype": "q4_k", "tied": True},  # no output.weight: the head reads the embedding's blocks
     "draft": {"dtype": "q4_k", "noise": 0.2},  # a noisy copy of q4_k
+    "short": {"dtype": "q4_k", "noise": 0.2, "context": 40},  # the same draft with a shorter context window
 }
 
 
@@ -233,6 +234,22 @@ def test_greedy_speculative_output_equals_plain_decoding(native, method, options
     assert len(set(ar.token_ids)) > 3  # not a degenerate repeat of one token
     if method != "auto":  # auto may find that no tree pays on a model this small and decode plainly
         assert spec.stats.n_steps < ar.stats.n_steps  # the noisy draft is accepted sometimes
+
+
+@pytest.mark.parametrize("method", ["chain", "dyspec"])
+def test_a_draft_with_a_shorter_window_drafts_up_to_its_end_then_the_target_goes_on(native, method):
+    """The draft's window is 40 tokens, the target's 256: trees get shallower near position 40 and are bare roots
+    past it (the draft's session raised ContextOverflow there), and the output is the target's own."""
+    target, draft = native("q4_k"), native("short")
+    prompt = list(range(5, 25))
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=60, ignore_eos=True)
+    spec = SpeculativeDecoder(target, draft, method=method).generate(prompt, max_new_tokens=60, ignore_eos=True)
+    assert spec.token_ids == ar.token_ids and spec.stats.finish_reason == "length"
+    steps, length = [s for s in spec.stats.steps if not s.prefill], len(prompt) + 1
+    for step in steps:
+        assert length + step.depth <= 40 or step.tree_size == 0  # no node past the draft's window
+        length += step.committed
+    assert any(step.tree_size for step in steps) and steps[-1].tree_size == 0
 
 
 def test_sampled_speculative_output_follows_the_target_distribution(native):

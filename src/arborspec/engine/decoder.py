@@ -200,8 +200,8 @@ class SpeculativeDecoder:
         while not run.finished:
             with torch_threads(self.step_threads):
                 t0, calls0, room = time.perf_counter(), draft.forwards if draft else 0, run.room()
-                tree = policy.draft(DraftContext(draft, run.context, self.draft_sampling, run.generator, room,
-                                                 sharing=sharing()))
+                tree = policy.draft(DraftContext(draft, run.context, self.draft_sampling, run.generator,
+                                                 run.draft_room(room, self.draft), sharing=sharing()))
                 verifier = self.verifier
                 if free:
                     tree, verifier = with_free_branches(tree, lambda t: free.graft(t, run.context, room),

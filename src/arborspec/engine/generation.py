@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from ..backends.model_info import context_window
 from ..core.options import is_whole
 from .logprobs import TokenLogprob, token_logprobs
 from .stats import GenerationResult, GenerationStats, StepStats
@@ -51,6 +52,13 @@ class Generation:
     def room(self) -> int:
         """Tokens a step's tree may add below its root: its bonus token must still fit the budget and the window."""
         return max(min(self.max_new_tokens - len(self.new), self.window - len(self.context)) - 1, 0)
+
+    def draft_room(self, room: int, draft) -> int:
+        """`room` for the trees `draft` (a model, or None) drafts: none of their nodes past the draft's own context
+        window, which may be shorter than the target's. A node at depth d sits at position len(context) - 1 + d; near
+        the end of that window the trees get shallower, then are bare roots, and the target decodes on alone (the
+        draft's session would overflow: native raised ContextOverflow there, llama.cpp filled its cache)."""
+        return room if draft is None else max(min(room, context_window(draft) - len(self.context)), 0)
 
     def commit(self, proposed: list[int]) -> list[int]:
         """The tokens of `proposed` (a step's accepted tokens, then its bonus) kept under the stopping rules, added
