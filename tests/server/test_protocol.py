@@ -152,7 +152,8 @@ def test_only_an_assistants_message_may_leave_content_out():
         assert err.status == 400 and err.param == "messages" and "needs 'content'" in err.message
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0),
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", float("nan")), ("temperature", 2.5),
+                                          ("top_p", 0.0),
                                           ("top_p", 1.01), ("top_k", -2), ("stream_options", {"include_usage": True})])
 def test_sampling_fields_and_stream_options_are_refused_naming_themselves(field, value):
     with pytest.raises(APIError) as info:

@@ -199,6 +199,8 @@ def check_sampling(req: _Generation) -> None:
     for name in ("temperature", "top_p", "top_k"):
         if problem := sampling_problem(name, getattr(req, name)):
             raise APIError(400, f"{name} {problem}", param=name)
+    if req.temperature is not None and req.temperature > 2:  # OpenAI's range; `serve --temperature` may go past it
+        raise APIError(400, f"temperature must be at most 2, got {req.temperature!r}", param="temperature")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
