@@ -332,11 +332,14 @@ def check_settings(settings: BenchSettings) -> None:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
 
 
-def _fitting(prompts: list[Prompt], bench, settings: BenchSettings, warnings: list[str]) -> list[Prompt]:
-    """The prompts with room for --max-new-tokens in the target's context window. A longer one ended arborspec's
-    runs at the window ("context") while transformers' generate ran past it: no like-for-like comparison."""
+def _fitting(prompts: list[Prompt], bench, settings: BenchSettings,
+             warnings: list[str]) -> tuple[list[Prompt], list[list[int]]]:
+    """The prompts with room for --max-new-tokens in the target's context window, and their token ids. A longer one
+    ended arborspec's runs at the window ("context") while transformers' generate ran past it: no like-for-like
+    comparison."""
     window = context_window(bench.target.model)
-    kept = [p for p in prompts if len(prompt_ids(bench.tokenizer, p)) + settings.max_new_tokens <= window]
+    tokenized = [(p, prompt_ids(bench.tokenizer, p)) for p in prompts]
+    kept = [(p, ids) for p, ids in tokenized if len(ids) + settings.max_new_tokens <= window]
     if len(kept) < len(prompts):
         warnings.append(f"{len(prompts) - len(kept)} prompt(s) skipped: with --max-new-tokens "
                         f"{settings.max_new_tokens} they do not fit the target's context window of {window} tokens")
@@ -344,7 +347,7 @@ def _fitting(prompts: list[Prompt], bench, settings: BenchSettings, warnings: li
     if not kept:
         raise ValueError(f"no prompt fits the target's context window ({window} tokens) with --max-new-tokens "
                          f"{settings.max_new_tokens}")
-    return kept
+    return [p for p, _ in kept], [ids for _, ids in kept]
 
 
 def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
@@ -385,18 +388,17 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
-    prompts = _fitting(_prompts(settings, bench.tokenizer), bench, settings, warnings)
+    prompts, ids_of = _fitting(_prompts(settings, bench.tokenizer), bench, settings, warnings)
     env = environment(settings, getattr(pair, "backends", ()))
     results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED},
                    target=settings.target, draft=settings.draft, started=time.strftime("%Y-%m-%d %H:%M:%S"),
                    finished=None, warnings=warnings, skipped=[],
                    prompts=[dict(key=f"{p.dataset}/{p.id}", dataset=p.dataset, id=p.id, category=p.category,
-                                 chat=p.chat, tokens=len(prompt_ids(bench.tokenizer, p)), text=p.text)
-                            for p in prompts],
+                                 chat=p.chat, tokens=len(ids), text=p.text)
+                            for p, ids in zip(prompts, ids_of)],
                    runs=[])
     path = out_dir / "results.json"
-    ids_of = [prompt_ids(bench.tokenizer, p) for p in prompts]
     first = 0  # index of the first prompt still to run
     if settings.resume and records.find(path):
         results, first = _resumed(path, results, configs)
