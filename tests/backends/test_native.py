@@ -36,7 +36,7 @@ from arborspec.engine import SpeculativeDecoder
 from arborspec.kernels import build
 from arborspec.kernels.build import KernelBuildError
 from arborspec.kernels.reference import reference_matmul
-from arborspec.loading import ModelLoadError, load_model
+from arborspec.loading import ModelLoadError, load_model, load_pair
 from arborspec.loading.model import resolve_backend
 
 from .test_llamacpp import chain_logits, exact_first_two, needs_llama, random_tree
@@ -281,6 +281,8 @@ def test_a_gguf_the_kernels_do_not_cover_loads_elsewhere_with_a_note(tmp_path, c
     assert len(note) == 1 and "note: " in note[0] and "F16" in note[0]
     want = llamacpp.LlamaCppModel if llamacpp.available() else nn.Module
     assert isinstance(loaded.model, want) and not is_native(loaded.model)
+    pair = load_pair(str(f16), None, backend="native", progress=False)  # the pair names the backend that ran
+    assert pair.backends == ("llamacpp" if llamacpp.available() else "torch", None)
     monkeypatch.setattr(llamacpp, "available", lambda: False)  # without llama.cpp: transformers
     loaded = load_model(str(f16), backend="native", dtype="fp32", progress=False)
     assert isinstance(loaded.model, nn.Module) and not is_native(loaded.model)

@@ -227,14 +227,17 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
     built = threading.Event()
 
     class Decoders:  # the parts of server/decoders.Decoders that start_generation calls
-        spec, prefill_chunk = None, 0
+        spec, prefill_chunk, context_window = None, 0, 16
+
+        def encode(self, prompt):
+            return [1]
 
         def sampling(self, *_):
             return SimpleNamespace(seed=0)
 
         def build(self, spec, sampling):
             built.set()
-            return SimpleNamespace(encode=lambda prompt: [1], steps=lambda *a: iter(()), context_window=16)
+            return SimpleNamespace(steps=lambda *a: iter(()))
 
     req = SimpleNamespace(arborspec=None, temperature=None, top_k=None, top_p=None, seed=None, ignore_eos=False)
     maker = threading.Thread(target=start_generation, args=(Decoders(), "m", req, "x", False, 4, [], sched.models))

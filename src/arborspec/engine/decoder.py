@@ -90,11 +90,7 @@ class SpeculativeDecoder:
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
-        ids = prompt_ids(self.tokenizer, prompt, getattr(self.target.config, "vocab_size", None))
-        window = self.context_window
-        if len(ids) >= window:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
-        return ids
+        return prompt_ids(self.tokenizer, prompt, getattr(self.target.config, "vocab_size", None), self.context_window)
 
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,

@@ -13,10 +13,11 @@ from __future__ import annotations
 from ..core.options import is_whole
 
 
-def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
+def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None = None) -> list[int]:
     """The token ids of `prompt`: text, a conversation, or one sequence of ids (a list, a (N,) or (1, N) tensor or
     array, or a tokenizer's output with "input_ids"). ValueError for an empty prompt, text without a tokenizer, ids
-    that are not integers or not below `vocab`, several sequences (generate_batch takes those) or anything else."""
+    that are not integers or not below `vocab`, several sequences (generate_batch takes those), a prompt with no
+    room for a token in the context window `window`, or anything else."""
     if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
     if isinstance(prompt, str):
@@ -30,6 +31,8 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None) -> list[int]:
     if vocab is not None and not all(0 <= t < vocab for t in ids):
         raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the target's vocabulary "
                          f"[0, {vocab})")
+    if window is not None and len(ids) >= window:
+        raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
     return ids
 
 

@@ -33,6 +33,14 @@ def is_torch_model(loaded) -> bool:
     return isinstance(loaded.model, torch.nn.Module) and not is_native(loaded.model)
 
 
+def backend_of(model) -> str:
+    """The backend a loaded (bare) model runs on (loading/model.py's BACKENDS): what ran, where the plan may have
+    named another (a GGUF the native kernels do not cover loads on llama.cpp, with a note)."""
+    if is_native(model):
+        return "native"
+    return "torch" if isinstance(model, torch.nn.Module) else "llamacpp"
+
+
 def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = True) -> tuple[str, int]:
     """(quantization, head size) of the draft a run uses: `quant` and `vocab` as given, or for quant "auto" the
     variant measured fastest for this pair on this machine (tuning/draft_choice.py; measured once, then cached). For
@@ -146,14 +154,15 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     draft_file = requantized(_spec_gguf(draft, False), lean[0], progress) if lean else None
     target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress, draft_file)
     if draft is None:
-        return LoadedPair(target_model, None, "none", (plan.target, None), plan.why)
+        return LoadedPair(target_model, None, "none", (backend_of(target_model.model), None), plan.why)
     check_tokenizers_compatible(target_model, draft_model)
     if lean:  # the chosen lean file is loaded: its head is what is left to prepare
         quant, vocab = lean
         draft_model = prepare_draft(target_model, draft_model, "none", vocab, progress=progress)[0]
     else:
         draft_model, quant, vocab = prepare_draft(target_model, draft_model, draft_quant, draft_vocab, progress)
-    return LoadedPair(target_model, draft_model, quant, (plan.target, plan.draft), plan.why, vocab)
+    backends = (backend_of(target_model.model), backend_of(draft_model.model))
+    return LoadedPair(target_model, draft_model, quant, backends, plan.why, vocab)
 
 
 def load_pair_for(args, spec, progress: bool = True) -> LoadedPair:

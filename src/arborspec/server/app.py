@@ -116,6 +116,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
         check_sampling(req)
         n, stop = max_tokens(req, limits), stop_strings(req)
         top, echo = req.top_logprobs_asked(), getattr(req, "echo", False)  # echo: completions' only
+        admit(scheduler.check_room)  # a full server answers now, not after the round its decoder would wait for
         steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop,
                                         scheduler.models, top, echo and top is not None)
         opts, tokenizer = req.arborspec, decoders.target.tokenizer
@@ -134,32 +135,30 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
 
         job = Job(steps, deliver, stream=bool(req.stream))
         try:
-            scheduler.submit(job)
-        except QueueFull as err:
+            admit(lambda: scheduler.submit(job))
+        except APIError:
             steps.close()
-            raise APIError(429, str(err), "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ShuttingDown as err:
-            steps.close()
-            raise APIError(503, str(err), "server_error", code="shutting_down") from None
+            raise
         endpoint = _endpoint(request)
         if req.stream:
+            ended = {}  # the status of an error event the stream ended with, if any (set by sse)
+
             def counted(completed: bool) -> None:  # the status is known only when the stream ends
-                status = 200 if completed else CLIENT_CLOSED
+                status = ended.get("status", 200) if completed else CLIENT_CLOSED
                 metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-            return JobStream(sse(job, updates, request, reply), job, counted)
+            return JobStream(sse(job, updates, request, reply, scheduler, ended), job, counted)
         try:
-            update = await next_update(updates, job, request)
+            update = await next_update(updates, job, request, scheduler)
             while not update.done:
-                update = await next_update(updates, job, request)
+                update = await next_update(updates, job, request, scheduler)
         except ClientGone:
             metrics.requests.labels(endpoint=endpoint, status=str(CLIENT_CLOSED)).inc()
             return Response(status_code=CLIENT_CLOSED)
         finally:
             job.cancel()  # a no-op once finished; frees the slot if this handler was cancelled
         if update.error:
-            raise APIError(503 if update.code == "shutdown" else 500, update.error, "server_error", code=update.code)
+            raise failure(update)
         metrics.requests.labels(endpoint=endpoint, status="200").inc()
         return JSONResponse(reply.body(update.result))
 
@@ -171,23 +170,42 @@ def model_card(limits: Limits) -> dict:
     return {"id": limits.model_name, "object": "model", "created": STARTED, "owned_by": "arborspec"}
 
 
+def admit(check: Callable[[], None]) -> None:
+    """`check` (the scheduler's check_room or submit), its refusals as the client hears them: 429 with Retry-After
+    when the server is full, 503 when it is stopping."""
+    try:
+        check()
+    except QueueFull as err:
+        raise APIError(429, str(err), "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except ShuttingDown as err:
+        raise APIError(503, str(err), "server_error", code="shutting_down") from None
+
+
+def failure(update: Update) -> APIError:
+    """The error a generation that ended early (`update.error`) is to its client."""
+    return APIError(503 if update.code == "shutdown" else 500, update.error, "server_error", code=update.code)
+
+
 def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: bool, n: int, stop: list[str],
                      models: threading.Lock, logprobs: int | None = None, prompt_logprobs: bool = False):
-    """The request's decoder loop, not started: its decoder made and its prompt encoded, so a bad setting or prompt
-    is a 400 here rather than an error in the middle of a stream. The decoder is made holding `models` (the
-    scheduler's): making it may run the models (a measurement the first time a pair or setting is seen).
+    """The request's decoder loop, not started: its prompt encoded and its decoder made, so a bad setting or prompt
+    is a 400 here rather than an error in the middle of a stream. The prompt is checked first: the decoder is made
+    holding `models` (the scheduler's), which waits for the running round (making it may run the models: a
+    measurement the first time a pair or setting is seen), and a prompt over the context window waited 14 s for
+    a round reading a long prompt on llama.cpp before its 400.
     `logprobs`: how many alternatives each token's logprob comes with (None: no logprobs); `prompt_logprobs`:
     the prompt's tokens' too (an echo)."""
     opts = req.arborspec
     try:
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
         sampling = decoders.sampling(req.temperature, req.top_k, req.top_p, req.seed)
+        if chat:
+            prompt = render_chat(decoders.target.tokenizer, prompt, model_name)
+        ids = decoders.encode(prompt)  # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...
+        check_context(ids, n, req, decoders.context_window, chat)
         with models:
             decoder = decoders.build(spec, sampling)
-        if chat:
-            prompt = render_chat(decoder.tokenizer, prompt, model_name)
-        ids = decoder.encode(prompt)  # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...
-        check_context(ids, n, req, decoder.context_window, chat)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
         return decoder.steps(ids, n, stop or None, sampling.seed, bool(req.ignore_eos), decoders.prefill_chunk,
                              logprobs, prompt_logprobs)
@@ -262,8 +280,9 @@ class ClientGone(Exception):
     """The client disconnected while its request was queued or generating."""
 
 
-async def next_update(updates: asyncio.Queue, job: Job, request: Request) -> Update:
-    """The worker's next update for `job`; cancels the job and raises ClientGone if the client has gone."""
+async def next_update(updates: asyncio.Queue, job: Job, request: Request, scheduler: Scheduler) -> Update:
+    """The worker's next update for `job`; cancels the job and raises ClientGone if the client has gone, and
+    cancels it and says so once a shutdown's grace is over (the worker would tell only after its round)."""
     while True:
         try:
             return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
@@ -271,25 +290,31 @@ async def next_update(updates: asyncio.Queue, job: Job, request: Request) -> Upd
             if await request.is_disconnected():
                 job.cancel()
                 raise ClientGone from None
+            if scheduler.overdue:
+                job.cancel()
+                return Update(job.result, True, "the server is shutting down", "shutdown")
 
 
-async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply) -> AsyncIterator[str]:
+async def sse(job: Job, updates: asyncio.Queue, request: Request, reply: Reply, scheduler: Scheduler,
+              ended: dict) -> AsyncIterator[str]:
     """The stream's events: text as it is committed (held back where a stop string may be starting), then a last
     chunk with the finish reason, usage and speculative statistics (see Reply.last_events), then [DONE]. Ends
-    without [DONE] when the client has gone."""
+    without [DONE] when the client has gone. A generation that fails sends an error event, then [DONE], and
+    `ended["status"]` is its status (the metrics count the request with it)."""
     if first := reply.first_event():
         yield first
     shown = ""
     while True:
         try:
-            update = await next_update(updates, job, request)
+            update = await next_update(updates, job, request, scheduler)
         except ClientGone:
             return
         while not update.done and not updates.empty():  # the client fell behind: skip to the newest text
             update = updates.get_nowait()
         if update.error:
-            yield event(APIError(503 if update.code == "shutdown" else 500, update.error, "server_error",
-                                 code=update.code).body())
+            err = failure(update)
+            ended["status"] = err.status
+            yield event(err.body())
             break
         text = visible_text(update.result.text, reply.stop, update.done)
         if len(text) > len(shown):  # decoding more tokens only extends the text (as SpeculativeDecoder.stream has it)

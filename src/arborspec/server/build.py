@@ -6,15 +6,13 @@ import argparse
 import socket
 from dataclasses import dataclass
 
-import torch
 from fastapi import FastAPI
 
 from ..backends.batching import can_batch
-from ..backends.native import is_native
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig
 from ..engine.prefix_cache import PrefixCache
-from ..loading.pair import LoadedPair, load_pair_for
+from ..loading.pair import LoadedPair, backend_of, load_pair_for
 from ..runspec import RunSpec
 from .app import create_app
 from .decoders import Decoders
@@ -58,13 +56,6 @@ def server_info(args, spec: RunSpec, decoders: Decoders, scheduler: Scheduler) -
             "draft_backend": backend_of(draft.model) if draft is not None else "",
             "draft_quant": decoders.quant, "draft_vocab": str(decoders.vocab),
             "batching": "true" if scheduler.batch else "false"}
-
-
-def backend_of(model) -> str:
-    """The backend a loaded model runs on (loading/model.py's BACKENDS)."""
-    if is_native(model):
-        return "native"
-    return "torch" if isinstance(model, torch.nn.Module) else "llamacpp"
 
 
 def describe(args, spec: RunSpec) -> str:

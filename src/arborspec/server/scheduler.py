@@ -148,13 +148,25 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    @property
+    def overdue(self) -> bool:
+        """The drain's grace is over. Handlers then answer their clients themselves (app.py): the worker cancels
+        what is left only between rounds, and a round reading long prompts on llama.cpp ran 15 s past the grace."""
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def check_room(self) -> None:
+        """ShuttingDown or QueueFull if a request submitted now would be refused: checked before its decoder is made
+        too, which waits for the running round (`models`), so that a full server answers 429 at once."""
         with self._cond:
             if self.draining or self._stopped:
                 raise ShuttingDown("the server is shutting down")
             if len(self._active) + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"the server is full ({self.max_batch} requests running, {self.max_queue} queued); "
                                 "retry later")
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self.check_room()  # (the condition's lock is reentrant)
             self._waiting.append(job)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
