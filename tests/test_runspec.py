@@ -57,6 +57,16 @@ def test_bad_names_say_what_is_wrong(name, words):
     assert words in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("method", ["dynatree", "wetap", "sequoia", "dyspec-threshold", "suffix", "dyspec"])
+def test_a_budget_of_auto_is_read_for_every_policy_with_a_budget(method):
+    """As `--budget auto` and `serve --method` pass it: refused for all but dyspec before the name check learnt
+    that make_policy wraps a size knob in the budget tuner."""
+    spec = runspec.parse(f"{method}(budget=auto)")
+    assert runspec.options_for(spec)[0]["budget"] == "auto"
+    with pytest.raises(ValueError, match="budget must be"):
+        runspec.parse(f"{method}(budget=often)")
+
+
 def test_budgets_map_to_each_policys_size_option():
     assert runspec.options_for(runspec.parse("chain"), 8) == ({"k": 8}, None)
     assert runspec.options_for(runspec.parse("dyspec"), 32) == ({"budget": 32}, None)

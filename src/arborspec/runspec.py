@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .core.options import option_parser
 from .drafting import POLICIES
+from .drafting.budget_tuner import tuned_options
 from .drafting.grafts import suffix_nodes
 from .engine import DecoderConfig, SpeculativeDecoder
 from .loading.pair import DEFAULT_DRAFT_QUANT, DRAFT_QUANTS
@@ -177,7 +178,8 @@ def check_options(spec: RunSpec) -> RunSpec:
     not after the ~15 s of loading the pair that building the decoder waits for."""
     if spec.policy is not None:
         try:
-            POLICIES[spec.policy].Options(**options_for(spec)[0])
+            cls, options = POLICIES[spec.policy], options_for(spec)[0]
+            cls.Options(**(tuned_options(cls, options) or options))  # budget "auto": as make_policy reads it
         except (TypeError, ValueError) as err:
             raise ValueError(f"method {spec.name!r}: {err}") from None
     levers = {"draft vocabulary": spec.vocab, "n-gram branches": spec.ngram, "suffix nodes": spec.suffix or 0,

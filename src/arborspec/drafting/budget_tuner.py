@@ -109,13 +109,18 @@ class TunedBudget:
         return {**self.inner.explain(), **self.tuner.explain()}
 
 
-def make_policy(cls, options: dict):
-    """`cls(**options)`, wrapped in TunedBudget when options ask for budget="auto" and the policy only has a size
-    knob (DySpec handles "auto" itself)."""
+def tuned_options(cls, options: dict) -> dict | None:
+    """The options the policy `cls` is made with inside TunedBudget when `options` ask for budget="auto" and it only
+    has a size knob (DySpec handles "auto" itself); None when they do not. ValueError for a policy with no budget."""
     budget = options.get("budget")
-    if isinstance(budget, str) and budget.strip().lower() == "auto" and not getattr(cls, "handles_auto_budget", False):
-        names = {f for f in getattr(cls.Options, "__dataclass_fields__", {})}
-        if "budget" not in names:
-            raise ValueError(f"method {cls.name!r} has no budget to size automatically")
-        return TunedBudget(cls(**{**options, "budget": max(CANDIDATES)}))
-    return cls(**options)
+    if not isinstance(budget, str) or budget.strip().lower() != "auto" or getattr(cls, "handles_auto_budget", False):
+        return None
+    if "budget" not in {f for f in getattr(cls.Options, "__dataclass_fields__", {})}:
+        raise ValueError(f"method {cls.name!r} has no budget to size automatically")
+    return {**options, "budget": max(CANDIDATES)}
+
+
+def make_policy(cls, options: dict):
+    """`cls(**options)`, wrapped in TunedBudget when options ask for budget="auto" (`tuned_options`)."""
+    tuned = tuned_options(cls, options)
+    return cls(**options) if tuned is None else TunedBudget(cls(**tuned))
