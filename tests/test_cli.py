@@ -134,13 +134,17 @@ def test_subprocess_error_has_no_traceback(model_dirs):
     assert "unknown method 'bogus'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_methods_lists_every_policy(capsys):
+def test_methods_lists_every_policy_and_named_variant(capsys):
     from arborspec.drafting import POLICIES
+    from arborspec.runspec import METHODS
 
     code, out, _ = run_cli(capsys, "methods")
     assert code == 0
+    lines = out.splitlines()
     for name in POLICIES:
         assert f"{name}:" in out
+    for name in set(METHODS) - set(POLICIES):  # sps, wetap-lossy, the baselines: each with its line
+        assert any(line.startswith(f"  {name}: ") and len(line) > len(name) + 12 for line in lines), name
 
 
 def test_draft_levers_on_the_command_line(model_dirs, capsys, monkeypatch):

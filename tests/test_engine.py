@@ -138,6 +138,10 @@ def test_stop_strings_and_text(tokenizer):
     long = longer[3:40]  # 37 characters, a token each: past the 32 tokens whose text the check once read
     cut = dec.generate("def f(x):", max_new_tokens=60, ignore_eos=True, stop=long)
     assert cut.stats.finish_reason == "stop" and cut.text == longer[:40]
+    with pytest.raises(ValueError, match="stop must be a string or a list of strings, got int"):
+        dec.generate("def f(x):", max_new_tokens=4, stop=5)
+    with pytest.raises(ValueError, match="ignore_eos must be true or false, got 'no'"):
+        dec.generate("def f(x):", max_new_tokens=4, ignore_eos="no")
     for bad in ([""], [stop, ""], [None]):
         with pytest.raises(ValueError, match="non-empty strings"):
             dec.generate("def f(x):", max_new_tokens=4, stop=bad)
@@ -302,6 +306,9 @@ def test_a_config_runs_what_the_same_keywords_run():
         SpeculativeDecoder(target, draft, "chain")  # the old third positional argument, refused by name
     with pytest.raises(TypeError, match="config="):
         SpeculativeDecoder(target, config)  # a config in the draft's place
+    for models in (("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), (target, "some/dir"), (None, draft)):
+        with pytest.raises(TypeError, match="expected a loaded model.*arborspec.load_model"):  # not deep inside
+            SpeculativeDecoder(*models, method="chain")
     with pytest.raises(ValueError, match="unknown token order"):
         DecoderConfig(token_order="random")
 

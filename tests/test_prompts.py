@@ -32,6 +32,18 @@ def test_one_sequence_in_every_shape_is_the_same_prompt(decoder, tokenizer_modul
     assert decoder.encode(encoding) == decoder.encode("abc")
 
 
+def test_an_attention_mask_leaves_out_the_padding_as_transformers_generate_does(decoder):
+    ids, target = [5, 6, 7], decoder.target
+    want = decoder.generate(ids, max_new_tokens=6, ignore_eos=True).token_ids
+    padded = {"input_ids": torch.tensor([[0, 0, 5, 6, 7]]), "attention_mask": torch.tensor([[0, 0, 1, 1, 1]])}
+    assert decoder.encode(padded) == ids
+    assert decoder.generate(padded, max_new_tokens=6, ignore_eos=True).token_ids == want
+    theirs = target.generate(**padded, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert theirs[0, 5:].tolist() == want
+    with pytest.raises(ValueError, match="attention_mask must hold a 0 or 1 for each token id"):
+        decoder.encode({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1]]})
+
+
 @pytest.mark.parametrize("prompt,match", [
     (torch.tensor([[5, 6], [7, 8]]), "2 sequences.*generate_batch"),
     ([[5, 6], [7, 8]], "2 sequences"),

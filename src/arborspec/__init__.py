@@ -2,7 +2,7 @@
 
     from arborspec import SpeculativeDecoder, load_pair
 
-    target, draft = load_pair()  # the default Qwen pair, bf16, the draft variant measured fastest on this machine
+    target, draft = load_pair()  # the default Qwen pair, on the backend and draft variant measured fastest here
     print(SpeculativeDecoder(target, draft).generate("def fib(n):").text)  # method "auto"
 
 A method by name, as `arborspec generate --method` and `arborspec bench --methods` take it: arborspec.runspec.

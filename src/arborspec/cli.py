@@ -53,6 +53,7 @@ from .loading.pair import (
     load_pair_for,
 )
 from .runspec import (
+    METHODS,
     NGRAM_LEN,
     RunSpec,
     build_decoder,
@@ -350,6 +351,10 @@ def cmd_methods(args) -> int:
         print(f"{name}: {policy.summary}")
         for f in dataclasses.fields(policy.Options):
             print(f"    --{f.name.replace('_', '-')} (default {f.default!r}): {f.metadata.get('help', '')}")
+    print("named variants (baselines run in `arborspec bench`):")
+    for name, spec in METHODS.items():
+        if name not in POLICIES:
+            print(f"  {name}: {spec.about}")
     print("verifiers:")
     for name, ver in VERIFIERS.items():
         print(f"  {name}{'' if ver.exact else ' [LOSSY]'}: {ver.summary}")

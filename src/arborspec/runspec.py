@@ -76,6 +76,7 @@ class RunSpec:
     llamacpp: dict | None = None  # a llama.cpp peer's settings (bench/llamacpp_peers.py): {"lookup": drafted tokens} or
     # {"lookahead": True}
     size: Callable[[int], dict] | None = field(default=None, compare=False)  # budget -> policy options
+    about: str = field(default="", compare=False)  # a named variant's one line in `arborspec methods`
 
     @property
     def needs_draft(self) -> bool:
@@ -120,18 +121,23 @@ def beam_shape(budget: int) -> dict:
 METHODS: dict[str, RunSpec] = {m.name: m for m in [
     RunSpec("auto", "auto"),  # sizes its trees itself from measured costs: no @BUDGET
     RunSpec("chain", "chain", size=chain_length),
-    RunSpec("sps", "chain", verifier="sps", size=chain_length),
-    RunSpec("asps", "chain", verifier="asps", size=chain_length),
+    RunSpec("sps", "chain", verifier="sps", size=chain_length, about="chain verified by standard speculative sampling"),
+    RunSpec("asps", "chain", verifier="asps", size=chain_length, about="chain verified by ASpS's one coupling"),
     RunSpec("static", "static", size=static_widths),
     RunSpec("beam", "beam", size=beam_shape),
-    RunSpec("wetap-lossy", "wetap", verifier="wetap", size=tree_budget),  # the paper's rule: LOSSY
-    RunSpec("wetap-exact", "wetap", size=tree_budget),  # = wetap (the bench's name for it before wetap became exact)
-    RunSpec("hf-ar", None, hf={}),
-    RunSpec("hf-assisted", None, hf={"assistant_model": True}),
-    RunSpec("hf-lookup", None, hf={"prompt_lookup_num_tokens": 10}),
-    RunSpec("llamacpp-ar", None, llamacpp={"lookup": 0}),  # plain llama.cpp decoding of the target's GGUF
-    RunSpec("llamacpp-lookup", None, llamacpp={"lookup": 10}),  # llama-cpp-python's prompt-lookup speculation
-    RunSpec("llamacpp-lookahead", None, llamacpp={"lookahead": True}),  # llama.cpp's lookahead example program
+    RunSpec("wetap-lossy", "wetap", verifier="wetap", size=tree_budget,  # the paper's rule: LOSSY
+            about="WETAP's trees and its own acceptance rule [LOSSY: needs --allow-lossy]"),
+    RunSpec("wetap-exact", "wetap", size=tree_budget,  # the bench's name for wetap before wetap became exact
+            about="WETAP's trees, verified exactly (= wetap)"),
+    RunSpec("hf-ar", None, hf={}, about="baseline: transformers' plain generate"),
+    RunSpec("hf-assisted", None, hf={"assistant_model": True},
+            about="baseline: transformers' assisted generation with the draft"),
+    RunSpec("hf-lookup", None, hf={"prompt_lookup_num_tokens": 10}, about="baseline: transformers' prompt lookup"),
+    RunSpec("llamacpp-ar", None, llamacpp={"lookup": 0},
+            about="baseline: plain llama.cpp decoding of the target's GGUF"),
+    RunSpec("llamacpp-lookup", None, llamacpp={"lookup": 10}, about="baseline: llama-cpp-python's prompt lookup"),
+    RunSpec("llamacpp-lookahead", None, llamacpp={"lookahead": True},
+            about="baseline: llama.cpp's lookahead example program"),
 ]}
 
 

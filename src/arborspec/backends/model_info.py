@@ -11,12 +11,20 @@ NO_LIMIT = 2**31  # the context window of a model whose config names none
 
 
 def model_and_tokenizer(model_or_loaded, tokenizer=None) -> tuple:
-    """(model, tokenizer) of a LoadedModel, a (model, tokenizer) pair, or a bare model and `tokenizer`."""
+    """(model, tokenizer) of a LoadedModel, a (model, tokenizer) pair, or a bare model and `tokenizer`. TypeError for
+    anything that is not a loaded model (a name or a path, as transformers users may pass: it failed deep inside)."""
     if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
-        return model_or_loaded.model, model_or_loaded.tokenizer
-    if isinstance(model_or_loaded, tuple) and len(model_or_loaded) == 2:
-        return model_or_loaded
-    return model_or_loaded, tokenizer
+        model, tokenizer = model_or_loaded.model, model_or_loaded.tokenizer
+    elif isinstance(model_or_loaded, tuple) and len(model_or_loaded) == 2:
+        model, tokenizer = model_or_loaded
+    else:
+        model = model_or_loaded
+    if not hasattr(model, "config") or isinstance(model, (str, bytes)):
+        shown = f" {model!r}" if isinstance(model, (str, bytes)) else ""
+        raise TypeError(f"expected a loaded model (arborspec.load_model / load_pair, a transformers model, or a "
+                        f"(model, tokenizer) pair), got {type(model).__name__}{shown[:80]}; a name or path loads "
+                        "with arborspec.load_model(name)")
+    return model, tokenizer
 
 
 def context_window(model, default: int = NO_LIMIT) -> int:

@@ -21,6 +21,13 @@ def check_int(value, what: str, low: int = 1, high: int | None = None) -> None:
         raise ValueError(f"{what} must be at most {high}, got {value!r}")
 
 
+def check_bool(value, what: str) -> bool:
+    """`value` if it is a bool (or 0 / 1); ValueError otherwise: the text "no" is true to Python."""
+    if isinstance(value, bool) or (is_whole(value) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{what} must be true or false, got {value!r}")
+
+
 def parse_bool(value, what: str) -> bool:
     """Options arrive as Python bools or, from the command line, as text."""
     if isinstance(value, bool):

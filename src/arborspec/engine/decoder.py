@@ -16,7 +16,7 @@ import torch
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
 from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names
-from ..core.options import check_int
+from ..core.options import check_bool, check_int
 from ..core.sampling import make_generator
 from ..core.tree import ORDERS, TokenTree
 from ..drafting import POLICIES, DraftContext
@@ -229,7 +229,7 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)
-        eos = set() if ignore_eos else eos_ids(self.target, self.tokenizer)
+        eos = set() if check_bool(ignore_eos, "ignore_eos") else eos_ids(self.target, self.tokenizer)
         stats = GenerationStats(self.policy.name, self.verifier_name, not self.verifier.exact, len(ids))
         return Generation(ids, max_new_tokens, stop, eos, context_window(self.target), self._decode, stats, generator,
                           t_start)

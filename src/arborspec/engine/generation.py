@@ -18,6 +18,8 @@ def stop_strings(stop: str | list[str] | None) -> list[str] | None:
     """`stop` as a list: a single string is one stop string (as transformers' stop_strings takes it), not its
     characters. ValueError for an empty one: every text contains it, so the generation would end at its first token."""
     stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r:.80}")
     if stop is not None and not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at its "
                          f"first token), got {list(stop)!r}")

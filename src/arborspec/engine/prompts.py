@@ -49,9 +49,25 @@ def _text(text: str, what: str = "the prompt") -> str:
 
 
 def _one_sequence(prompt) -> list[int]:
-    """`prompt` as one list of token ids (see prompt_ids): a list, a (N,) or (1, N) tensor or array, [[ids]]."""
+    """`prompt` as one list of token ids (see prompt_ids): a list, a (N,) or (1, N) tensor or array, [[ids]], or a
+    tokenizer's output. Its "attention_mask" leaves out the tokens it masks (padding), as transformers' generate
+    reads them: their keys are never attended and the positions count only the tokens kept. (The mask was ignored,
+    and a left-padded prompt generated other tokens than the same prompt unpadded.)"""
+    mask = None
     if hasattr(prompt, "keys") and "input_ids" in prompt:  # a dict or transformers' BatchEncoding
-        prompt = prompt["input_ids"]
+        prompt, mask = prompt["input_ids"], prompt.get("attention_mask")
+    ids = _row(prompt)
+    if mask is None:
+        return ids
+    mask = _row(mask)
+    if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        raise ValueError(f"attention_mask must hold a 0 or 1 for each token id, got {len(mask)} values for "
+                         f"{len(ids)} ids: {mask[:8]}{' ...' if len(mask) > 8 else ''}")
+    return [t for t, m in zip(ids, mask) if m]
+
+
+def _row(prompt) -> list[int]:
+    """One row of integers: a list, a (N,) or (1, N) tensor or array, [[ids]]."""
     if hasattr(prompt, "shape") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):

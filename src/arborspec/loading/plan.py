@@ -124,9 +124,10 @@ def load_model(
 ) -> LoadedModel:
     """Load model and tokenizer from an alias, a .gguf file, a checkpoint directory or a hub id; eval, no grads.
 
-    `backend` "llamacpp" (or "auto" on a GGUF with llama-cpp-python installed) loads it on llama.cpp instead: a
-    `LlamaCppLoaded` with the same fields, which every policy and verifier runs on unchanged; `llama`: its options
-    (n_threads, n_ctx, n_batch, ... of models.llamacpp.load_llamacpp). "native" keeps a GGUF's weights as blocks on
+    `backend` "llamacpp" loads it on llama.cpp instead: a `LlamaCppLoaded` with the same fields, which every policy
+    and verifier runs on unchanged; `llama`: its options (n_threads, n_ctx, n_batch, ... of
+    backends.llamacpp.load_llamacpp). "auto" on a GGUF: native or llama.cpp, whichever this machine's measured costs
+    predict decodes faster (plan_backends; cached). "native" keeps a GGUF's weights as blocks on
     arborspec's kernels (a LoadedModel; `dtype` does not apply: activations are float32); a GGUF it does not cover
     goes to llama.cpp (or transformers without llama-cpp-python) with a note on stderr. `tokenizer_like`: a
     tokenizer loaded already (a pair's target's) that a GGUF whose vocabulary files are the same bytes shares
