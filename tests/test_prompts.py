@@ -54,7 +54,7 @@ def test_an_attention_mask_leaves_out_the_padding_as_transformers_generate_does(
     ([5.7, 6.2], "integers, got 5.7"),
     (torch.tensor([5.0, 6.0]), "integers, got 5.0"),
     ([True, 5], "integers, got True"),
-    ([5, 64], "token id 64 is outside the target's vocabulary \\[0, 64\\)"),
+    ([5, 64], "token id 64 is outside the vocabulary \\[0, 64\\)"),
     ([-1], "token id -1"),
     ([], "empty"),
 ])

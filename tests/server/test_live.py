@@ -285,7 +285,7 @@ BAD_BODIES = [
     ("prompt over the context window", {"prompt": LONG, "max_tokens": 4}, 400, "context window"),
     ("empty prompt", {"prompt": "", "max_tokens": 4}, 400, "empty"),
     ("several prompts", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt"),
-    ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "outside the target's vocabulary"),
+    ("token id out of range", {"prompt": [3, 99999], "max_tokens": 4}, 400, "outside the vocabulary"),
     ("missing prompt", {"max_tokens": 4}, 400, "prompt"),
     ("n = 2", {"prompt": "x", "n": 2}, 400, "'n'"),
     ("logprobs over 5", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),

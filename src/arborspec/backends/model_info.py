@@ -43,6 +43,13 @@ def context_window(model, default: int = NO_LIMIT) -> int:
     return window
 
 
+def vocab_size(*models) -> int | None:
+    """The fewest output rows among `models` (None entries skipped): the token ids every one of them can read (a
+    prompt's ids must be below it); None when no model says."""
+    sizes = [m.config.vocab_size for m in models if m is not None and getattr(m.config, "vocab_size", None)]
+    return min(sizes) if sizes else None
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     """Every token id that ends generation: the tokenizer's EOS and the model's generation config's (one id or a
     list; instruction-tuned models often name several)."""
@@ -62,7 +69,8 @@ def check_pair(target, draft, target_tokenizer, draft_tokenizer=None, names: str
     Speculative decoding hands token ids from the draft to the target, so (1) the two tokenizers, when both are given
     and are not the same object, must be identical: same vocabulary, same ids, same EOS; and (2) both models' output
     rows must cover the tokenizer (`vocab_size`; embedding tables padded past the tokenizer may differ between draft
-    and target, which is fine). Either model may be None to check the tokenizers only.
+    and target: the draft's logits are cut or padded to the target's width, session.VocabAligned). Either model may
+    be None to check the tokenizers only.
     """
     if draft_tokenizer is not None and target_tokenizer is not None and draft_tokenizer is not target_tokenizer:
         _check_tokenizers(target_tokenizer, draft_tokenizer, names)

@@ -62,3 +62,28 @@ class TreeRegion:
         self.slot = {new: self.slot[old] for new, old in enumerate(kept) if old in self.slot}
         if self.tree is not None:
             self.tree = self.tree.select(kept)
+
+
+class VocabAligned:
+    """A draft's session whose logits have the target's width `vocab`: cut (the draft's extra rows are padding past
+    the shared tokenizer) or padded with -inf (the draft gives the target's padding ids probability 0). Models that
+    share a tokenizer may pad their output tables differently (Qwen2.5's 7B has 152064 rows, its 0.5B 151936); the
+    draft then proposed ids the target has no row for (an IndexError), or its distribution was narrower than the
+    target's (a broadcast error in every sampled verifier). Everything else is the wrapped session's."""
+
+    def __init__(self, session, vocab: int):
+        self.session, self.vocab = session, vocab
+
+    def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        logits = self.session.forward(context, tree, nodes)  # (len(nodes), the draft's rows)
+        if logits.shape[-1] >= self.vocab:
+            return logits[..., :self.vocab]
+        return torch.nn.functional.pad(logits, (0, self.vocab - logits.shape[-1]), value=float("-inf"))
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+
+def vocab_aligned(session, draft_vocab: int, target_vocab: int):
+    """`session` (a draft's), as VocabAligned to the target's width where the two differ."""
+    return session if draft_vocab == target_vocab else VocabAligned(session, target_vocab)

@@ -15,7 +15,9 @@ import torch
 
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
-from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names
+from ..backends.model_info import (check_pair, context_window, eos_ids, model_and_tokenizer, pair_names,
+                                    vocab_size)
+from ..backends.session import vocab_aligned
 from ..core.options import check_bool, check_int
 from ..core.sampling import make_generator
 from ..core.tree import ORDERS, TokenTree
@@ -90,7 +92,7 @@ class SpeculativeDecoder:
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
-        return prompt_ids(self.tokenizer, prompt, getattr(self.target.config, "vocab_size", None), self.context_window)
+        return prompt_ids(self.tokenizer, prompt, vocab_size(self.target, self.draft), self.context_window)
 
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
@@ -308,7 +310,8 @@ class SpeculativeDecoder:
     def _draft_session(self, run: Generation, prefill_chunk: int) -> Generator[None, None, object]:
         """The draft's session for `run`, its cache holding, like the target's, all but the next tree's root: read in
         pieces of `prefill_chunk` where its rows are computed alone, with None yielded between them."""
-        draft = self._session(self.draft, "draft", run)
+        draft = vocab_aligned(self._session(self.draft, "draft", run), self.draft.config.vocab_size,
+                              self.target.config.vocab_size)
         chunk = prefill_chunk if getattr(draft, "rows_alone", False) else 0
         for seconds, more in self._prefill(draft, run.context[len(draft.cached):-1], chunk):
             run.stats.t_prefill += seconds

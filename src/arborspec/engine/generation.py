@@ -40,6 +40,7 @@ class Generation:
     def __init__(self, ids: list[int], max_new_tokens: int, stop: list[str] | None, eos: set[int], window: int,
                  decode: Callable[[list[int]], str], stats: GenerationStats, generator, t_start: float):
         self.context, self.new = list(ids), []  # prompt + committed tokens; committed tokens only
+        self.top_id = max(ids)  # the largest token id in the context (a draft with fewer rows cannot read it)
         self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop_strings(stop), eos, window
         self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
         self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
@@ -59,13 +60,20 @@ class Generation:
         """`room` for the trees `draft` (a model, or None) drafts: none of their nodes past the draft's own context
         window, which may be shorter than the target's. A node at depth d sits at position len(context) - 1 + d; near
         the end of that window the trees get shallower, then are bare roots, and the target decodes on alone (the
-        draft's session would overflow: native raised ContextOverflow there, llama.cpp filled its cache)."""
-        return room if draft is None else max(min(room, context_window(draft) - len(self.context)), 0)
+        draft's session would overflow: native raised ContextOverflow there, llama.cpp filled its cache). Bare
+        roots too once the target committed a token the draft has no row for (a padding id of a wider table: see
+        backends/session.py, VocabAligned): the draft cannot read the context any more."""
+        if draft is None:
+            return room
+        if self.top_id >= draft.config.vocab_size:
+            return 0
+        return max(min(room, context_window(draft) - len(self.context)), 0)
 
     def commit(self, proposed: list[int]) -> list[int]:
         """The tokens of `proposed` (a step's accepted tokens, then its bonus) kept under the stopping rules, added
         to the context; `stats.finish_reason` says why the generation stops, if it does."""
         kept, self.stats.finish_reason = self._cut(proposed)
+        self.top_id = max([self.top_id, *kept])
         self.context += kept
         self.new += kept
         return kept

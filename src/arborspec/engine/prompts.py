@@ -29,7 +29,7 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None =
     if not ids:
         raise ValueError("the prompt is empty")
     if vocab is not None and not all(0 <= t < vocab for t in ids):
-        raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the target's vocabulary "
+        raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the vocabulary "
                          f"[0, {vocab})")
     if window is not None and len(ids) >= window:
         raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ..backends.model_info import context_window
+from ..backends.model_info import context_window, vocab_size
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig, SpeculativeDecoder
 from ..engine.prefix_cache import PrefixCache
@@ -90,7 +90,7 @@ class Decoders:
     def encode(self, prompt) -> list[int]:
         """A request's prompt ids, checked as its decoder checks them (SpeculativeDecoder.encode), before the decoder
         is made: making one waits for the running round, and a prompt too long for the window is a 400 at once."""
-        vocab = getattr(self.target.model.config, "vocab_size", None)
+        vocab = vocab_size(self.target.model, getattr(self.draft, "model", None))
         return prompt_ids(self.target.tokenizer, prompt, vocab, self.context_window)
 
     def build(self, spec: RunSpec, sampling: SamplingConfig) -> SpeculativeDecoder:
