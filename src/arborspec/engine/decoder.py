@@ -15,8 +15,7 @@ import torch
 
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
-from ..backends.model_info import (check_pair, context_window, eos_ids, model_and_tokenizer, pair_names,
-                                    vocab_size)
+from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names, vocab_size
 from ..backends.session import vocab_aligned
 from ..core.options import check_bool, check_int
 from ..core.sampling import make_generator
