@@ -73,6 +73,14 @@ def models():
         (dict(method="chain", k=3, verifier="sps", draft_temperature=0.0), r"deterministic.*alternatives: naive$"),
         # lossy
         (dict(method="static", verifier="wetap"), "does not preserve the target distribution"),
+        # nodes no draft model drew have no draft distribution: refused at T = 0 too, where they were accepted and
+        # failed mid-generation; and for the lossy wetap, which reads the draft's distributions at any temperature
+        *[(dict(method="static", depth=2, branch=2, verifier=v, ngram=3, temperature=0.0),
+           r"nodes no draft model drew .* exact alternatives: greedy, naive, or drop the branches")
+          for v in ("mbr", "traversal", "mss", "greedy-draft")],
+        (dict(method="suffix", verifier="mbr", temperature=0.0), r"method 'suffix'.* alternatives: greedy, naive$"),
+        (dict(method="wetap", budget=8, verifier="wetap", allow_lossy=True, lookahead=4),
+         r"nodes no draft model drew.*exact alternatives: naive, or drop"),
     ],
 )
 def test_unfit_verifiers_are_refused(models, kwargs, match):

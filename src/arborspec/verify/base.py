@@ -40,6 +40,9 @@ class Verifier:
     exact: ClassVar[bool] = True  # preserves the target distribution (token-identical under greedy)
     accepts: ClassVar[frozenset[DrawRule]] = frozenset(DrawRule)  # drawing rules it is exact for
     chain_only: ClassVar[bool] = False  # only handles trees with at most one child per node
+    # reads the draft distribution each node's children were drawn from (TokenTree.child_dist): free branches'
+    # nodes (n-gram, suffix, lookahead) have none, so it cannot judge a tree that has them, at any temperature
+    reads_draft: ClassVar[bool] = True
 
     def verify(
         self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None

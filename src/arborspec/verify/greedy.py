@@ -14,6 +14,7 @@ from .base import Verdict, Verifier, child_with_token
 class GreedyVerifier(Verifier):
     name = "greedy"
     summary = "longest path matching the target's argmax (temperature 0)"
+    reads_draft = False
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
         if not sampling.greedy:

@@ -17,6 +17,7 @@ from .base import TargetRows, Verdict, Verifier, child_with_token, draw
 class NaiveVerifier(Verifier):
     name = "naive"
     summary = "target sampling: draw from the target, follow the child that carries the token (any tree)"
+    reads_draft = False
 
     def verify(self, tree: TokenTree, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> Verdict:
         p = TargetRows(target_logits, sampling)
