@@ -86,10 +86,11 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
             f"sampling settings); exact alternatives: {', '.join(alternatives) or 'none'}"
         )
     if (free or not (policy.needs_draft or policy.plain)) and cls.reads_draft:  # (at T = 0 `fits` sees shapes only)
-        alternatives = "greedy, naive" if sampling.greedy else "naive"
+        alternatives = ("greedy, naive" if sampling.greedy else "naive") + (
+            ", or drop the branches (e.g. +suffix0 on auto)" if free else "")
         raise ValueError(f"verifier {name!r} reads the draft distribution of every node's children, and nodes no draft "
                          f"model drew (n-gram, suffix or lookahead branches, method {policy.name!r}) have none; exact "
-                         f"alternatives: {alternatives}" + (", or drop the branches (e.g. +suffix0 on auto)" if free else ""))
+                         f"alternatives: {alternatives}")
     if not cls.exact and not allow_lossy:
         raise ValueError(
             f"verifier {name!r} does not preserve the target distribution; pass allow_lossy=True (--allow-lossy) "
