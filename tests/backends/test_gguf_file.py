@@ -3,6 +3,7 @@ gguf's reader for a readable file, and a file it cannot read gets gguf's one-lin
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 
 from arborspec.backends import gguf_file
@@ -33,3 +34,24 @@ def test_a_file_it_cannot_read_gets_ggufs_one_line_error(tmp_path):
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match=message):
             read_gguf_info(tmp_path / f"{name}.gguf")
+
+
+@pytest.mark.parametrize("key,value,kind", [
+    ("block_count", 0, gguf.GGUFValueType.UINT32), ("attention.head_count", 0, gguf.GGUFValueType.UINT32),
+    ("attention.head_count_kv", 0, gguf.GGUFValueType.UINT32), ("context_length", -5, gguf.GGUFValueType.INT32),
+    ("embedding_length", 0, gguf.GGUFValueType.UINT64), ("rope.freq_base", float("nan"), gguf.GGUFValueType.FLOAT32),
+    ("rope.freq_base", 0.0, gguf.GGUFValueType.FLOAT32),
+])
+def test_a_size_out_of_range_is_a_corrupt_file_for_both_readers(tmp_path, key, value, kind):
+    """Refused when the header is read, before either backend runs it: llama.cpp aborted the process on 0 layers."""
+    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen2")
+    writer.add_key_value(f"qwen2.{key}", value, kind)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"is a corrupt GGUF file: qwen2.{key} is"):
+        read_gguf_info(tmp_path / "bad.gguf")
+    with pytest.raises(ValueError, match=f"is a corrupt GGUF file: qwen2.{key} is"):
+        gguf_file._info_by_gguf(tmp_path / "bad.gguf")

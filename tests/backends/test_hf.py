@@ -96,6 +96,20 @@ def test_out_of_sync_context_is_refused():
         session.forward([9, 9, 9, 9], TokenTree.root(9), [0])
 
 
+def test_nodes_outside_the_tree_and_cyclic_trees_are_refused_before_a_forward():
+    """Every backend's forward starts with begin_forward: node -1 ran as a node with no tree path (native), and a
+    tree built by hand with a cycle in its parents looped for ever."""
+    session = TreeSession(tiny_model("llama"))
+    session.prefill([3, 4])
+    tree = TokenTree.from_parents([5, 6], [-1, 0])
+    for nodes in ([0, -1], [2], [0, 1, 5]):
+        with pytest.raises(ValueError, match="nodes must be nodes of the tree \\(0 to 1\\)"):
+            session.forward([3, 4, 5], tree, nodes)
+    cyclic = TokenTree(tokens=[5, 6], parents=[-1, 1], depths=[0, 1], probs=[1.0, 1.0], sources=["", "d"])
+    with pytest.raises(ValueError, match="cycle through node 1"):
+        cyclic.path(1)
+
+
 def test_sliding_window_models_are_refused():
     from transformers import AutoModelForCausalLM, MistralConfig
 

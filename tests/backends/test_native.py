@@ -25,7 +25,7 @@ import random
 
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from torch import nn
 
 from arborspec.backends import check_session_support, llamacpp, make_session
@@ -287,6 +287,10 @@ def test_a_gguf_the_kernels_do_not_cover_loads_elsewhere_with_a_note(tmp_path, c
     loaded = load_model(str(f16), backend="native", dtype="fp32", progress=False)
     assert isinstance(loaded.model, nn.Module) and not is_native(loaded.model)
     assert "loading it on transformers (torch) instead" in capsys.readouterr().err
+    yarn = {"qwen2.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+            "qwen2.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)}  # llama.cpp applies it; native would not
+    with pytest.raises(NotNative, match="rope scaling 'yarn'"):
+        load_native(write_tiny_gguf(tmp_path / "yarn.gguf", dtype="q4_k", extra=yarn, **K_QUANT))
     other = write_tiny_gguf(tmp_path / "other.gguf", dtype="q4_k", arch="no-such-arch", **K_QUANT)
     with pytest.raises(NotNative, match="architecture 'no-such-arch' is not covered"):
         load_native(other)

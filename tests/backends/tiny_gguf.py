@@ -170,7 +170,7 @@ def _quant_weights(dtype: str, seed: int, layers: int, noise: float, noise_seed:
 def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context: int = 256, dtype: str = "f32",
                     noise: float = 0.0, noise_seed: int = 1, skip: tuple[str, ...] = (), pooling: int | None = None,
                     arch: str = "qwen2", hidden: int = HIDDEN, ffn: int = FFN, tied: bool = False,
-                    heads: int = HEADS, kv_heads: int = KV_HEADS) -> Path:
+                    heads: int = HEADS, kv_heads: int = KV_HEADS, extra: dict | None = None) -> Path:
     """Write a tiny random Qwen2 GGUF to `path`; return the path.
 
     dtype: how 2-D weights are stored, "f32", "f16" or "q8_0" (quantized with gguf.quants), or one of QUANT_DTYPES
@@ -179,6 +179,7 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
     model's GGUF carries. `arch`: the general.architecture written (hyper-parameter keys follow it); "llama" has no
     q/k/v biases. `hidden`, `ffn`: embedding and feed-forward widths. `tied`: no output.weight (the head is the
     token embedding, as in small Qwen2.5 models). `heads`, `kv_heads`: attention heads (head size hidden / heads).
+    `extra`: more metadata, key -> (value, gguf.GGUFValueType).
     """
     import gguf
 
@@ -203,6 +204,8 @@ def write_tiny_gguf(path: Path | str, *, seed: int = 0, layers: int = 2, context
     writer.add_token_merges(MERGES)
     writer.add_eos_token_id(EOS)
     writer.add_add_bos_token(False)
+    for key, (value, kind) in (extra or {}).items():
+        writer.add_key_value(key, value, kind)
     if tied:
         skip = (*skip, "output.weight")
     for name, (data, qtype) in _tensors(dtype, seed, layers, noise, noise_seed, hidden, ffn, arch != "llama", heads,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from dataclasses import dataclass
-from math import prod
+from math import isfinite, prod
 from pathlib import Path
 
 import gguf
@@ -88,7 +88,11 @@ class _Cursor:
         else:  # nested arrays have their own lengths: walk them
             for _ in range(count):
                 self.value(item)
-        return count
+        return ArrayLength(count)
+
+
+class ArrayLength(int):
+    """An array's value in `GgufFile.metadata`: its length, marked as one (a per-layer head count is an array)."""
 
 
 def read_gguf(path: Path) -> GgufFile:
@@ -153,10 +157,33 @@ def _info(path: Path, field, matrix_types: list[str], has_tensors: bool) -> Gguf
     arch = field("general.architecture")
     if not isinstance(arch, str) or not has_tensors:
         raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
+    _check_sizes(path, arch, field)
     context = field(f"{arch}.context_length")
     return GgufInfo(arch, int(context) if context is not None else None,
                     weight_type(field("general.file_type"), matrix_types),
                     bool(field(f"{arch}.pooling_type")) or field(f"{arch}.attention.causal") is False)
+
+
+SIZES = {"block_count": 1, "attention.head_count": 1, "attention.head_count_kv": 1, "embedding_length": 1,
+         "feed_forward_length": 1, "context_length": 2}  # hyper-parameter -> its least usable value
+
+
+def _check_sizes(path: Path, arch: str, field) -> None:
+    """ValueError for a size or a rope base out of range (a corrupt file), before either backend runs it: llama.cpp
+    aborted the process on a file with 0 layers (GGML_ASSERT), and native ran a context_length of -5 until its
+    first forward. Per-layer values (arrays) are the architecture's own business."""
+    for key, low in SIZES.items():
+        value = field(f"{arch}.{key}")
+        if value is not None and not isinstance(value, (list, ArrayLength)) and (
+                isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low):
+            raise ValueError(f"{path} is a corrupt GGUF file: {arch}.{key} is {value!r}")
+    heads, kv = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
+    if isinstance(heads, (int, np.integer)) and isinstance(kv, (int, np.integer)) and heads % kv:
+        raise ValueError(f"{path} is a corrupt GGUF file: {heads} attention heads do not share {kv} key/value "
+                         "heads evenly")
+    base = field(f"{arch}.rope.freq_base")
+    if base is not None and not (isinstance(base, (int, float, np.number)) and isfinite(base) and base > 0):
+        raise ValueError(f"{path} is a corrupt GGUF file: {arch}.rope.freq_base is {base!r}")
 
 
 def check_causal(path: Path, info: GgufInfo) -> None:

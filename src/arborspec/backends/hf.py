@@ -129,6 +129,8 @@ def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]
     """
     if not nodes:
         raise ValueError("forward needs at least one node")
+    if not all(0 <= n < len(tree.tokens) for n in nodes):
+        raise ValueError(f"forward's nodes must be nodes of the tree (0 to {len(tree.tokens) - 1}), got {nodes}")
     if session.tree is not tree:
         if session.slot:
             raise RuntimeError("the region holds another tree's nodes; commit() before starting a new tree")

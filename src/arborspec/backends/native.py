@@ -39,7 +39,7 @@ from ..core.sampling import spread
 from ..kernels import QuantMatrix, supported
 from ..kernels.matrix import SUPPORTED_TYPES, VNNI_ROWS
 from . import native_step
-from .gguf_file import GgufFile, GgufTensor, check_causal, describe, read_gguf, read_gguf_info
+from .gguf_file import SIZES, ArrayLength, GgufFile, GgufTensor, check_causal, describe, read_gguf, read_gguf_info
 
 ARCHITECTURES = ("qwen2", "llama")  # GGUF general.architecture values whose tensors map onto transformers' classes
 # how the backend names its weight format (blocks as in the GGUF, float32 activations), as llama.cpp's "gguf-q4_k_m":
@@ -220,6 +220,18 @@ def _check_covered(arch: str, tensors: list[GgufTensor]) -> None:
                         f"{', '.join(t.name for t in SUPPORTED_TYPES)})")
 
 
+def _check_hyperparameters(meta: dict, arch: str) -> None:
+    """NotNative for metadata the native forward would not follow (sizes out of range are refused for both GGUF
+    backends when the header is read: gguf_file.py): rope scaling (YaRN, linear, ...: llama.cpp applies it, native
+    ran as if it were absent, and logits differed by up to 3.3 on a tiny file) and per-layer sizes."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise NotNative(f"rope scaling {scaling!r} ({arch}.rope.scaling.type) is not implemented natively")
+    for key in SIZES:
+        if isinstance(meta.get(f"{arch}.{key}"), ArrayLength):
+            raise NotNative(f"{arch}.{key} is given per layer; native runs one value for every layer")
+
+
 def _check_kernels() -> None:
     """NotNative if arborspec's kernels cannot be compiled here (no C++ compiler, ...; compiled once per CPU)."""
     from ..kernels.build import KernelBuildError, library
@@ -274,6 +286,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     check_causal(path, info)
     arch = info.arch
     _check_covered(arch, file.tensors)
+    _check_hyperparameters(file.metadata, arch)
     _check_kernels()
     groups: dict[str, dict[str, GgufTensor]] = {}  # module path -> {"weight": tensor, "bias": tensor}
     for tensor in file.tensors:
@@ -312,7 +325,8 @@ def _fill(model: PreTrainedModel, path: str, tensors: dict, config, arch: str) -
     if isinstance(old, (nn.Linear, nn.Embedding)):
         have, want = weight.shape, tuple(old.weight.shape)  # (out, in) / (vocab, dim)
         if have != want:
-            raise NotNative(f"{weight.name} is {have[0]}x{have[1]}, the config wants {path} {want[0]}x{want[1]}")
+            raise NotNative(f"{weight.name} is {'x'.join(map(str, have))}, the config wants {path} "
+                            f"{want[0]}x{want[1]}")
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(_matrix(weight, config, arch, lookup=True))
         else:

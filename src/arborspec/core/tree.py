@@ -117,6 +117,8 @@ class TokenTree:
         out = []
         while node >= 0:
             out.append(node)
+            if len(out) > len(self.parents):  # (a tree built with add() has none; one built by hand may)
+                raise ValueError(f"the tree's parents form a cycle through node {node}")
             node = self.parents[node]
         return out[::-1]
 
