@@ -349,6 +349,28 @@ def test_a_nan_in_the_head_is_refused_as_non_finite_logits(native, pruned):
     assert torch.isfinite(make_session(model, "draft").forward(prompt, TokenTree.root(prompt[-1]), [0])).all()
 
 
+@pytest.mark.parametrize("where", ["attn_k scale", "ffn_norm"])
+def test_a_nan_inside_the_layers_is_refused_as_non_finite_logits(native, where):
+    """A NaN key (a NaN scale in attn_k's first row) or a NaN norm weight must reach the logits: the kernels' exp
+    clamped a NaN attention score to exp(-87.3) and their activation quantizer dropped a NaN, so both gave finite
+    garbage logits where transformers and llama.cpp give NaN."""
+    layer = native("draft").model.model.layers[0]
+    data = layer.self_attn.k_proj.matrix.data if where == "attn_k scale" else layer.post_attention_layernorm.weight
+    saved = data.flatten()[:2].clone()
+    prompt = list(range(3, 11))
+    try:
+        if where == "attn_k scale":
+            data[0, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 NaN: row 0's first block scale
+        else:
+            data.data[0] = float("nan")
+        with pytest.raises(FloatingPointError, match="the draft model produced non-finite logits"):
+            make_session(native("draft").model, "draft").forward(prompt, TokenTree.root(prompt[-1]), [0])
+    finally:
+        data.data.view(-1)[:2] = saved
+    assert torch.isfinite(make_session(native("draft").model, "draft").forward(prompt, TokenTree.root(prompt[-1]),
+                                                                                [0])).all()
+
+
 @pytest.mark.parametrize("ids, message", [([5, 3], "ascending"), ([4, 4], "ascending"), ([0, VOCAB], "inside"),
                                          ([-1, 2], "inside"), ([], "int64")])
 def test_the_step_refuses_head_ids_out_of_order_or_outside_the_vocabulary(native, ids, message):

@@ -232,3 +232,23 @@ def test_every_path_computes_the_exact_integer_products(build, qtype):
     for matrix in matrices:
         for scalar in PATHS:
             assert torch.equal(matrix(x, scalar=scalar).double(), exact), (matrix.layout, scalar)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("qtype", KINDS)
+def test_a_nan_activation_makes_its_rows_outputs_nan_on_every_path(build, qtype):
+    """As the reference's (torch's amax keeps a NaN): the activation quantizer's max dropped it, so a NaN reaching a
+    matrix came out finite, and a GGUF with a NaN scale gave finite garbage logits on native (an error elsewhere)."""
+    make, isa = BUILDS[build]
+    kernels = make()
+    rng = np.random.default_rng(5)
+    n, k, block = 16, 2 * ACTIVATION_BLOCK[qtype], ACTIVATION_BLOCK[qtype]
+    matrix = QuantMatrix(random_blocks(qtype, n, k, rng), qtype, n, k, kernels=kernels, isa=isa)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    x[1, block + 5] = float("nan")  # in the second block of row 1
+    acts = kernels.activations(x, qtype)
+    assert torch.equal(acts.isnan(), quantize_activations(x, qtype).isnan())  # that block, as the reference's
+    assert acts[1, block:].isnan().all() and not acts[[0, 2]].isnan().any() and not acts[1, :block].isnan().any()
+    for scalar in PATHS:
+        y = matrix(x, scalar=scalar)
+        assert y[1].isnan().all() and torch.isfinite(y[[0, 2]]).all(), scalar

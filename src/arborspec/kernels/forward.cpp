@@ -111,7 +111,9 @@ struct Lanes16 {
 
 template <class L>
 inline typename L::V exp_lanes(typename L::V x) {
-  x = L::min(L::max(x, L::set(-87.3f)), L::set(88.7f));
+  // clamped, NaN kept: max_ps / min_ps return their second operand where either is NaN (a NaN attention score
+  // came out as exp(-87.3), so a NaN key gave finite weights and finite garbage logits)
+  x = L::min(L::set(88.7f), L::max(L::set(-87.3f), x));
   const typename L::V n = L::round(L::mul(x, L::set(1.44269504088896341f)));
   typename L::V r = L::fnmadd(n, L::set(0.693359375f), x);
   r = L::fnmadd(n, L::set(-2.12194440e-4f), r);

@@ -151,10 +151,17 @@ inline int first_at(const float* x, float amax, int count) {
   return 0;
 }
 
+// the largest |x[i]|, i < count; NaN where an x[i] is NaN (max_ps alone would drop it, and a NaN activation turned
+// into a finite product: a GGUF with a NaN scale gave finite garbage logits on native, an error elsewhere)
 inline float abs_max(const float* x, int count) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_setzero_ps();
-  for (int i = 0; i < count; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int i = 0; i < count; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan)) return NAN;
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -168,9 +175,12 @@ inline void round_32(const float* x, float scale, int8_t* out) {
   }
 }
 
-inline float abs_max(const float* x, int count) {
+inline float abs_max(const float* x, int count) {  // NaN where an x[i] is NaN, as the vector code
   float m = 0.f;
-  for (int i = 0; i < count; ++i) m = std::fmax(m, std::fabs(x[i]));
+  for (int i = 0; i < count; ++i) {
+    if (std::isnan(x[i])) return NAN;
+    m = std::fmax(m, std::fabs(x[i]));
+  }
   return m;
 }
 
@@ -194,11 +204,12 @@ inline int first_at(const float* x, float amax, int count) {
 #endif
 
 // One 256-block: d = max / -127 where max is the value of largest magnitude (sign kept: the first such value), q =
-// round(x / d).
+// round(x / d). A block holding a NaN: q = 0 and d = NaN, so every product with it is NaN, as the reference's.
 void quantize_k(const float* x, ActK* out) {
   const float amax = abs_max(x, 256);
-  if (amax == 0.f) {
+  if (amax == 0.f || std::isnan(amax)) {
     std::memset(out, 0, sizeof(ActK));
+    out->d = amax;
     return;
   }
   const float iscale = -127.f / x[first_at(x, amax, 256)];
@@ -210,9 +221,14 @@ void quantize_k(const float* x, ActK* out) {
   out->d = 1.f / iscale;
 }
 
-// One 32-block: d = amax / 127, q = round(x / d), d kept as float16.
+// One 32-block: d = amax / 127, q = round(x / d), d kept as float16. A block holding a NaN: q = 0 and d = NaN.
 void quantize_32(const float* x, Act32* out) {
   const float amax = abs_max(x, 32);
+  if (std::isnan(amax)) {
+    std::memset(out, 0, sizeof(Act32));
+    out->d = amax;
+    return;
+  }
   const float d = amax / 127.f;
   const float inv = d != 0.f ? 1.f / d : 0.f;
   round_32(x, inv, out->qs);
