@@ -138,6 +138,8 @@ def test_stop_strings_and_text(tokenizer):
     long = longer[3:40]  # 37 characters, a token each: past the 32 tokens whose text the check once read
     cut = dec.generate("def f(x):", max_new_tokens=60, ignore_eos=True, stop=long)
     assert cut.stats.finish_reason == "stop" and cut.text == longer[:40]
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):  # a bare model: they never matched
+        SpeculativeDecoder(dec.target, dec.draft, method="chain").generate([5, 6], max_new_tokens=4, stop=["a"])
     with pytest.raises(ValueError, match="stop must be a string or a list of strings, got int"):
         dec.generate("def f(x):", max_new_tokens=4, stop=5)
     with pytest.raises(ValueError, match="ignore_eos must be true or false, got 'no'"):

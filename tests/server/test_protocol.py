@@ -73,7 +73,7 @@ def test_bad_bodies_are_400s_naming_the_field(body, param):
 
 def test_neutral_values_of_unsupported_fields_pass():
     parse({"model": "t", "prompt": "x", "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0,
-           "logit_bias": {}, "best_of": 1})
+           "logit_bias": {}, "best_of": 1, "repetition_penalty": 1.0, "min_p": 0})
     parse({"model": "t", "messages": [{"role": "user", "content": "a"}], "tool_choice": "auto", "modalities": ["text"],
            "function_call": "none"}, ChatRequest)
 
@@ -89,7 +89,8 @@ def test_null_means_the_default_as_openai_clients_send_it():
 @pytest.mark.parametrize("field, value", [("tool_choice", "required"),
                                           ("tool_choice", {"type": "function", "function": {"name": "f"}}),
                                           ("function_call", {"name": "f"}), ("modalities", ["text", "audio"]),
-                                          ("audio", {"voice": "alloy", "format": "wav"})])
+                                          ("audio", {"voice": "alloy", "format": "wav"}),
+                                          ("repetition_penalty", 1.2), ("min_p", 0.05)])  # vLLM's: were dropped
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, value):
     err = refused({"model": "t", "messages": [{"role": "user", "content": "a"}], field: value}, ChatRequest)
     assert err.status == 400 and err.param == field

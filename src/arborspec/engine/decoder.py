@@ -232,8 +232,8 @@ class SpeculativeDecoder:
         generator = make_generator(self.sampling.seed if seed is None else seed)
         eos = set() if check_bool(ignore_eos, "ignore_eos") else eos_ids(self.target, self.tokenizer)
         stats = GenerationStats(self.policy.name, self.verifier_name, not self.verifier.exact, len(ids))
-        return Generation(ids, max_new_tokens, stop, eos, context_window(self.target), self._decode, stats, generator,
-                          t_start)
+        return Generation(ids, max_new_tokens, stop, eos, context_window(self.target),
+                          self._decode if self.tokenizer is not None else None, stats, generator, t_start)
 
     def _target_forward(self, target, context: list[int], tree: TokenTree) -> tuple[torch.Tensor, list[int]]:
         """The target's logits of `tree` (len(tree), vocab), rows in drafted order, and each drafted node's position

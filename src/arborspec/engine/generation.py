@@ -34,15 +34,23 @@ def check_budget(max_new_tokens, scoring: bool = False) -> None:
                          f"got {max_new_tokens!r}")
 
 
+def _no_text(tokens: list[int]) -> str:
+    return ""
+
+
 class Generation:
     """A generation of up to `max_new_tokens` after the prompt `ids`; `commit` a step's tokens, then `record` it."""
 
     def __init__(self, ids: list[int], max_new_tokens: int, stop: list[str] | None, eos: set[int], window: int,
-                 decode: Callable[[list[int]], str], stats: GenerationStats, generator, t_start: float):
+                 decode: Callable[[list[int]], str] | None, stats: GenerationStats, generator, t_start: float):
+        """`decode`: token ids to text; None without a tokenizer (then the result has no text, and stop strings,
+        which are matched on the text, are refused)."""
+        if stop and decode is None:
+            raise ValueError("stop strings need a tokenizer (they are matched on the text); pass tokenizer=...")
         self.context, self.new = list(ids), []  # prompt + committed tokens; committed tokens only
         self.top_id = max(ids)  # the largest token id in the context (a draft with fewer rows cannot read it)
         self.max_new_tokens, self.stop, self.eos, self.window = max_new_tokens, stop_strings(stop), eos, window
-        self.decode, self.stats, self.generator, self.t_start = decode, stats, generator, t_start
+        self.decode, self.stats, self.generator, self.t_start = decode or _no_text, stats, generator, t_start
         self.top_logprobs: int | None = None  # set: each committed token's logprob and this many alternatives
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens, when asked for

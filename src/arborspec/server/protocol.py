@@ -135,6 +135,7 @@ NEUTRAL = {
     "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
     "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "audio": (None,),
+    "repetition_penalty": (None, 1), "min_p": (None, 0),  # vLLM's, as top_k and ignore_eos are: never dropped unread
 }
 
 _TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location

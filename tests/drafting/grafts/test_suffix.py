@@ -244,8 +244,8 @@ def test_suffix_at_temperature_needs_an_any_tree_verifier(registered):
         SpeculativeDecoder(target, method="suffix", temperature=1.0, verifier="mbr")
     draft = noisy_copy(target, 0.2)
     assert SpeculativeDecoder(target, draft, method="static+suffix", temperature=1.0).verifier.name == "naive"
-    for bad in ({"budget": 0}, {"factor": -1.0}, {"min_prob": 2.0}, {"min_match": 5, "max_match": 4},
-                {"store": -3}, {"depth": 3}):
+    for bad in ({"budget": 0}, {"factor": -1.0}, {"factor": float("inf")}, {"min_prob": 2.0},
+                {"min_prob": float("nan")}, {"min_match": 5, "max_match": 4}, {"store": -3}, {"depth": 3}):
         with pytest.raises(ValueError):
             SuffixPolicy(**bad)
 

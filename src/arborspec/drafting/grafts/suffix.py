@@ -18,6 +18,7 @@ are. Node `probs` hold the empirical probabilities, so budget logic can read the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...core.options import check_int, opt
@@ -58,10 +59,11 @@ class SuffixOptions:
             check_int(getattr(self, name), name, 0)
         if self.min_match > self.max_match:
             raise ValueError(f"min_match ({self.min_match}) must not exceed max_match ({self.max_match})")
-        for name, top in (("factor", float("inf")), ("min_prob", 1.0)):
+        for name, top in (("factor", None), ("min_prob", 1.0)):  # (factor inf raised OverflowError mid-generation)
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value <= top:
-                raise ValueError(f"{name} must be a number in [0, {top}], got {value!r}")
+            if not isinstance(value, (int, float)) or not 0 <= value < math.inf or (top is not None and value > top):
+                raise ValueError(f"{name} must be a finite number >= 0{f' and <= {top}' if top else ''}, got "
+                                 f"{value!r}")
 
 
 class SuffixPolicy(Policy):
