@@ -1,5 +1,4 @@
 """Suffix drafts: the index agrees with a brute-force scan, the store stays bounded, decoding stays exact."""
-import itertools
 from collections import Counter
 
 import pytest
