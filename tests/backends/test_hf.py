@@ -105,6 +105,14 @@ def test_nodes_outside_the_tree_and_cyclic_trees_are_refused_before_a_forward():
     for nodes in ([0, -1], [2], [0, 1, 5]):
         with pytest.raises(ValueError, match="nodes must be nodes of the tree \\(0 to 1\\)"):
             session.forward([3, 4, 5], tree, nodes)
+    wide = TokenTree.from_parents([5, 6, 7, 8], [-1, 0, 0, 1])
+    session.forward([3, 4, 5], wide, [0, 1, 2])
+    for path, what in (([2, 1], "not a chain"), ([0, 1, 2], "not a chain"), ([0, 0], "not a chain"),
+                       ([1], "from its root"), ([0, 1, 3], "not in the region")):
+        with pytest.raises(ValueError, match=what):  # commit would have kept keys at the wrong positions
+            session.commit(path)
+    session.commit([0, 1])
+    assert session.cached == [3, 4, 5, 6]
     cyclic = TokenTree(tokens=[5, 6], parents=[-1, 1], depths=[0, 1], probs=[1.0, 1.0], sources=["", "d"])
     with pytest.raises(ValueError, match="cycle through node 1"):
         cyclic.path(1)

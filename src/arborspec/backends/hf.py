@@ -83,6 +83,7 @@ class TreeSession(TreeRegion):
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus the region slots of `path` (root first, a chain); drop the rest."""
+        check_path(self, path)
         base = len(self.cached)
         keep_slots = [self.slot[n] for n in path]
         if keep_slots != list(range(len(keep_slots))) or len(keep_slots) != self.region_len:
@@ -143,6 +144,17 @@ def begin_forward(session, context: list[int], tree: TokenTree, nodes: list[int]
     if n >= len(context) or context[:n] != session.cached:
         raise RuntimeError(f"{session.role} cache is out of sync with the committed tokens")
     return context[n:-1]
+
+
+def check_path(session, path: list[int]) -> None:
+    """ValueError unless `path` is what `commit` keeps: the root, then a chain of its descendants, each forwarded this
+    step (any backend's session, as for begin_forward). A sibling or a node twice kept keys at the wrong positions,
+    and a node never forwarded was a bare KeyError."""
+    if path and path[0] != 0 or any(session.tree.parents[b] != a for a, b in zip(path, path[1:])):
+        raise ValueError(f"commit path {path} is not a chain of the tree from its root")
+    missing = [n for n in path if n not in session.slot]
+    if missing:
+        raise ValueError(f"commit path nodes {missing} are not in the region (not forwarded, or evicted)")
 
 
 def end_forward(session, pending: list[int], new_slot: dict[int, int]) -> None:

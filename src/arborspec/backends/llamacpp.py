@@ -52,7 +52,7 @@ from ..core.host import usable_cores
 from ..core.sampling import check_finite
 from ..core.tree import TokenTree
 from .gguf_file import GgufInfo, check_causal, read_gguf_info
-from .hf import begin_forward
+from .hf import begin_forward, check_path
 from .session import TreeRegion
 
 PIN = "llama-cpp-python==0.3.36"
@@ -374,12 +374,7 @@ class LlamaCppSession(TreeRegion):
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus `path` (root first, a chain of forwarded nodes); drop the rest."""
         self._check_open()
-        for a, b in zip(path, path[1:]):
-            if self.tree.parents[b] != a:
-                raise ValueError(f"commit path {path} is not a chain of the tree")
-        missing = [n for n in path if n not in self.slot]
-        if missing:
-            raise ValueError(f"commit path nodes {missing} are not in the region (not forwarded, or evicted)")
+        check_path(self, path)
         if path:
             seq, last = self.slot[path[-1]], len(self.cached) + self.tree.depths[path[-1]]
         else:

@@ -31,7 +31,7 @@ import torch
 from ..core.sampling import non_finite
 from ..core.tree import TokenTree
 from . import batching
-from .hf import begin_forward, end_forward
+from .hf import begin_forward, check_path, end_forward
 from .model_info import context_window
 from .native_forward import FastForward
 from .session import TreeRegion
@@ -215,6 +215,7 @@ class NativeSession(TreeRegion):
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus the region slots of `path` (root first, a chain): gathered in place."""
+        check_path(self, path)
         base = len(self.cached)
         slots = [self.slot[n] for n in path]
         if slots != list(range(len(slots))):

@@ -45,7 +45,7 @@ import torch
 
 from ..core.sampling import check_finite
 from ..core.tree import TokenTree
-from .hf import begin_forward, end_forward
+from .hf import begin_forward, check_path, end_forward
 from .session import TreeRegion
 from .ssm_scan import chain_states, conv_taps, discretize, new_conv_tail, replay_state, tree_conv, tree_ssd
 
@@ -304,6 +304,7 @@ class SSMTreeSession(TreeRegion):
 
     def commit(self, path: list[int]) -> None:
         """Keep the committed sequence plus `path` (root first, a chain): replay the states along it, drop the rest."""
+        check_path(self, path)
         rows = list(range(self._n_pending)) + [self._n_pending + self.slot[n] for n in path]
         self._commit_rows(rows)
         if path:
