@@ -250,14 +250,14 @@ def test_commit_of_nothing_and_of_the_root_only(target):
 
 @needs_llama
 def test_steps_do_not_leak_cells_up_to_a_full_window(gguf_dir):
-    """The context gets 96 + 16 cells, rounded up to 256 by llama.cpp. Steps of 16-node trees forward more nodes in
-    all than that, and the committed tokens still grow to fill it: no cell of a dropped branch survives a step (a
-    leak of one cell per step would overflow the cache: llama_decode returns 1, a RuntimeError here)."""
+    """The context gets 96 + 1024 cells (a whole tree's room), rounded up to 256 by llama.cpp. Steps of 16-node trees
+    forward more nodes in all than that, and the committed tokens still grow to fill it: no cell of a dropped branch
+    survives a step (a leak of one cell per step would overflow the cache: llama_decode returns 1, a RuntimeError)."""
     model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_ctx=96, n_batch=16)
     rng = random.Random(7)
     context = [rng.randrange(VOCAB)]
     session = model.new_session()
-    cells = session.lib.llama_n_ctx(session.ctx)  # what llama.cpp allocated (n_ctx + n_batch, rounded up to 256)
+    cells = session.lib.llama_n_ctx(session.ctx)  # what llama.cpp allocated (n_ctx + region, rounded up to 256)
     steps = 0
     while len(context) < cells - 20:
         tree = random_tree(rng, context[-1], 16)
@@ -366,6 +366,20 @@ def test_greedy_speculative_output_equals_plain_decoding(gguf_dir, method, optio
     assert spec.token_ids == ar.token_ids and spec.text == ar.text
     assert spec.stats.n_steps < ar.stats.n_steps  # the noisy draft is accepted sometimes
     assert len(set(ar.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
+def test_trees_larger_than_n_batch_fit_up_to_the_end_of_the_window(gguf_dir):
+    """240 + 16 cells (a multiple of 256: llama.cpp adds none) held 48-node trees until ~16 cells before the end of
+    the window, then llama_decode found the cache full: the room after n_ctx is a whole tree's now."""
+    from arborspec.engine import SpeculativeDecoder
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_ctx=240, n_batch=16)
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, n_ctx=240, n_batch=16)
+    ar = SpeculativeDecoder(target, method="ar").generate("def fib(n):", max_new_tokens=300, ignore_eos=True)
+    spec = SpeculativeDecoder(target, draft, method="static", widths="16,16,16").generate(
+        "def fib(n):", max_new_tokens=300, ignore_eos=True)
+    assert spec.token_ids == ar.token_ids and spec.stats.finish_reason == "context"
 
 
 @needs_llama

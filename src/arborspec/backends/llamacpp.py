@@ -50,7 +50,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from ..core.disk_cache import sha256_key
 from ..core.host import usable_cores
 from ..core.sampling import check_finite
-from ..core.tree import TokenTree
+from ..core.tree import MAX_TREE_NODES, TokenTree
 from .gguf_file import GgufInfo, check_causal, read_gguf_info
 from .hf import begin_forward, check_path
 from .session import TreeRegion
@@ -137,8 +137,10 @@ _KV_TYPES = {"f32": 0, "f16": 1}  # GGML_TYPE_F32, GGML_TYPE_F16 (ggml.h)
 class LlamaCppModel:
     """A GGUF loaded into llama.cpp, with the attributes the engine reads from a model and `new_session(role)`.
 
-    The weights are loaded once; every live session has its own llama.cpp context (KV cache) of n_ctx + n_batch
-    cells: n_ctx committed positions plus room for one forward's tree at the end of the window. Making a context
+    The weights are loaded once; every live session has its own llama.cpp context (KV cache) of n_ctx + `region`
+    cells: n_ctx committed positions plus room for a step's tree at the end of the window, as large as a tree may be
+    (MAX_TREE_NODES, or n_batch if larger; with n_batch cells, a tree larger than n_batch forwarded near the end of
+    the window filled the cache: wetap's draft forwards ~600 nodes a step). Making a context
     costs ~150 ms (it allocates and zeroes its buffers), so a finished session's context is cleared and kept for the
     next session instead of freed: a `generate` call then starts in well under a millisecond.
     """
@@ -158,6 +160,10 @@ class LlamaCppModel:
         self._idle: list[tuple] = []  # (context, batch) pairs of finished sessions, cleared, ready for reuse
         self._sessions: weakref.WeakSet[LlamaCppSession] = weakref.WeakSet()  # live sessions: each holds a context
         _OPEN.add(self)
+
+    @property
+    def region(self) -> int:
+        return max(self.n_batch, MAX_TREE_NODES)
 
     def new_session(self, role: str = "target") -> "LlamaCppSession":
         return LlamaCppSession(self, role)
@@ -188,7 +194,7 @@ class LlamaCppModel:
     def new_context(self):
         """A fresh llama.cpp context (KV cache) on these weights; the caller frees it with llama_free."""
         s, params = self.settings, self.lib.llama_context_default_params()
-        params.n_ctx = s.n_ctx + s.n_batch
+        params.n_ctx = s.n_ctx + self.region
         params.n_batch = params.n_ubatch = s.n_batch
         params.n_seq_max = s.n_seq_max
         params.n_outputs_max = max(s.n_batch, s.n_seq_max)  # output_reserve asserts n_seq_max rows fit
@@ -478,7 +484,7 @@ class LlamaCppSession(TreeRegion):
         _log.errors.clear()
         rc = self.lib.llama_decode(self.ctx, b)
         if rc == 1:
-            raise RuntimeError(f"{self.role} KV cache is full ({self.model.n_ctx} + {self.model.n_batch} cells): "
+            raise RuntimeError(f"{self.role} KV cache is full ({self.model.n_ctx} + {self.model.region} cells): "
                                "the tree does not fit at the end of the context window")
         if rc != 0:
             raise RuntimeError(f"{self.role} llama_decode failed ({rc}): {llama_error('no message')}")
