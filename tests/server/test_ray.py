@@ -8,6 +8,7 @@ this 2-core machine, inside the issue's 3-minute bound.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -217,9 +218,19 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(client, url, ray_se
     assert len(after) == 2 and before[0] not in after, "Ray should have started a replacement replica"
 
 
-def test_sigterm_stops_the_deployment_and_ray(ray_server, url):
+def test_sigterm_ends_running_streams_cleanly_then_stops_the_deployment_and_ray(ray_server, url):
+    """As the single-process server: the stream finishes or hears "shutting down" after --shutdown-timeout (2 s),
+    then [DONE]; Serve's shutdown alone cut it at once (an incomplete chunked read)."""
     pids = replica_pids(ray_server.proc.pid)
-    ray_server.proc.send_signal(signal.SIGTERM)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        next(events)
+        ray_server.proc.send_signal(signal.SIGTERM)
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    last = json.loads(rest[-2])
+    assert last.get("error", {}).get("code") == "shutdown" or last["choices"][0]["finish_reason"] == "length"
     assert ray_server.proc.wait(STOP_TIMEOUT_S) == 0
     time.sleep(2)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "replica processes outlived the server"

@@ -18,9 +18,11 @@ See docs/ray.md for a multi-node cluster and what was measured here.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 import threading
+import time
 
 import ray
 from prometheus_client import CollectorRegistry, generate_latest
@@ -37,6 +39,7 @@ BROADCAST_TIMEOUT_S = 10.0  # a replica that does not answer a metrics scrape in
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray's controller notices a dead replica (and starts another)
 CONSTRUCTOR_TRIES = 2  # a replica whose models do not load fails again: give up soon, with its error
 LOCAL_OBJECT_STORE_BYTES = 256 << 20  # replicas pass no tensors through Ray: keep its shared memory small
+DRAIN_SLACK_S = 5.0  # past --shutdown-timeout: the round the grace ended in, and the last events
 
 
 @serve.ingress()  # the app is built per replica, after its models load (`__serve_build_asgi_app__`)
@@ -52,6 +55,16 @@ class ArborspecReplica:
     def __serve_build_asgi_app__(self):
         self.server.app.add_middleware(ReplicaHeader, replica=self.replica_id)
         return self.server.app
+
+    async def drain(self, grace: float) -> None:
+        """Take no new requests; let the running ones finish for `grace` seconds (then each client hears that the
+        server is shutting down, app.py); return once none is left, so that the driver shuts Serve down after."""
+        scheduler = self.server.scheduler
+        scheduler.drain(grace)
+        deadline = time.monotonic() + grace + DRAIN_SLACK_S
+        while scheduler.load() != (0, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(DRAIN_SLACK_S / 10)  # the handlers' last events reach the proxy
 
     def metrics_text(self) -> tuple[str, bytes]:
         """This replica's own metrics (called on every replica by `all_metrics`)."""
@@ -124,8 +137,8 @@ def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C."""
     with listen(args.host, args.port) as sock:  # a taken port fails now, not after Ray has started
         port = sock.getsockname()[1]  # Ray's proxy needs a number: --port 0 means "pick one", as without Ray
-    started = args.ray_address is None
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False,
+    started = args.ray_address is None  # "local": a new instance, even where a cluster runs or RAY_ADDRESS is set
+    ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=False,
              **({"object_store_memory": LOCAL_OBJECT_STORE_BYTES} if started else {}))
     try:
         check_room(args)
@@ -137,7 +150,8 @@ def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
         print(f"[arborspec] serving {args.model_name or args.target!r} on http://{url_host(args.host)}:{port} "
               f"({describe(args, spec)} per replica; {replica_count(args)} on Ray Serve)", file=sys.stderr, flush=True)
         wait_for_signal()
-        serve.shutdown()  # replicas get --shutdown-timeout to finish in-flight requests
+        drain(args.shutdown_timeout)
+        serve.shutdown()
         return 0
     finally:
         if started:
@@ -169,12 +183,20 @@ def replica_count(args) -> str:
     return f"{args.autoscale[0]}-{args.autoscale[1]} replicas" if args.autoscale else f"{args.replicas or 1} replicas"
 
 
+def drain(grace: float) -> None:
+    """Every replica takes no new request and gives its running ones `grace` seconds, as the single-process server
+    does; Serve's shutdown alone cut them at once (the proxy goes first), without a word to the clients."""
+    handle = serve.get_deployment_handle("ArborspecReplica", APP_NAME)
+    handle.broadcast("drain", grace).results(timeout_s=grace + 2 * DRAIN_SLACK_S, return_exceptions=True)
+
+
 def wait_for_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C during the drain stops at once
 
 
 def replica_error(err: Exception) -> str:
