@@ -167,7 +167,8 @@ def deployment(args: argparse.Namespace):
         ArborspecReplica, name="ArborspecReplica", ray_actor_options={"num_cpus": args.replica_cpus},
         # Ray queues beyond what a replica's scheduler takes, so a replica never answers 429 while another has room
         max_ongoing_requests=args.max_batch + args.max_queue + 4,  # + 4: health checks and scrapes ride along
-        health_check_period_s=HEALTH_CHECK_PERIOD_S, max_constructor_retry_count=CONSTRUCTOR_TRIES, graceful_shutdown_timeout_s=args.shutdown_timeout, **scaling)
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, max_constructor_retry_count=CONSTRUCTOR_TRIES,
+        graceful_shutdown_timeout_s=args.shutdown_timeout, **scaling)
 
 
 def check_room(args: argparse.Namespace) -> None:
