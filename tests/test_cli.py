@@ -212,6 +212,7 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
     ("generate", ["--llama-threads", "0"], "--llama-threads must be at least 1"),  # the native backend ignored it
     ("bench", ["--llama-batch", "0"], "--llama-batch must be at least 1"),
+    ("generate", ["--llama-seq", "0"], "--llama-seq must be at least 1"),
     ("generate", ["--per-step"], "--per-step adds every step's statistics to --json's output"),
     ("bench", ["--methods", ""], "--methods names no method"),
 ])

@@ -52,6 +52,9 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-ctx", type=int, default=None,
                    help="llama.cpp context window in tokens (default: min(4096, the model's trained context))")
     p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
+    p.add_argument("--llama-seq", type=int, default=None,
+                   help="llama.cpp sequence ids per context: one tree forward may hold this many minus one branches "
+                        "(default 128, at most 256; each costs a row of logits in the context's buffer)")
 
 
 def add_sampling_arguments(p, draft: bool = True) -> None:

@@ -462,7 +462,7 @@ class LlamaCppSession(TreeRegion):
             freed.append(seq)
         if not freed:
             raise ValueError(f"one forward needs more than {self.model.n_seq_max - 1} branches; load the model "
-                             f"with a larger n_seq_max (at most {MAX_SEQ})")
+                             f"with a larger n_seq_max (--llama-seq, at most {MAX_SEQ}) or draft narrower trees")
         self._free += freed[:0:-1]
         return freed[0]
 

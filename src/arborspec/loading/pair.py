@@ -174,9 +174,10 @@ def load_pair_for(args, spec, progress: bool = True) -> LoadedPair:
 
 
 def llama_options(args) -> dict:
-    """The llama.cpp options of the command line (--llama-threads/-ctx/-batch), for load_model / load_pair."""
-    given = {"n_threads": args.llama_threads, "n_ctx": args.llama_ctx, "n_batch": args.llama_batch}
+    """The llama.cpp options of the command line (--llama-threads/-ctx/-batch/-seq), for load_model / load_pair."""
+    flags = {"n_threads": "threads", "n_ctx": "ctx", "n_batch": "batch", "n_seq_max": "seq"}
+    given = {name: getattr(args, f"llama_{flag}", None) for name, flag in flags.items()}
     for name, value in given.items():  # checked whichever backend runs (the native one ignored --llama-threads 0)
         if value is not None and value < 1:
-            raise ValueError(f"--llama-{name[2:]} must be at least 1, got {value}")
+            raise ValueError(f"--llama-{flags[name]} must be at least 1, got {value}")
     return {k: v for k, v in given.items() if v is not None}

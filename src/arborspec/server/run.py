@@ -136,7 +136,7 @@ def check_flags(args) -> None:
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
     for flag, value in (("--llama-threads", args.llama_threads), ("--llama-ctx", args.llama_ctx),
-                        ("--llama-batch", args.llama_batch)):
+                        ("--llama-batch", args.llama_batch), ("--llama-seq", args.llama_seq)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.model_name is not None and not args.model_name.strip():
