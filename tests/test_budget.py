@@ -245,7 +245,7 @@ def test_cli_profile_pair_and_generate_auto(llama_dirs, tmp_path, monkeypatch, c
             "--sizes", "1,2,4,8", "--repeats", "1", "--prefix", "12"]
     assert main(args + ["--out", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "target:" in out and "measured profile" in out and "d(n)/d(1)" in out and png.stat().st_size > 1000
+    assert "target:" in out and "(fp32): measured profile" in out and "d(n)/d(1)" in out and png.stat().st_size > 1000
     assert "draft variants (measured" in out and "<- default" in out and "int8" in out
     assert (tmp_path / "pair-draft-variants.png").stat().st_size > 1000
     out = capsys.readouterr().out if main(args) == 0 else ""

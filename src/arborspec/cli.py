@@ -47,6 +47,7 @@ from .loading.pair import (
     DEFAULT_DRAFT,
     DEFAULT_DTYPE,
     DEFAULT_TARGET,
+    backend_of,
     is_torch_model,
     llama_options,
     load_pair,
@@ -428,7 +429,7 @@ def cmd_profile(args) -> int:
     print(f"a tree of N2 tokens pays over one of N1 = {n1} iff tau2/tau1 >= t(N2)/t(N1): "
           + ", ".join(f"N2={n}: {required_tau_ratio(fit, n1, n):.2f}" for n in sizes if n > n1))
     if args.out:
-        print(plot_profile(sizes, times, fit, args.out, title=f"{args.model} ({args.dtype})", n1=n1))
+        print(plot_profile(sizes, times, fit, args.out, title=f"{args.model} ({_computes_in(model, args)})", n1=n1))
     return 0
 
 
@@ -442,7 +443,7 @@ def _profile_pair(args, sizes: list[int]) -> int:
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
                                       repeats=args.repeats, progress=True)
         curves[role] = curve
-        print(f"{role}: {getattr(args, role)} ({args.dtype}): {source} profile {profile_path(model)}")
+        print(f"{role}: {getattr(args, role)} ({_computes_in(model, args)}): {source} profile {profile_path(model)}")
         if source != "measured" and list(curve.sizes) != sizes:
             print(f"  (the cached profile's sizes {','.join(map(str, curve.sizes))}: --sizes and --repeats apply "
                   "when it is measured again, --refresh)")
@@ -459,7 +460,8 @@ def _profile_pair(args, sizes: list[int]) -> int:
               f"{fit_runtime(t.sizes, t.times, 'quadratic').describe()}; draft "
               f"{fit_runtime(d.sizes, d.times, 'quadratic').describe()}")
     if args.out:
-        print(plot_pair(t, d, args.out, title=f"{args.target} / {args.draft} ({args.dtype})"))
+        title = f"{args.target} / {args.draft} ({_computes_in(target_loaded.model, args)})"
+        print(plot_pair(t, d, args.out, title=title))
     if args.no_variants or not (is_torch_model(draft_loaded) or is_native(draft_loaded.model)):
         return 0  # variants exist for PyTorch drafts (int8, int4) and native GGUF drafts (lean 4-bit files)
     quant, record, source = choose_draft_quant(target_loaded, draft_loaded, refresh=args.refresh, sizes=sizes,
@@ -470,8 +472,17 @@ def _profile_pair(args, sizes: list[int]) -> int:
     if args.out:
         root, dot, ext = args.out.rpartition(".")
         print(plot_variants(record, f"{root}-draft-variants.{ext}" if dot else f"{args.out}-draft-variants.png",
-                            title=f"{args.draft} variants ({args.dtype})"))
+                            title=f"{args.draft} variants ({_computes_in(draft_loaded.model, args)})"))
     return 0
+
+
+def _computes_in(model, args) -> str:
+    """What a title says a model runs in: --dtype on transformers, the file's own types on the GGUF backends (a
+    native profile was labelled "bf16")."""
+    backend = backend_of(model)
+    if backend == "torch":
+        return args.dtype
+    return f"{backend}, GGUF {model.native_gguf.weight_type}" if is_native(model) else f"{backend}, {model.dtype}"
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "kernels": cmd_kernels,

@@ -334,6 +334,10 @@ def test_the_command_line_runs_native_and_prints_what_plain_decoding_prints(gguf
     plain, _ = generate("--method", "ar")
     assert spec["text"] == plain["text"] and spec["token_ids"] == plain["token_ids"]
     assert spec["stats"]["method"] == "auto" and "draft: int" not in err
+    assert main(["profile", "--pair", "--backend", "native", "--target", str(ggufs["q4_k"]), "--draft",
+                 str(ggufs["draft"]), "--sizes", "1,2", "--repeats", "1", "--no-variants"]) == 0
+    out = capsys.readouterr().out  # the file's types, not --dtype's default (it said "bf16")
+    assert "(native, GGUF" in out and "(bf16)" not in out
 
 
 # ------------------------------------------------------------------------------------ the lean forward
