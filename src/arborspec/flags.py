@@ -54,7 +54,8 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-batch", type=int, default=None, help="llama.cpp tokens per decode call (default 512)")
     p.add_argument("--llama-seq", type=int, default=None,
                    help="llama.cpp sequence ids per context: one tree forward may hold this many minus one branches "
-                        "(default 128, at most 256; each costs a row of logits in the context's buffer)")
+                        "(default 128, at most 256; each costs a row of logits in the context's buffer; auto's "
+                        "cost profile forwards 64-leaf trees, so it needs 65)")
 
 
 def add_sampling_arguments(p, draft: bool = True) -> None:
