@@ -15,7 +15,7 @@ import torch
 
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
-from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names, vocab_size
+from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names
 from ..backends.session import vocab_aligned
 from ..core.options import check_bool, check_int
 from ..core.sampling import make_generator
@@ -27,7 +27,7 @@ from .config import DecoderConfig
 from .generation import Generation, check_budget
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
-from .prompts import prompt_ids
+from .prompts import model_prompt_ids
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
 from .verifier_choice import choose_verifiers, with_free_branches
@@ -91,7 +91,7 @@ class SpeculativeDecoder:
     # ---- public API ------------------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
-        return prompt_ids(self.tokenizer, prompt, vocab_size(self.target, self.draft), self.context_window)
+        return model_prompt_ids(self.tokenizer, prompt, self.target, self.draft)
 
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,

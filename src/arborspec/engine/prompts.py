@@ -10,6 +10,7 @@ there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec 
 """
 from __future__ import annotations
 
+from ..backends.model_info import context_window, vocab_size
 from ..core.options import is_whole
 
 
@@ -34,6 +35,13 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None =
     if window is not None and len(ids) >= window:
         raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
     return ids
+
+
+def model_prompt_ids(tokenizer, prompt, target, draft=None) -> list[int]:
+    """`prompt_ids` checked against the models (bare ones): ids every one of them has a row for, and room for a token
+    in the target's context window. What SpeculativeDecoder.encode checks, and the server before it makes the
+    request's decoder."""
+    return prompt_ids(tokenizer, prompt, vocab_size(target, draft), context_window(target))
 
 
 def _text(text: str, what: str = "the prompt") -> str:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ..backends.model_info import context_window, vocab_size
+from ..backends.model_info import context_window
 from ..core.sampling import SamplingConfig
 from ..engine import DecoderConfig, SpeculativeDecoder
 from ..engine.prefix_cache import PrefixCache
-from ..engine.prompts import prompt_ids
+from ..engine.prompts import model_prompt_ids
 from ..runspec import RunSpec, build_decoder, check_verifier, options_for, parse
 
 # method options a request may not set, though `arborspec serve --method` may: what each would let any client do
@@ -90,8 +90,7 @@ class Decoders:
     def encode(self, prompt) -> list[int]:
         """A request's prompt ids, checked as its decoder checks them (SpeculativeDecoder.encode), before the decoder
         is made: making one waits for the running round, and a prompt too long for the window is a 400 at once."""
-        vocab = vocab_size(self.target.model, getattr(self.draft, "model", None))
-        return prompt_ids(self.target.tokenizer, prompt, vocab, self.context_window)
+        return model_prompt_ids(self.target.tokenizer, prompt, self.target.model, getattr(self.draft, "model", None))
 
     def build(self, spec: RunSpec, sampling: SamplingConfig) -> SpeculativeDecoder:
         """The decoder for one request (ValueError for settings it cannot run, e.g. top_p 0 or a chain-only

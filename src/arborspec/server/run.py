@@ -18,6 +18,7 @@ import uvicorn
 
 from ..flags import add_method_arguments, add_pair_arguments, add_sampling_arguments, add_tree_layout_arguments
 from ..loading.model import ModelLoadError
+from ..loading.pair import llama_options
 from ..runspec import RunSpec, check_lossy, check_verifier, parse
 from .build import build_server, describe, listen, rounds, url_host
 from .protocol import sampling_problem
@@ -135,10 +136,7 @@ def check_flags(args) -> None:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
-    for flag, value in (("--llama-threads", args.llama_threads), ("--llama-ctx", args.llama_ctx),
-                        ("--llama-batch", args.llama_batch), ("--llama-seq", args.llama_seq)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
+    llama_options(args)  # (ValueError for a --llama-* value below 1)
     if args.model_name is not None and not args.model_name.strip():
         raise ValueError("--model-name is empty: give the name clients put in `model`, or leave it out (the "
                          "target's)")
