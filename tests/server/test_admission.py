@@ -111,3 +111,21 @@ def test_a_stream_that_ends_in_an_error_event_is_counted_with_its_status():
     assert '"code":"internal_error"' in reply.text.replace(" ", "") and reply.text.rstrip().endswith("[DONE]")
     assert 'arborspec_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics
     assert 'status="200"' not in metrics.split("arborspec_requests_total")[1].split("# HELP")[0]
+
+
+def test_a_second_signal_ends_the_grace_at_once_and_a_third_forces_the_exit():
+    """uvicorn's own second-signal exit cancelled the handlers mid-answer and printed their tracebacks; here the
+    second signal makes the handlers answer 503 / an error event at once (the grace is over), the third forces."""
+    import signal
+
+    import uvicorn
+
+    from arborspec.server.run import Server
+    scheduler = Scheduler(max_batch=1, max_queue=1, metrics=Metrics())
+    server = Server(uvicorn.Config(lambda *_: None), scheduler, grace=600.0)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and scheduler.draining and not scheduler.overdue
+    server.handle_exit(signal.SIGINT, None)
+    assert scheduler.overdue and not server.force_exit
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit

@@ -249,3 +249,13 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
     maker.join(TIMEOUT)
     sched.stop()
     assert held == [True, True]
+
+
+def test_a_later_drain_only_brings_the_deadline_closer():
+    sched = Scheduler(max_batch=1, max_queue=0, metrics=Metrics())
+    sched.drain(grace=600.0)
+    assert sched.draining and not sched.overdue
+    sched.drain(grace=0.0)
+    assert sched.overdue
+    sched.drain(grace=600.0)
+    assert sched.overdue

@@ -208,5 +208,11 @@ class Server(uvicorn.Server):
         self.scheduler, self.grace = scheduler, grace
 
     def handle_exit(self, sig, frame) -> None:
+        """The first signal starts the drain; a second one during the grace ends the grace at once, so each client
+        hears why (uvicorn's own second-signal exit cancelled the handlers and printed their tracebacks); one after
+        the grace forces uvicorn's exit."""
+        if self.should_exit and not self.scheduler.overdue:
+            self.scheduler.drain(0.0)
+            return
         self.scheduler.drain(self.grace)
         super().handle_exit(sig, frame)

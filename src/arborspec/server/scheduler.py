@@ -172,10 +172,11 @@ class Scheduler:
             self._cond.notify()
 
     def drain(self, grace: float) -> None:
-        """Take no new requests; let the running and queued ones finish for `grace` seconds, then cancel the rest."""
+        """Take no new requests; let the running and queued ones finish for `grace` seconds, then cancel the rest.
+        A later call can only bring the deadline closer (a second Ctrl-C: `drain(0)`)."""
         with self._cond:
-            if self._deadline is None:
-                self._deadline = time.monotonic() + grace
+            deadline = time.monotonic() + grace
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
