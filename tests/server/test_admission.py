@@ -86,6 +86,16 @@ def test_a_prompt_past_the_context_window_is_a_400_without_waiting_for_the_runni
     assert reply.status_code == 400 and error["code"] == "context_length_exceeded" and took < AT_ONCE_S
 
 
+def test_a_prompt_that_fills_the_window_names_the_prompt_as_the_field_at_fault(monkeypatch):
+    """Without max_tokens the window check is the encoder's (engine/prompts.py); its 400 had no `param`."""
+    from arborspec.engine.prompts import prompt_ids
+    monkeypatch.setattr(FakeDecoders, "encode", lambda self, prompt: prompt_ids(None, [1] * WINDOW, window=WINDOW))
+    client, _ = serve(lambda: fake_steps("late", 1, []))
+    with client:
+        error = client.post("/v1/completions", json={"model": "m", "prompt": "x"}).json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+
+
 def test_requests_in_a_round_past_the_shutdown_grace_hear_503_at_once():
     """The request's own step is the long one; the server starts to shut down (grace 0) while it runs."""
     gate, server = threading.Event(), {}

@@ -3,6 +3,7 @@ token's entry goes out once the text shown covers it, a token that splits a char
 waits for the rest of the character, and a stop string's tokens never go out."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -97,10 +98,71 @@ def test_each_tokens_text_length_is_the_one_its_whole_prefix_decodes_to(tokenize
             ids = [b for _ in range(rng.randint(1, 12))
                    for b in ([special] if rng.random() < 0.1 else list(rng.choice(chars).encode()))]
         for skip in (False, True):
-            length = 0
+            length, start = 0, 0
             for i in range(len(ids)):
-                length, whole = grown(tokenizer, ids, i, length, skip)
+                before = tokenizer.decode(ids[:i], skip_special_tokens=skip)
+                length, start = grown(tokenizer, ids, i, length, start, skip)
                 text = tokenizer.decode(ids[:i + 1], skip_special_tokens=skip)
                 assert length == len(text)
-                if case % 2 == 0:
-                    assert whole == len(text.rstrip("\ufffd"))
+                if case % 2 == 0:  # a token starts after the whole characters before it
+                    assert start == len(before.rstrip("\ufffd"))
+
+
+@pytest.mark.parametrize("ids, starts", [
+    ([0x78, 0xE9, 0x93, 0x61], [0, 1, 1, 2]),  # "x", two bytes of a character that never comes (one U+FFFD), "a"
+    ([0xE9, 0x93, 0xF0, 0x9F, 0x98, 0x80], [0, 0, 1, 1, 1, 1]),  # the same, then an emoji's four byte tokens
+    ([0xC3, 0xC3, 0xA9], [0, 1, 1]),  # a lone lead byte, then "é"
+])
+def test_a_token_after_bytes_that_stay_invalid_starts_after_their_replacement_character(tokenizer, ids, starts):
+    """Every trailing U+FFFD was taken for a half character, so the token after one that stays put its text_offset
+    one character early (Qwen, T = 1: an invalid two-byte run, then a whole character)."""
+    out = Logprobs(tokenizer, chat=False).take(result(tokenizer, ids), tokenizer.decode(ids))
+    assert out["text_offset"] == starts
+
+
+def test_chat_leaves_out_every_token_the_content_skips_and_an_empty_answer_has_empty_lists(tokenizer):
+    """Qwen's <|im_start|> is an added special token that all_special_ids does not name: its entry went out though
+    the content never shows it. With no token shown, the logprobs were null; clients read that as "not asked for"."""
+    import copy
+
+    from tokenizers import AddedToken
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<|turn|>", special=True)]})
+    turn = tok.convert_tokens_to_ids("<|turn|>")
+    ids = [ord("o"), turn, ord("k")]
+    assert tok.decode(ids, skip_special_tokens=True) == "ok"
+    chat = Logprobs(tok, chat=True).take(result(tok, ids), "ok")
+    assert [e["token"] for e in chat["content"]] == ["o", "k"]
+    assert Logprobs(tokenizer, chat=True).empty() == {"content": [], "refusal": None}
+    assert Logprobs(tokenizer, chat=False).empty() == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                       "text_offset": []}
+
+
+def test_an_echoed_prompt_the_tokenizer_normalizes_has_offsets_into_the_text_as_sent(tokenizer):
+    """Qwen's tokenizer normalizes to NFC: "e" + U+0301 reads as "é", so offsets counted on the decoding pointed at
+    other characters of the echoed prompt from there on; the tokenizer's own offset mapping indexes the text sent."""
+    import copy
+
+    from tokenizers import normalizers
+    tok = copy.deepcopy(tokenizer)
+    tok.backend_tokenizer.normalizer = normalizers.NFC()
+    text = "cafe\u0301 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # c a f, "é" as two byte tokens, " ", o, k
+    scored = result(tok, [])
+    scored.prompt_logprobs = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids]
+    offsets = Logprobs(tok, chat=False).prompt(scored, text)["text_offset"]
+    assert offsets == [0, 1, 2, 3, 3, 5, 6, 7]
+
+
+def test_a_response_cut_to_nothing_by_a_stop_string_has_empty_logprobs_whole_and_streamed(tokenizer):
+    from arborspec.server.output import Reply
+    ids = [ord(c) for c in "xy"]
+    done = result(tokenizer, ids)
+    whole = Reply("m", chat=False, stop=["x"], logprobs=Logprobs(tokenizer, chat=False)).body(done)
+    assert whole["choices"][0]["text"] == "" and whole["choices"][0]["logprobs"]["tokens"] == []
+    chat = Reply("m", chat=True, stop=["x"], logprobs=Logprobs(tokenizer, chat=True))
+    last = json.loads(chat.last_events(done, "")[0][len("data: "):])
+    assert last["choices"][0]["logprobs"] == {"content": [], "refusal": None}
+    shown = Reply("m", chat=True, stop=["y"], logprobs=Logprobs(tokenizer, chat=True))
+    shown.text_event("x", done, "x")  # one entry went out: the last chunk has none of its own
+    assert json.loads(shown.last_events(done, "x")[0][len("data: "):])["choices"][0]["logprobs"] is None

@@ -140,6 +140,9 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, ChatRequest)
     assert req.messages[0].text() == "ab" and max_tokens(req, LIMITS) == 7
     assert refused({"model": "t", "messages": []}, ChatRequest).param == "messages"
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    err = refused({"model": "t", "messages": [{"role": "user", "content": [image]}]}, ChatRequest)
+    assert err.param == "messages" and "'image_url' are not supported" in err.message
     assert refused({"model": "t", "messages": [{"role": "robot", "content": "x"}]}, ChatRequest).param == "messages"
     assert refused({"model": "t", "max_completion_tokens": 0, "max_tokens": 5,
                     "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_completion_tokens"

@@ -210,8 +210,10 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         return decoder.steps(ids, n, stop or None, sampling.seed, bool(req.ignore_eos), decoders.prefill_chunk,
                              logprobs, prompt_logprobs)
     except ValueError as err:
-        code = "context_length_exceeded" if "context window" in str(err) else None
-        raise APIError(400, str(err), code=code) from None
+        if "context window" in str(err):
+            raise APIError(400, str(err), param="messages" if chat else "prompt",
+                           code="context_length_exceeded") from None
+        raise APIError(400, str(err)) from None
 
 
 def check_context(ids: list[int], n: int, req, window: int, chat: bool) -> None:

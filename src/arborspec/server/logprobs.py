@@ -18,6 +18,8 @@ echo with logprobs decoded every prefix (quadratic: 6.5 s at 8k tokens, on the s
 """
 from __future__ import annotations
 
+import os
+
 from ..engine import GenerationResult
 
 try:  # GPT-2's byte <-> printable-character table, which byte-level BPE vocabularies (Qwen, Llama 3) are written in
@@ -32,14 +34,23 @@ MAX_COMPLETION_TOP, MAX_CHAT_TOP = 5, 20  # OpenAI's limits on completions' logp
 WINDOW = 8
 
 
-def grown(tokenizer, ids: list[int], i: int, length: int, skip_special_tokens: bool = False) -> tuple[int, int]:
-    """(len(decode(ids[:i + 1])), the same without a trailing half character), given `length` =
-    len(decode(ids[:i])), decoding at most WINDOW + 1 tokens."""
+def grown(tokenizer, ids: list[int], i: int, length: int, start: int,
+          skip_special_tokens: bool = False) -> tuple[int, int]:
+    """(len(decode(ids[:i + 1])), where token i starts in that text), given `length` = len(decode(ids[:i])) and
+    `start`, where token i - 1 starts; decoding at most WINDOW + 1 tokens.
+
+    A token starts at the first character its decoding changes: where a half character it completes starts, or
+    after a U+FFFD that stays one (invalid bytes: taking every trailing U+FFFD for a half character put the next
+    token one character early). A token that changes nothing shown continues the half character token i - 1 began,
+    or has no text (a special token skipped), and then starts at the end."""
     lo = max(0, i - WINDOW)
     before = tokenizer.decode(ids[lo:i], skip_special_tokens=skip_special_tokens)
     after = tokenizer.decode(ids[lo:i + 1], skip_special_tokens=skip_special_tokens)
-    end = length + len(after) - len(before)
-    return end, end - (len(after) - len(after.rstrip("\ufffd")))
+    at = length - len(before)  # where the window's text starts
+    if after == before:
+        own = tokenizer.decode(ids[i:i + 1], skip_special_tokens=skip_special_tokens)
+        return length, start if own and after.endswith("\ufffd") else length
+    return at + len(after), at + len(os.path.commonprefix([before, after]))
 
 
 class Logprobs:
@@ -49,25 +60,34 @@ class Logprobs:
         self.tokenizer, self.chat, self.base = tokenizer, chat, base  # base: an echoed prompt's characters
         self.sent = 0  # tokens whose entries have gone out
         self.length = 0  # len(decode(the tokens sent)), special tokens skipped
-        self.offset = base  # completions' text_offset of the next token: whole characters of the text before it
+        self.start = 0  # where the last token sent starts in that text
+        self.given = False  # some entry has gone out (a response that asked for logprobs and has none gets [])
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel" and bool(_BYTE_OF)
-        # chat's entries are its content's tokens: a special token (the end of the turn) is no part of the content
-        self.skip = set(getattr(tokenizer, "all_special_ids", ())) if chat else set()
+        # chat's entries are its content's tokens: a special token (the end of the turn, Qwen's <|im_start|> and its
+        # 18 other added special tokens, which all_special_ids leaves out) is no part of the content
+        self.skip = special_ids(tokenizer) if chat else set()
 
     def take(self, result: GenerationResult, shown: str) -> dict | None:
         """The entries of the tokens not yet sent whose text lies within `shown` (the text the client has), in
         OpenAI's shape; None when there are none."""
         ids, entries = result.token_ids, []
         while self.sent < len(ids):
-            end, whole = grown(self.tokenizer, ids, self.sent, self.length, skip_special_tokens=True)
+            end, start = grown(self.tokenizer, ids, self.sent, self.length, self.start, skip_special_tokens=True)
             if end > len(shown):
                 break
             if ids[self.sent] not in self.skip:
-                entries.append((result.logprobs[self.sent], self.offset))
-            self.sent, self.length, self.offset = self.sent + 1, end, self.base + whole
-        if not entries:
-            return None
+                entries.append((result.logprobs[self.sent], self.base + start))
+            self.sent, self.length, self.start = self.sent + 1, end, start
+        return self._shape(entries) if entries else None
+
+    def empty(self) -> dict:
+        """The shape with no entries: a response that asked for logprobs and shows no token (cut by a stop string
+        at once) gets empty lists, not null, which clients read as "none were asked for"."""
+        return self._shape([])
+
+    def _shape(self, entries) -> dict:
+        self.given = self.given or bool(entries)
         return self._chat(entries) if self.chat else self._completion(entries)
 
     def prompt(self, result: GenerationResult, text: str) -> dict:
@@ -75,12 +95,29 @@ class Logprobs:
         Offsets index `text`, the echoed prompt: a token the tokenizer put in front of it (a BOS token, whose text
         `<s>` the client never sees) starts at 0 and moves no later token."""
         ids = [lp.token for lp in result.prompt_logprobs]
-        length, whole, starts = 0, 0, []  # starts[i]: the whole characters before token i
+        length, start, starts = 0, 0, []  # starts[i]: where token i starts in decode(ids)
         for i in range(len(ids)):
-            starts.append(whole)
-            length, whole = grown(self.tokenizer, ids, i, length)
-        lead = length - len(text) if self.tokenizer.decode(ids).endswith(text) else 0  # the added tokens' characters
-        return self._completion(list(zip(result.prompt_logprobs, [max(0, start - lead) for start in starts])))
+            length, start = grown(self.tokenizer, ids, i, length, start)
+            starts.append(start)
+        self.given = True
+        if self.tokenizer.decode(ids).endswith(text):
+            lead = length - len(text)  # the characters of the tokens the tokenizer put in front
+            return self._completion(list(zip(result.prompt_logprobs, [max(0, start - lead) for start in starts])))
+        return self._completion(list(zip(result.prompt_logprobs, self._mapped(ids, text) or starts)))
+
+    def _mapped(self, ids: list[int], text: str) -> list[int] | None:
+        """Where each token of a prompt that its decoding does not spell back starts in `text`, as the tokenizer's
+        offset mapping says (Qwen's normalizes "e" + U+0301 to "é": offsets on the decoding pointed at other
+        characters); tokens put in front start at 0. None where the tokenizer keeps no offsets or encodes `text`
+        to other ids (a prompt sent as token ids)."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError):
+            return None
+        own = list(enc["input_ids"])
+        if not own or ids[len(ids) - len(own):] != own:
+            return None
+        return [0] * (len(ids) - len(own)) + [start for start, _ in enc["offset_mapping"]]
 
     def _chat(self, entries) -> dict:
         return {"content": [{**self._token(lp.token, lp.logprob),
@@ -118,3 +155,11 @@ class Logprobs:
             return bytes(_BYTE_OF[ch] for ch in piece)
         return self.text(token).encode("utf-8")
 
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids `decode(skip_special_tokens=True)` leaves out: the named special tokens and every added token marked
+    special (Qwen2.5: 22 ids, where all_special_ids names 3)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    marked = {i for i, token in added.items() if getattr(token, "special", False)}
+    return set(getattr(tokenizer, "all_special_ids", ())) | marked

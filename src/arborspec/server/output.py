@@ -96,10 +96,17 @@ class Reply:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def _piece(self, text: str | None, result: GenerationResult, shown: str) -> tuple[str | None, dict | None]:
+    def _piece(self, text: str | None, result: GenerationResult, shown: str,
+               last: bool = False) -> tuple[str | None, dict | None]:
         """New completion text and the logprobs of the tokens whose text `shown` now covers (none unless asked
-        for); the first time, with an echoed prompt and its tokens' logprobs in front."""
-        logprobs = self.logprobs.take(result, shown) if self.logprobs is not None else None
+        for); the first time, with an echoed prompt and its tokens' logprobs in front. The `last` piece of a
+        response that asked for logprobs and has sent none carries the empty shape."""
+        text, logprobs = self._echoed(text, result, self.logprobs.take(result, shown) if self.logprobs else None)
+        if last and logprobs is None and self.logprobs is not None and not self.logprobs.given:
+            logprobs = self.logprobs.empty()
+        return text, logprobs
+
+    def _echoed(self, text: str | None, result: GenerationResult, logprobs: dict | None):
         if self.echo is None or self.echoed:
             return text, logprobs
         self.echoed = True
@@ -114,7 +121,7 @@ class Reply:
     def body(self, result: GenerationResult) -> dict:
         """The whole non-streaming response."""
         text = visible_text(result.text, self.stop, done=True)
-        out, logprobs = self._piece(text, result, text)
+        out, logprobs = self._piece(text, result, text, last=True)
         choice = self._choice(out, finish_reason(result, text), False, logprobs)
         return {**self._head(False), "choices": [choice], **self._tail(result)}
 
@@ -133,7 +140,7 @@ class Reply:
     def last_events(self, result: GenerationResult, shown: str) -> list[str]:
         """The final chunk (finish reason) and the usage with the speculative statistics: on that chunk, or with
         `include_usage` in a chunk of their own with empty `choices`."""
-        out, logprobs = self._piece(None, result, shown)  # e.g. an EOS token's logprob, or an echo not yet sent
+        out, logprobs = self._piece(None, result, shown, last=True)  # an EOS token's logprob, an echo not yet sent
         choice = self._choice(out, finish_reason(result, shown), True, logprobs)
         finish = {**self._head(True), "choices": [choice]}
         if not self.include_usage:

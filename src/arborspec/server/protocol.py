@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..core.sampling import SEED_RANGE, TEMPERATURE_RULE, valid_temperature
 from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
@@ -102,6 +102,17 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None  # None only for an assistant's turn (OpenAI: one with tool calls)
     tool_calls: list | None = None  # refused unless empty: this server has no tools, and dropping them would
     function_call: dict | None = None  # show the model a turn other than the one the client sent
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """An image or audio part was refused as "Input should be a valid string", which names neither."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this server reads text parts "
+                                 "only")
+        return content
 
     @model_validator(mode="after")
     def _content_given(self):
