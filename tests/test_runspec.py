@@ -50,6 +50,13 @@ def test_a_name_carries_options_budget_and_levers():
     ("static(depth=0)", "depth must be an integer >= 1"), ("chain(k=5,k=6)", "k is given twice"),
     ("chain@0", "N >= 1"), ("static@0", "N >= 1"),
     ("dyspec(budget=-2)", "budget must be an integer >= 1"), ("chain(k=2.5)", "k takes an integer, got '2.5'"),
+    # each of these ran with one of the two settings silently dropped
+    ("static(depth=3,branch=2)@16", "does not combine with branch, depth"),
+    ("static(draw=iid)@16", "does not combine with draw"), ("chain(k=3)@8", "does not combine with k"),
+    ("static(verifier=greedy,verifier=naive)", "verifier is given twice"),
+    ("static+int8+int4", "+int8 and +int4 set the same thing"), ("chain+ngram3+ngram5", "set the same thing"),
+    ("chain+suffix4+suffix8", "set the same thing"), ("static(widths=3,,3)", "comma-separated list of integers"),
+    ("static(widths=3,3,)", "comma-separated list of integers"),
 ])
 def test_bad_names_say_what_is_wrong(name, words):
     with pytest.raises(ValueError) as err:
@@ -71,6 +78,9 @@ def test_budgets_map_to_each_policys_size_option():
     assert runspec.options_for(runspec.parse("chain"), 8) == ({"k": 8}, None)
     assert runspec.options_for(runspec.parse("dyspec"), 32) == ({"budget": 32}, None)
     assert runspec.options_for(runspec.parse("beam"), 16) == ({"beams": 4, "steps": 4}, None)
+    assert runspec.options_for(runspec.parse("beam@3"))[0] == {"beams": 3, "steps": 1}  # 4 nodes were drafted
+    fixed, warning = runspec.options_for(runspec.parse("static(depth=3,branch=2)"), 16)  # a bench --budgets sweep
+    assert fixed == {"depth": 3, "branch": 2} and "sets branch, depth itself; budget 16 not applied" in warning
     assert runspec.options_for(runspec.parse("ar"), 32) == ({}, None)
     assert runspec.options_for(runspec.parse("auto"), 16) == ({}, None)  # auto sizes its trees itself
     assert runspec.options_for(runspec.parse("static"), None) == ({}, None)

@@ -113,7 +113,14 @@ def tree_budget(budget: int) -> dict:
 
 
 def beam_shape(budget: int) -> dict:
-    return {"beams": 4, "steps": max(1, budget // 4)}
+    """4 beams (fewer under a budget of 4: beam@1 drafted 4 nodes), as many steps as the budget holds."""
+    beams = min(4, budget)
+    return {"beams": beams, "steps": max(1, budget // beams)}
+
+
+# Options a budget decides besides the ones its size function returns: a static tree sized by @N is a widths tree,
+# which replaces a k-ary tree's depth and branch (and its draw rule); they were dropped without a word.
+SIZED_TOO = {static_widths: {"depth", "branch", "draw"}}
 
 
 # Names that are not simply a policy sized by its `budget` option. Any other registered policy is its own name, sized
@@ -167,7 +174,12 @@ def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool =
                 raise ValueError("a tree budget @N needs N >= 1 node")
             spec = replace(spec, budget=int(m["budget"]))
         levers = [lever for lever in m["levers"].split("+") if lever]
+        kinds: dict[str, str] = {}
         for lever in levers:
+            kind = "quantization" if lever in QUANT_LEVERS else re.match(r"[a-z]*", lever)[0]
+            if kind in kinds:  # the last one won: static+int8+int4 ran int4
+                raise ValueError(f"+{kinds[kind]} and +{lever} set the same thing; give one")
+            kinds[kind] = lever
             spec = _with_lever(spec, lever)
     except ValueError as err:
         raise ValueError(f"method {name!r}: {err}") from None
@@ -219,12 +231,13 @@ def _with_options(spec: RunSpec, text: str) -> RunSpec:
     if spec.policy is None:
         raise ValueError("baselines (transformers', llama.cpp's) take no (option=value) list")
     known = {f.name: f for f in fields(POLICIES[spec.policy].Options)}
-    options = list(spec.options)
+    options, seen = list(spec.options), set()
     for item in filter(None, (x.strip() for x in re.split(r",(?=\s*[a-z_-]+\s*=)", text))):  # values may hold commas
         key, sep, value = item.partition("=")
         key, value = key.strip().replace("-", "_"), value.strip()
-        if any(key == given for given, _ in options[len(spec.options):]):
+        if any(key == given for given, _ in options[len(spec.options):]) or (key == "verifier" and key in seen):
             raise ValueError(f"{key} is given twice in {text!r}")
+        seen.add(key)
         if sep and key == "verifier":
             spec = replace(spec, verifier=check_verifier(value))
         elif sep and key in known:
@@ -309,6 +322,12 @@ def options_for(spec: RunSpec, budget: int | None = None) -> tuple[dict, str | N
     if unknown:
         return fixed, (f"method {spec.name!r}: policy {spec.policy!r} takes no option {', '.join(unknown)}; "
                        "budget not applied")
+    clash = sorted((set(sized) | SIZED_TOO.get(spec.size, set())) & set(fixed))
+    if clash and spec.budget is not None:  # the name gives both: one of them was dropped without a word
+        raise ValueError(f"@{budget} sizes the tree by {', '.join(sorted(sized))}, so it does not combine with "
+                         f"{', '.join(clash)}; give one or the other")
+    if clash:
+        return fixed, f"method {spec.name!r} sets {', '.join(clash)} itself; budget {budget} not applied"
     return sized | fixed, None
 
 

@@ -88,6 +88,8 @@ def test_acceptance_file(tmp_path):
             POLICIES["sequoia"](acceptance_file=str(path))
     with pytest.raises(ValueError):
         POLICIES["sequoia"](acceptance="0.5,x")
+    with pytest.raises(ValueError, match="every acceptance rate is 0"):  # it drafted a budget-deep chain a step
+        POLICIES["sequoia"](acceptance="0,0,0")
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

@@ -72,7 +72,7 @@ def opt(default, help: str):
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+        values = tuple(int(x) for x in str(text).split(","))  # an empty item ("3,,3") is refused, not skipped
     except ValueError:
         raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
     if not values or min(values) < 1:

@@ -52,6 +52,9 @@ def check_acceptance(values) -> tuple[float, ...]:
         raise ValueError(f"acceptance rates must be a non-empty list of numbers in [0, 1], got {list(values)}")
     if sum(values) > 1 + 1e-6:
         raise ValueError(f"acceptance rates of the ranked children must sum to at most 1, got {sum(values):.4f}")
+    if not any(values):  # every tree is then worth one token, and the DP's ties drew a budget-deep chain a step
+        raise ValueError("every acceptance rate is 0: no drafted token would ever be accepted, so Sequoia has no "
+                         "tree to choose; decode with `ar`, or calibrate with a draft that agrees with the target")
     return values
 
 
