@@ -174,6 +174,10 @@ def test_context_window_is_respected():
         (dict(method="static", seed="1"), "seed"),
         (dict(method="static", max_new_tokens=8), "argument of generate"),
         (dict(method="static", do_sample=True), "do_sample"),
+        (dict(method="chain", repetition_penalty=1.2), "repetition_penalty is not supported: arborspec samples with"),
+        (dict(method="chain", max_length=20), "max_length is not supported: give generate"),
+        (dict(method="static", temperature=True), "temperature must be"),  # read as 1.0
+        (dict(method="static", temperature=0.7, top_p="0.9"), "top_p must be"),  # a TypeError naming nothing
         (dict(method="static", draft_temperature=-2.0), "draft_temperature must be"),  # at T = 0 as well
         (dict(method="static", temperature=0.5, seed=2**70), "seed must be an integer in"),
         # a tree past MAX_TREE_NODES (1024): these ran until memory ran out, on a server at one client's request

@@ -29,3 +29,13 @@ def test_any_nan_or_inf_is_refused(bad, base):
         spoiled[where] = bad
         with pytest.raises(FloatingPointError, match="draft model produced non-finite logits"):
             check_finite(spoiled, "draft")
+
+
+def test_numpy_numbers_are_numbers_and_bools_are_not():
+    import numpy as np
+
+    from arborspec.core.sampling import SamplingConfig
+    assert SamplingConfig(np.float32(0.7), top_p=np.float64(0.9)).temperature == pytest.approx(0.7)
+    for bad in (dict(temperature=True), dict(temperature=1.0, top_p=True), dict(temperature=1.0, top_p="0.9")):
+        with pytest.raises(ValueError, match="temperature|top_p"):
+            SamplingConfig(**bad)

@@ -7,6 +7,7 @@ degenerates to greedy verification.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,13 @@ TEMPERATURE_RULE = f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}"  # wh
 
 def valid_temperature(t) -> bool:
     """The one temperature rule: the target's, the draft's, a server flag's and a request's field."""
-    return isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)
+    return is_real(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)
+
+
+def is_real(x) -> bool:
+    """A real number, numpy's included, and not a bool (True read as temperature 1.0, while top_k=True was refused;
+    numpy's float32 was refused as a temperature and taken as a top_p)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -49,7 +56,7 @@ class SamplingConfig:
         if not is_whole(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
         check_seed(self.seed)
-        if not 0 < self.top_p <= 1:
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property

@@ -18,6 +18,15 @@ from ..drafting.grafts import FreeBranches
 SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "seed")  # SpeculativeDecoder's keywords for `sampling`'s fields
 # keywords a transformers user may hand SpeculativeDecoder(...) that belong to each generate() call instead
 CALL_KEYWORDS = ("max_new_tokens", "stop", "ignore_eos", "logprobs", "prompt_logprobs")
+# transformers' generation keywords arborspec has no counterpart for, with what to use instead: they were refused as
+# "method 'chain' takes no option 'repetition_penalty'", which reads as if another method took them
+NOT_SUPPORTED = dict.fromkeys(("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
+                               "min_p", "typical_p", "logit_bias", "bad_words_ids", "num_beams", "length_penalty",
+                               "num_return_sequences", "generation_config"),
+                              "arborspec samples with temperature, top_k, top_p and seed only")
+NOT_SUPPORTED |= {"max_length": "give generate() max_new_tokens", "eos_token_id": "generate() stops at the "
+                  "tokenizer's EOS token (ignore_eos=True: never) or at its stop strings (stop=[...])",
+                  "pad_token_id": "prompts are not padded (generate_batch takes prompts of any lengths)"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,9 @@ class DecoderConfig:
         misplaced = [k for k in CALL_KEYWORDS if k in options]
         if misplaced:
             raise ValueError(f"{misplaced[0]} is an argument of generate() / stream(), not of SpeculativeDecoder(...)")
+        unsupported = [k for k in NOT_SUPPORTED if k in options]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported: {NOT_SUPPORTED[unsupported[0]]}")
         if "do_sample" in options:
             raise ValueError("do_sample: arborspec samples when temperature > 0; temperature 0 (the default) is greedy")
         if warp:
