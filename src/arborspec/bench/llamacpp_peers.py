@@ -24,7 +24,6 @@ import subprocess
 import time
 
 LOOKAHEAD_ENV = "ARBORSPEC_LLAMA_LOOKAHEAD"  # path of llama.cpp's llama-lookahead program (llamacpp-lookahead)
-LOOKUP_TOKENS = 10  # drafted tokens per step for llamacpp-lookup (llama-cpp-python's documented example)
 
 _LOADED: dict[tuple, object] = {}  # (path, lookup, threads, n_ctx) -> Llama; loading takes seconds, runs reuse it
 

@@ -117,7 +117,3 @@ EXACT_VERIFIER = {  # the verifier derived for each drawing rule at T > 0 (core/
 }
 
 
-def option_fields(policy_cls: type[Policy]) -> list[dataclasses.Field]:
-    return list(dataclasses.fields(policy_cls.Options))
-
-

@@ -52,10 +52,6 @@ class ArborspecOptions(BaseModel):
     allow_lossy: bool = False  # consent to a verifier that does not preserve the target distribution
     return_token_ids: bool = False  # put the generated token ids in the response's `arborspec` field
 
-    @property
-    def overrides(self) -> bool:
-        return self.method is not None or self.verifier is not None or self.budget is not None
-
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
