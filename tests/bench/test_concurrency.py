@@ -54,3 +54,11 @@ def test_different_tokens_at_another_concurrency_are_flagged():
 def test_bad_concurrency_flags_are_one_line_errors(flags, message, capsys):
     assert main(["bench", "--target", "nowhere", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_percentiles_are_nearest_rank():
+    """int(q * n) read one rank high: the p50 of [1, 2] was 2, the p90 of 1..10 its maximum."""
+    from arborspec.bench.concurrency import percentile
+    assert percentile([1, 2], 0.5) == 1 and percentile([1, 2, 3, 4], 0.5) == 2
+    assert percentile(list(range(1, 11)), 0.9) == 9 and percentile([7.0], 0.9) == 7.0
+    assert percentile(list(range(1, 11)), 0.95) == 10

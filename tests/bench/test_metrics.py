@@ -56,7 +56,7 @@ def test_perplexity_matches_a_direct_computation():
 
 
 def test_perplexity_under_a_model_equals_per_position_likelihoods():
-    from arborspec.bench.runner import target_perplexity
+    from arborspec.bench.perplexity import target_perplexity
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")
@@ -121,3 +121,10 @@ def test_by_source_pools_runs_per_step_by_hand():
     assert out["suffix"] == pytest.approx(dict(proposed=2.5, accepted=1.0, rate=0.4, share=0.5, also=0.75))
     assert metrics.by_source([], steps=0) == {}
     assert metrics.by_source([{"ngram": {"proposed": 3, "accepted": 0, "also_accepted": 0}}], 3)["ngram"]["share"] is None
+
+
+def test_pooled_perplexity_weights_each_run_by_its_tokens():
+    """exp of the mean NLL over every token: the mean of per-run perplexities weighted a short answer as a long one."""
+    runs = [(2.0, 1), (4.0, 3), (None, 5), (3.0, 0)]
+    assert metrics.pooled_perplexity(runs) == pytest.approx(math.exp((math.log(2) + 3 * math.log(4)) / 4))
+    assert metrics.pooled_perplexity([(None, 3)]) is None

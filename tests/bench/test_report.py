@@ -55,3 +55,14 @@ def test_the_time_table_splits_a_step_into_draft_verify_and_the_rest():
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines() if line.startswith("| humaneval")]
     # prefill 0.6 s over 2 runs; 4 steps: draft 0.4 s, verify 1.0 s, rest 2.5 - 0.6 - 0.4 - 1.0 = 0.5 s (of 1.9 s)
     assert rows == [["humaneval", "0", "auto", "300.0", "100.00", "250.00", "125.00", "21", "53", "26"]]
+
+
+def test_check_equal_fails_when_nothing_was_compared():
+    """An ar-only record printed "0 identical, 0 failing" and exited 0; the docs promise exit 1 when the check
+    cannot be made."""
+    from arborspec.bench.report import check_equal
+    only_ar = dict(runs=[dict(run("ar", "humaneval", {}, [0, 0]), token_ids=[1, 2])])
+    ok, lines = check_equal(only_ar)
+    assert not ok and "nothing to compare" in lines[-1]
+    both = dict(runs=only_ar["runs"] + [dict(run("chain", "humaneval", {}, [1]), token_ids=[1, 2])])
+    assert check_equal(both)[0]

@@ -176,3 +176,69 @@ def test_the_bench_passes_the_draft_temperature(loaded_pair, monkeypatch):
     cfg = runner._configs(BenchSettings(target="t", draft="d", methods=["chain"], temperatures=[1.0],
                                         draft_quant="none"), [])[0]
     assert bench.decoder(cfg).draft_sampling.temperature == 0.3 and seen == [0.3]
+
+
+def test_resume_after_a_method_failed_its_warm_up_keeps_the_finished_prompts(loaded_pair, tmp_path, monkeypatch):
+    """The skipped method stayed among the configurations every finished prompt needed, so nothing counted as
+    finished and the first prompt ran again; and each resume listed the skip once more."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(2)))
+    real = runner.Bench.generate
+
+    def no_dyspec(self, cfg, ids, max_new_tokens, seed):
+        if cfg.method == "dyspec":
+            raise RuntimeError("dyspec cannot warm up")
+        return real(self, cfg, ids, max_new_tokens, seed)
+
+    monkeypatch.setattr(runner.Bench, "generate", no_dyspec)
+    settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts), threads=1,
+                    methods=["ar", "chain", "dyspec"], max_new_tokens=5, progress=False, ignore_eos=True,
+                    draft_quant="none", out=str(tmp_path / "out"))
+    first = records.read(run_bench(BenchSettings(prompts=1, **settings), models=loaded_pair))
+    grown = records.read(run_bench(BenchSettings(prompts=2, resume=True, **settings), models=loaded_pair))
+    assert grown["resumed"][0]["prompts_done"] == 1 and [s["label"] for s in grown["skipped"]] == ["dyspec"]
+    kept = [r for r in grown["runs"] if r["prompt_key"] == "p/0"]
+    assert [(r["label"], r["wall"]) for r in kept] == [(r["label"], r["wall"]) for r in first["runs"]]  # not rerun
+
+
+def test_resume_refuses_a_prompt_whose_text_changed(loaded_pair, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "def f(x):"}\n{"id": "b", "prompt": "def g(x):"}\n')
+    settings = dict(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts), threads=1,
+                    methods=["ar"], max_new_tokens=4, progress=False, draft_quant="none", out=str(tmp_path / "o"))
+    run_bench(BenchSettings(prompts=1, **settings), models=loaded_pair)
+    prompts.write_text('{"id": "a", "prompt": "class A:"}\n{"id": "b", "prompt": "def g(x):"}\n')
+    with pytest.raises(ValueError, match="other prompts"):  # its runs on the old text were kept under the new one
+        run_bench(BenchSettings(prompts=2, resume=True, **settings), models=loaded_pair)
+
+
+def test_a_prompt_file_takes_its_turn_with_the_datasets_so_a_larger_run_extends_a_smaller(monkeypatch):
+    from arborspec.bench.datasets import Prompt
+    monkeypatch.setattr(runner, "load_prompts", lambda name, n, *a, **k: [Prompt(name, str(i), "x") for i in range(n)])
+    monkeypatch.setattr(runner, "load_prompt_file", lambda path, tok, n, m: [Prompt("file", str(i), "y")
+                                                                              for i in range(n)])
+
+    def keys(n, warnings):
+        settings = BenchSettings(target="t", draft="d", datasets=["humaneval"], prompt_file="p.jsonl", prompts=n)
+        return [f"{p.dataset}/{p.id}" for p in runner._prompts(settings, None, warnings)]
+    assert keys(2, []) == ["humaneval/0", "file/0", "humaneval/1", "file/1"]
+    assert keys(2, []) == keys(3, [])[:4]
+    warnings = []
+    monkeypatch.setattr(runner, "load_prompts", lambda *a, **k: [])  # e.g. --text-tokens past every text
+    assert keys(2, warnings) == ["file/0", "file/1"] and "humaneval gave 0 of the 2 prompts" in warnings[0]
+
+
+def test_transformers_baselines_on_a_gguf_target_are_skipped_saying_why(tmp_path):
+    """Skipped with "'LlamaCppModel' object has no attribute 'generate'": the default --methods include hf-assisted,
+    and --backend auto puts the default pair on llama.cpp or native."""
+    from arborspec.loading import load_model
+    from tests.backends.tiny_gguf import write_tiny_gguf
+    loaded = load_model(str(write_tiny_gguf(tmp_path / "t.gguf")), backend="llamacpp", progress=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ab"}\n')
+    settings = BenchSettings(target="t", draft="d", datasets=[], prompt_file=str(prompts), methods=["ar", "hf-ar"],
+                             max_new_tokens=3, progress=False, out=str(tmp_path / "out"), draft_quant="none")
+    results = records.read(run_bench(settings, models=(loaded, None)))
+    assert [s["label"] for s in results["skipped"]] == ["hf-ar"]
+    assert "needs the target on --backend torch; it runs on llamacpp here" in results["skipped"][0]["reason"]
+    assert all(r["perplexity"] is not None for r in results["runs"])  # read through the session

@@ -14,6 +14,7 @@ table with the speed-up over the lowest concurrency and over `ar` at the same co
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -68,7 +69,7 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
     pair = models if models is not None else load_models(settings, configs)
     target, draft = pair
     bench = Bench(settings, target, draft)
-    prompts = _prompts(settings, bench.tokenizer)
+    prompts = _prompts(settings, bench.tokenizer, warnings)
     ids = [prompt_ids(bench.tokenizer, p) for p in prompts]
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,8 +127,9 @@ def run_level(bench: Bench, cfg: Config, ids: list[list[int]], seeds: list[int],
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    """The value at quantile q of an ascending list (nearest rank)."""
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+    """The value at quantile q of an ascending list, by nearest rank: the smallest value with at least q of the list
+    at or below it (int(q * n) read one rank high: the p50 of [1, 2] was 2, the p90 of ten values their maximum)."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 def mark_same_tokens(levels: list[dict]) -> None:

@@ -27,8 +27,12 @@ def throughput_plot(results: dict, path: Path) -> str | None:
         ax.set_title(f"{dataset}, T={temp:g}: tokens/s (median, IQR)")
         ax.set_ylabel("tokens/s")
         ax = axes[2 * i + 1]
-        sp = [rows[l]["speedup"].get("ar") for l in labels]
-        ax.bar(labels, [s or 0 for s in sp], color="tab:green", hatch=hatch)
+        shown = [(l, rows[l]["speedup"].get("ar"), h) for l, h in zip(labels, hatch)
+                 if rows[l]["speedup"].get("ar") is not None]  # a label without one was drawn as a 0x bar
+        if shown:
+            ax.bar([l for l, _, _ in shown], [s for _, s, _ in shown], color="tab:green", hatch=[h for *_, h in shown])
+        else:
+            ax.text(0.5, 0.5, "no `ar` run to compare with", ha="center", va="center", transform=ax.transAxes)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_title(f"{dataset}, T={temp:g}: speed-up over ar (hatched: lossy)")
         ax.set_ylabel("x ar")

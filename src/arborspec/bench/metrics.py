@@ -90,6 +90,15 @@ def mean(values: Iterable[float | None]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def pooled_perplexity(runs: Iterable[tuple[float | None, int | None]]) -> float | None:
+    """The perplexity of several runs' outputs taken together, from (perplexity, tokens) per run: exp of the mean NLL
+    over all their tokens, as the perplexity of one run is (a mean of the runs' perplexities weighted a 5-token
+    answer as a 500-token one)."""
+    pairs = [(float(p), int(n)) for p, n in runs if p is not None and n and not math.isnan(p)]
+    total = sum(n for _, n in pairs)
+    return math.exp(sum(n * math.log(p) for p, n in pairs) / total) if total else None
+
+
 def throughput(tokens: int, seconds: float) -> float | None:
     """Tokens per second, None when no time was measured."""
     return tokens / seconds if seconds and seconds > 0 else None

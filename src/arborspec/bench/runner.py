@@ -45,18 +45,28 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from ..backends import brings_sessions
 from ..backends.model_info import context_window, eos_ids
 from ..core.host import this_cpu
 from ..core.options import parse_int_list
-from ..core.sampling import SamplingConfig
+from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
 from ..loading.aliases import ALIASES, alias_gguf
-from ..loading.pair import DEFAULT_BACKEND, DEFAULT_DRAFT_QUANT, llama_options, load_pair, prepare_draft, resolve_draft
+from ..loading.pair import (
+    DEFAULT_BACKEND,
+    DEFAULT_DRAFT_QUANT,
+    backend_of,
+    llama_options,
+    load_pair,
+    prepare_draft,
+    resolve_draft,
+)
 from ..runspec import RunSpec, build_decoder, options_for, parse, split_methods
 from . import metrics, records
 from .args import DEFAULT_METHODS
 from .datasets import Prompt, check_dataset, load_prompt_file, load_prompts, prompt_ids
 from .llamacpp_peers import llamacpp_generate, llamacpp_info, lookahead_generate
 from .methods import hf_generate
+from .perplexity import target_perplexity
 from .report import write_report
 
 SCHEMA = 2  # 2: the prompt's forward is no step in the per-step lists (records.upgraded reads a 1)
@@ -155,16 +165,6 @@ def environment(settings: BenchSettings, backends: tuple = ()) -> dict:
                 backend=target_backend, draft_backend=backends[1] if len(backends) > 1 else None)
 
 
-def target_perplexity(model, prompt: list[int], new: list[int]) -> float | None:
-    """Perplexity of the generated tokens given prompt + previous ones, from one target forward (no cache)."""
-    if not new:
-        return None
-    ids = torch.tensor([prompt + new])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(new)]
-    return metrics.perplexity(logits, new)
-
-
 # ------------------------------------------------------------------------------------------------- one run
 class Bench:
     def __init__(self, settings: BenchSettings, target, draft):
@@ -211,6 +211,9 @@ class Bench:
     def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Generate once; return the measured fields (no perplexity, no memory)."""
         if cfg.spec.hf is not None:
+            if brings_sessions(self.target.model):  # it failed as "'LlamaCppModel' object has no attribute 'generate'"
+                raise ValueError(f"{cfg.method} runs transformers' own generate, which needs the target on "
+                                 f"--backend torch; it runs on {backend_of(self.target.model)} here")
             draft = self.draft_for(cfg.spec)
             out = hf_generate(cfg.spec, self.target.model, draft.model if draft else None, ids,
                               max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
@@ -330,6 +333,8 @@ def check_settings(settings: BenchSettings) -> None:
         check_dataset(name)
     for t in settings.temperatures:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
+    if settings.draft_temperature is not None and not valid_temperature(settings.draft_temperature):
+        raise ValueError(f"--draft-temperature must be {TEMPERATURE_RULE}, got {settings.draft_temperature}")
 
 
 def _fitting(prompts: list[Prompt], bench, settings: BenchSettings,
@@ -350,13 +355,19 @@ def _fitting(prompts: list[Prompt], bench, settings: BenchSettings,
     return [p for p, _ in kept], [ids for _, ids in kept]
 
 
-def _prompts(settings: BenchSettings, tokenizer) -> list[Prompt]:
-    per_dataset = [load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
-                                progress=settings.progress) for name in settings.datasets]
+def _prompts(settings: BenchSettings, tokenizer, warnings: list[str]) -> list[Prompt]:
+    groups = {name: load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
+                                 progress=settings.progress) for name in settings.datasets}
+    if settings.prompt_file:  # one more group: after the datasets, a larger --prompts could not extend a --resume
+        groups[settings.prompt_file] = load_prompt_file(settings.prompt_file, tokenizer, settings.prompts,
+                                                        settings.max_prompt_tokens)
+    for name, group in groups.items():
+        if len(group) < settings.prompts:  # --text-tokens 0 gave no sharegpt-text prompt, and not a word
+            warnings.append(f"{name} gave {len(group)} of the {settings.prompts} prompts asked for (the rest are "
+                            f"longer than --max-prompt-tokens {settings.max_prompt_tokens}, or the set is smaller)")
+            print(f"[arborspec] {warnings[-1]}", file=sys.stderr)
     # datasets in turn, so a run cut short (or the first prompts of a --resume'd one) covers every dataset
-    prompts = [p for group in zip_longest(*per_dataset) for p in group if p is not None]
-    if settings.prompt_file:
-        prompts += load_prompt_file(settings.prompt_file, tokenizer, settings.prompts, settings.max_prompt_tokens)
+    prompts = [p for group in zip_longest(*groups.values()) for p in group if p is not None]
     if not prompts:
         raise ValueError("no prompts to run (empty dataset, or every prompt longer than --max-prompt-tokens)")
     return prompts
@@ -388,7 +399,7 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
     if need_draft and draft is None:
         raise ValueError("a method needs a draft model")
     bench = Bench(settings, target, draft)
-    prompts, ids_of = _fitting(_prompts(settings, bench.tokenizer), bench, settings, warnings)
+    prompts, ids_of = _fitting(_prompts(settings, bench.tokenizer, warnings), bench, settings, warnings)
     env = environment(settings, getattr(pair, "backends", ()))
     results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED},
@@ -400,9 +411,7 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
                    runs=[])
     path = out_dir / "results.json"
     first = 0  # index of the first prompt still to run
-    if settings.resume and records.find(path):
-        results, first = _resumed(path, results, configs)
-        print(f"[arborspec] resuming {path}: {first} of {len(prompts)} prompts already done", file=sys.stderr)
+    old = _resumable(path, results) if settings.resume and records.find(path) else None  # before the warm-ups
 
     if settings.warmup:  # one short generation per configuration, not timed, not recorded
         shortest = min(ids_of, key=len)  # (a long first prompt made every method fail its warm-up)
@@ -415,8 +424,13 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
                                                temperature=cfg.temperature, reason=f"{type(err).__name__}: {err}"))
                 print(f"[arborspec] skipping {cfg.label} at T={cfg.temperature}: {err}", file=sys.stderr)
     if not configs:
+        if old is not None:
+            raise ValueError(f"every method failed its warm-up (the reasons above); {path} is left as it was")
         path = records.write(path, results)
         raise ValueError("every method failed its warm-up; see skipped in " + str(path))
+    if old is not None:
+        results, first = _carry_on(old, results, configs)
+        print(f"[arborspec] resuming {path}: {first} of {len(prompts)} prompts already done", file=sys.stderr)
 
     bar = tqdm(total=len(prompts) * len(configs), initial=first * len(configs), desc="bench", unit="run",
                file=sys.stderr, disable=not settings.progress)
@@ -435,13 +449,11 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
     return path
 
 
-def _resumed(path: Path, fresh: dict, configs: list[Config]) -> tuple[dict, int]:
-    """The interrupted (or smaller) run at `path`, cut back to the prompts every configuration finished, and how many
-    those are.
-
-    A run is carried on when nothing but --prompts differs and its prompts are the first of the new list (datasets
-    take turns, so a larger --prompts only appends). Anything else is refused (ValueError): mixing two different
-    benchmarks in one table would be a silent wrong answer."""
+def _resumable(path: Path, fresh: dict) -> dict:
+    """The interrupted (or smaller) run at `path`, if this run may carry it on: nothing but --prompts differs, and
+    its prompts, text included, are the first of the new list (datasets take turns, so a larger --prompts only
+    appends). Anything else is refused (ValueError): mixing two different benchmarks in one table would be a silent
+    wrong answer (an edited prompt file kept the runs made on the old text under the new one)."""
     try:
         old = records.read(path)
     except (OSError, ValueError) as err:
@@ -452,25 +464,32 @@ def _resumed(path: Path, fresh: dict, configs: list[Config]) -> tuple[dict, int]
     if differ:
         raise ValueError(f"--resume: {path} was run with other settings ({', '.join(differ)}); "
                          "resume with the same command, or use another --out")
-    keys = [p["key"] for p in fresh["prompts"]]
-    old_keys = [p.get("key") for p in old.get("prompts", [])]
-    if old_keys != keys[:len(old_keys)]:
-        raise ValueError(f"--resume: {path} was run on other prompts (a dataset changed, or fewer --prompts); "
-                         "use another --out")
-    if old.get("finished") and len(old_keys) == len(keys):
+    new = [(p["key"], p["text"]) for p in fresh["prompts"]]
+    old_prompts = [(p.get("key"), p.get("text")) for p in old.get("prompts", [])]
+    if old_prompts != new[:len(old_prompts)]:
+        raise ValueError(f"--resume: {path} was run on other prompts (a dataset or prompt file changed, or fewer "
+                         "--prompts); use another --out")
+    if old.get("finished") and len(old_prompts) == len(new):
         raise ValueError(f"--resume: {path} is a finished run; raise --prompts to extend it, or use another --out")
+    return old
+
+
+def _carry_on(old: dict, fresh: dict, configs: list[Config]) -> tuple[dict, int]:
+    """`old` (from `_resumable`), cut back to the prompts every configuration that passed this run's warm-ups
+    finished, and how many those are. The warm-ups decide the skipped methods anew (a method skipped before kept
+    every prompt from counting as finished, and was listed once more per resume)."""
     wanted = {(c.label, c.temperature) for c in configs}
-    done = 0
+    keys, done = [p["key"] for p in fresh["prompts"]], 0
     for key in keys:  # prompts run in order, so the finished ones are a prefix
         have = {(r["label"], r["temperature"]) for r in old["runs"] if r["prompt_key"] == key}
         if not wanted <= have:
             break
         done += 1
     kept = set(keys[:done])
-    old["runs"] = [r for r in old["runs"] if r["prompt_key"] in kept]
+    old["runs"] = [r for r in old["runs"] if r["prompt_key"] in kept and (r["label"], r["temperature"]) in wanted]
     old.setdefault("resumed", []).append(dict(at=time.strftime("%Y-%m-%d %H:%M:%S"), prompts_done=done,
                                               env=fresh["env"]))
-    for field_ in ("settings", "prompts", "command"):  # the command that reproduces the whole run
+    for field_ in ("settings", "prompts", "command", "skipped"):  # the command that reproduces the whole run
         old[field_] = fresh[field_]
     old["finished"] = None
     old["warnings"] = sorted(set(old.get("warnings", [])) | set(fresh["warnings"]))
@@ -508,6 +527,9 @@ def settings_from_args(args) -> BenchSettings:
         raise ValueError("--prompts and --max-new-tokens must be at least 1")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    for flag, value in (("--text-tokens", args.text_tokens), ("--max-prompt-tokens", args.max_prompt_tokens)):
+        if value < 1:  # --text-tokens -5 cut 5 tokens off each text's end
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.dataset is None:  # --prompt-file alone runs only the file
         datasets = [] if args.prompt_file else ["humaneval"]
     else:

@@ -58,7 +58,7 @@ def summarize(runs: list[dict], baselines: dict[str, list[dict]]) -> dict:
         **acceptance_profile(has_drafts),
         tps=tps, speedup={b: metrics.speedup(ok, base) if base else None for b, base in baselines.items()},
         ttft=metrics.mean(r.get("ttft") for r in ok), tpot=metrics.mean(r.get("tpot") for r in ok),
-        perplexity=metrics.mean(r.get("perplexity") for r in ok),
+        perplexity=metrics.pooled_perplexity((r.get("perplexity"), r.get("new_tokens")) for r in ok),
         peak_rss=max((r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None), default=None),
         rss_delta=metrics.mean(r.get("rss_delta_mb") for r in ok),
         new_tokens=metrics.mean(r.get("new_tokens") for r in ok),
