@@ -180,6 +180,9 @@ def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dir
     code, out, _ = run_cli(capsys, *base, "--method", "dynatree(adapt=false)@6+noquant+ngram2", "--compare-ar")
     data = json.loads(out)
     assert code == 0 and data["stats"]["method"] == "dynatree" and data["baseline_ar"]["identical"]
+    one = [*base[:-4], "--max-new-tokens", "1", "--json", "--compare-ar", "--method", "chain"]
+    code, out, _ = run_cli(capsys, *one)  # one token: no rate to compare; it printed "speedup": NaN, not JSON
+    assert code == 0 and json.loads(out, parse_constant=lambda c: pytest.fail(c))["baseline_ar"]["speedup"] is None
 
 
 @pytest.mark.parametrize("method,extra,message", [

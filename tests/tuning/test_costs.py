@@ -17,3 +17,15 @@ def test_a_broken_model_is_named_by_what_was_profiled_not_called_the_target():
                     lambda: agreement.next_token_logits(draft, [3, 4, 5])):
         with pytest.raises(FloatingPointError, match="the profiled broken-draft.gguf model produced non-finite"):
             measure()
+
+
+def test_a_cache_that_cannot_be_written_costs_a_note_not_the_run(tmp_path, monkeypatch, capsys):
+    """A read-only cache failed the default generate after its measurements, on the cost profile's record."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(blocker / "cache"))  # no directory can be made under a file
+    model = tiny_model("llama")
+    curve, source = costs.profile_model(model, sizes=(1, 2), measure=lambda m, sizes, **kw: [0.01, 0.012])
+    assert source == "measured" and curve(2) == pytest.approx(0.012)
+    costs.profile_model(model, sizes=(1, 2), measure=lambda m, sizes, **kw: [0.01, 0.012])
+    assert capsys.readouterr().err.count("cannot write to the cache") == 1  # said once

@@ -61,11 +61,15 @@ def test_a_new_copy_replaces_the_stale_ones_of_its_variant(files, tmp_path):
         path.write_bytes(files["draft"].read_bytes())
     old_q4, old_nl, other = (gguf_requant.requantized(path, kind, progress=False)
                              for path, kind in ((draft, "q4_0"), (draft, "iq4_nl"), (lookalike, "q4_0")))
-    assert other.name.startswith(old_q4.name[:len("draft-q4_0-")])
     os.utime(draft, (draft.stat().st_atime, draft.stat().st_mtime + 60))  # the file changed: a new key
     new_q4 = gguf_requant.requantized(draft, "q4_0", progress=False)
     assert new_q4 != old_q4 and new_q4.exists() and not old_q4.exists()
     assert old_nl.exists() and other.exists()  # another variant, another file's copy: left alone
+    namesake = tmp_path / "elsewhere" / "draft.gguf"  # each copy of two files of one name deleted the other's
+    namesake.parent.mkdir()
+    namesake.write_bytes(files["draft"].read_bytes())
+    theirs = gguf_requant.requantized(namesake, "q4_0", progress=False)
+    assert theirs != new_q4 and theirs.exists() and new_q4.exists()
 
 
 def test_the_levers_name_the_lean_variants_and_refuse_the_wrong_backend(files):

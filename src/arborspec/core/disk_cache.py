@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -110,3 +111,21 @@ def write_record(kind: str, key: dict, record: dict) -> Path:
     """Write `record` (plus key and versions) atomically; returns the path."""
     data = dict(record, key=key, versions=library_versions(), written=time.strftime("%Y-%m-%d %H:%M:%S"))
     return write_json(record_path(kind, key), data)
+
+
+_unwritable: set[str] = set()  # cache directories already reported as unwritable
+
+
+def keep_record(kind: str, key: dict, record: dict) -> Path | None:
+    """`write_record` for a measurement the run goes on without: where the cache cannot be written (read-only, full)
+    the run says so once and carries on with what it measured (a read-only cache failed the default `generate`
+    after its measurements, on the cost profile's or the backend choice's record). None when not written."""
+    try:
+        return write_record(kind, key, record)
+    except OSError as err:
+        where = str(cache_dir())
+        if where not in _unwritable:
+            _unwritable.add(where)
+            print(f"[arborspec] note: cannot write to the cache {where} ({err.strerror or err}); what is measured "
+                  "now is not kept", file=sys.stderr, flush=True)
+        return None

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.disk_cache import read_record, write_record
+from ..core.disk_cache import keep_record, read_record
 from ..core.downloads import say
 from ..core.host import machine_id
 from ..drafting.auto.policy import predicted_rates
@@ -143,7 +143,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     name = next(iter(loaded))
     record = {"backend": name, "figures": figures}
     if len(loaders) > 1:  # also when only one could run the file: the others need not be tried again
-        write_record("backend-choice", key, record)
+        keep_record("backend-choice", key, record)
     why = describe(record)
     if len(figures) > 1:
         say(f"{name} runs {path.name} fastest here: {why}", progress)
@@ -166,7 +166,7 @@ def recheck(choice: Choice, target, draft=None, progress: bool = True) -> None:
     figures = dict(record["figures"], **{choice.backend: figures_of(
         t_curve, d_curve, _model(target), _model(draft) if draft is not None else None,
         getattr(target, "tokenizer", None))})
-    write_record("backend-choice", choice.key, {"backend": choice.backend, "figures": figures})
+    keep_record("backend-choice", choice.key, {"backend": choice.backend, "figures": figures})
     choice.why = describe({"figures": figures})
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..backends import make_session
 from ..backends.model_info import context_window
-from ..core.disk_cache import read_record, record_path, write_record
+from ..core.disk_cache import keep_record, read_record, record_path
 from ..core.sampling import SamplingConfig
 from ..core.tree import TokenTree
 from .costs import measured_role, profile_key
@@ -105,12 +105,8 @@ def _measure_and_save(target, draft, tokenizer) -> tuple[Agreement, LogitTable]:
     """`measure_pair` on the reference texts, both records written (a read-only cache: neither, and no error)."""
     with torch.inference_mode():
         agreement, table = measure_pair(target, draft, reference_ids(tokenizer))
-    try:
-        write_record("agreement", _pair_key(target, draft), {"agreement": agreement.top1,
-                                                             "positions": agreement.positions})
-        write_record("logit-table", _table_key(target, draft), table.to_record())
-    except OSError:
-        pass  # a read-only cache must not stop generation
+    keep_record("agreement", _pair_key(target, draft), {"agreement": agreement.top1, "positions": agreement.positions})
+    keep_record("logit-table", _table_key(target, draft), table.to_record())
     return agreement, table
 
 

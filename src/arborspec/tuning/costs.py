@@ -26,7 +26,7 @@ import torch
 from ..backends import make_session
 from ..backends.model_info import context_window
 from ..backends.native import file_fingerprint
-from ..core.disk_cache import model_fingerprint, read_record, record_path, sha256_key, write_record
+from ..core.disk_cache import keep_record, model_fingerprint, read_record, record_path, sha256_key
 from ..core.host import machine_id
 from ..core.isotonic import pool_adjacent_violators
 from ..core.tree import TokenTree
@@ -190,7 +190,7 @@ def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
 def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seconds: float) -> CostCurve:
     """Cache `times` as the model's profile; returns its curve."""
     curve = CostCurve.from_measurements(sizes, times)
-    write_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
+    keep_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
                                "repeats": repeats, "seconds": seconds})
     _checked.add(sha256_key(key))  # measured in this process: nothing to check it against
     return curve
@@ -314,13 +314,15 @@ def plot_profile(sizes, times, model: RuntimeModel, out: str, title: str = "", n
     ax1.legend(fontsize=8)
     ax1.set_title(title or "forward cost")
     n2 = np.arange(n1, max(max(sizes), n1 + 1) + 1)
-    ax2.plot(n2, [required_tau_ratio(model, n1, x) for x in n2])
+    if model(n1) > 0:
+        ax2.plot(n2, [required_tau_ratio(model, n1, x) for x in n2])
+    else:
+        ax2.text(0.5, 0.5, f"the fit is not positive at N1 = {n1}", ha="center", transform=ax2.transAxes)
     ax2.axhline(1.0, color="grey", lw=0.5)
     ax2.set_xlabel("larger tree N2")
     ax2.set_ylabel(f"required tau2 / tau1 (N1 = {n1})")
     ax2.set_title("a larger tree pays above this curve")
-    save_figure(fig, out, dpi=120)
-    return out
+    return save_figure(fig, out, dpi=120)
 
 
 def plot_pair(target: CostCurve, draft: CostCurve, out: str, title: str = "") -> str:
@@ -341,5 +343,4 @@ def plot_pair(target: CostCurve, draft: CostCurve, out: str, title: str = "") ->
     ax2.set_xlabel("tokens n")
     ax2.set_ylabel("cost / target t(1)")
     ax2.legend(fontsize=8)
-    save_figure(fig, out, dpi=120)
-    return out
+    return save_figure(fig, out, dpi=120)

@@ -30,7 +30,7 @@ import time
 import torch
 
 from ..backends.native import is_native, read_header
-from ..core.disk_cache import read_record, write_record
+from ..core.disk_cache import keep_record, read_record
 from ..viz.canvas import pyplot, save_figure
 from .agreement import agreement_with, fitting, reference_ids, target_choices
 from .costs import native_profile_key, profile_key, profile_model, profile_together
@@ -173,7 +173,7 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
     if record is not None and record.get("choice") in record.get("variants", {}):
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
-    write_record("draft-quant", key, record)
+    keep_record("draft-quant", key, record)
     return record["choice"], record, "measured"
 
 
@@ -233,5 +233,4 @@ def plot_variants(record: dict, out: str, title: str = "") -> str:
     ax2.set_xlabel("draft ms per token, d(1)")
     ax2.set_ylabel("top-1 agreement with the target")
     ax2.set_title(f"default: {record['choice']}")
-    save_figure(fig, out, dpi=120)
-    return out
+    return save_figure(fig, out, dpi=120)

@@ -41,7 +41,14 @@ def requantized_path(source: Path, kind: str, llama_version: str) -> Path:
     stat = source.stat()
     key = dict(path=str(source.resolve()), size=stat.st_size, mtime=int(stat.st_mtime), kind=kind, pure=True,
                llama_cpp=llama_version)
-    return cache_dir() / "drafts" / f"{source.stem}-{kind}-{sha256_key(key)}.gguf"
+    return cache_dir() / "drafts" / f"{variant_prefix(source, kind)}{sha256_key(key)}.gguf"
+
+
+def variant_prefix(source: Path, kind: str) -> str:
+    """What the names of every `kind` copy of the file at `source`'s path start with: its name and a hash of its
+    path, so that two files of one name (every `ggml-model-Q4_K_M.gguf`) keep a copy each, where each one's copy
+    deleted the other's as stale."""
+    return f"{source.stem}-{sha256_key(str(source.resolve()), 8)}-{kind}-"
 
 
 def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
@@ -71,18 +78,20 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
             tmp.unlink(missing_ok=True)
             raise ValueError(f"llama.cpp could not requantize {source} to {kind}: {llama_error(f'status {rc}')}")
         tmp.replace(out)
-        drop_stale(out, f"{source.stem}-{kind}-", progress)
+        drop_stale(out, [variant_prefix(source, kind), f"{source.stem}-{kind}-"], progress)  # and pre-path names
     return out
 
 
-def drop_stale(kept: Path, prefix: str, progress: bool = True) -> None:
-    """Delete the earlier copies of one variant (`prefix`*.gguf beside `kept`): made from an older file of the same
-    name or by another llama.cpp, they would never be read again, and each holds ~430 MB for the 0.5B draft (its
-    Q8_0 embedding table stays whole). A process that has one open keeps reading it (the file lives until closed)."""
+def drop_stale(kept: Path, prefixes: list[str], progress: bool = True) -> None:
+    """Delete the earlier copies of one variant (a name of `prefixes` and a key's hash, beside `kept`): made from an
+    older file at the same path or by another llama.cpp, they would never be read again, and each holds ~430 MB for
+    the 0.5B draft (its Q8_0 embedding table stays whole). A process that has one open keeps reading it (the file
+    lives until closed)."""
+    tail = len(kept.name) - len(prefixes[0])  # the key's hash and ".gguf"
     freed = 0
-    for old in kept.parent.glob(f"{prefix}*.gguf"):
-        if old != kept and len(old.name) == len(kept.name):  # the same name but for the key's hash
+    for old in kept.parent.glob("*.gguf"):
+        if old != kept and any(old.name.startswith(p) and len(old.name) == len(p) + tail for p in prefixes):
             freed += old.stat().st_size
             old.unlink(missing_ok=True)
     if freed:
-        say(f"removed earlier copies of {prefix.rstrip('-')} ({freed / 1e6:.0f} MB)", progress)
+        say(f"removed earlier copies of {prefixes[0].rstrip('-')} ({freed / 1e6:.0f} MB)", progress)

@@ -26,8 +26,9 @@ def grid(n: int, width: float = 6.5, height: float = 3.6, cols: int = 1):
 
 
 def save_figure(fig, path: Path | str, dpi: int = 110) -> str:
-    """Lay out, write (creating the directory) and close `fig`; returns the path as a string."""
-    path = Path(path)
+    """Lay out, write (creating the directory) and close `fig`; returns the path written, as a string (a name
+    without a suffix gets ".png", as matplotlib writes it: the path printed was the one given)."""
+    path = Path(path) if Path(path).suffix else Path(f"{path}.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...core.disk_cache import model_fingerprint, read_record, write_record
+from ...core.disk_cache import keep_record, model_fingerprint, read_record
 from ...core.sampling import SamplingConfig
 from ...core.tree import DrawRule, TokenTree
 from ...tuning import costs as forward_costs
@@ -240,13 +240,10 @@ class AutoPolicy(Policy):
         """Write the calibration (and the child-probability predictor) to the cache directory."""
         if self._calib_key is None:
             return
-        try:
-            write_record("calibration", self._calib_key, {
-                "calibrator": self.calibrator.to_dict(),
-                "child_probs": {"true": self.child_probs[True].tolist(), "false": self.child_probs[False].tolist()},
-                "first_child": self.first_child.to_dict()})
-        except OSError:
-            pass  # a read-only cache must not stop generation
+        keep_record("calibration", self._calib_key, {
+            "calibrator": self.calibrator.to_dict(),
+            "child_probs": {"true": self.child_probs[True].tolist(), "false": self.child_probs[False].tolist()},
+            "first_child": self.first_child.to_dict()})
 
     # ---- one step -------------------------------------------------------------------------------------------
     def draft(self, ctx: DraftContext) -> TokenTree:
