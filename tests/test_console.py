@@ -77,3 +77,13 @@ def test_the_package_exports_load_on_first_use():
     import arborspec
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         arborspec.nope  # noqa: B018
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """`arborspec generate ... | head -c5` ended in "arborspec: error: [Errno 32] Broken pipe", exit status 2."""
+    code = ("import sys\nfrom arborspec.console import run_command\n"
+            "def chatty(args):\n    for _ in range(100000):\n        print('x' * 100)\n    return 0\n"
+            "sys.exit(run_command(chatty, None))")
+    done = subprocess.run(f"{sys.executable} -c \"{code}\" | head -c 5", shell=True, capture_output=True, text=True,
+                          timeout=120, executable="/bin/bash")
+    assert done.stdout == "xxxxx" and "error" not in done.stderr and "Traceback" not in done.stderr

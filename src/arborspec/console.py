@@ -10,6 +10,7 @@ command's arguments to this same parser.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -85,6 +86,10 @@ def run_command(command, args) -> int:
             for message in TORCH_NOISE:
                 warnings.filterwarnings("ignore", message=message, category=UserWarning)
             return command(args)
+    except BrokenPipeError:  # `arborspec generate ... | head`: the reader has all it wanted; as the shell's tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # 128 + SIGPIPE
     # OSError: an --out under a file, a directory given for a file, a disk full ...: what the system said, one line
     except (CliError, ValueError, ModelLoadError, OSError, FloatingPointError, ImportError) as err:
         if os.environ.get("ARBORSPEC_DEBUG"):

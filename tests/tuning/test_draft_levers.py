@@ -48,6 +48,10 @@ def test_a_pruned_head_counts_chat_and_code_as_equal_halves(tokenizer, tmp_path,
     assert frequent_tokens(counts, 1).tolist() == [c]  # one code token outranks chat's commonest
     monkeypatch.setattr(draft_levers, "stdlib_sources", lambda: iter(["b b b b"]))
     assert torch.equal(draft_levers.corpus_counts(tokenizer, 64, progress=False), counts)  # from the cache
+    (saved,) = (tmp_path / "vocab").glob("*.pt")
+    saved.write_bytes(saved.read_bytes()[:40])  # a damaged file raised on every --draft-vocab run: counted again
+    assert draft_levers.corpus_counts(tokenizer, 64, progress=False)[tokenizer.convert_tokens_to_ids("b")] > counts[b]
+    assert not list((tmp_path / "vocab").glob("*.tmp"))
 
 
 def test_the_code_half_is_the_python_standard_library():

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ PROFILE_FORMAT = 1  # bump when the layout of cached profile records changes
 def cache_dir() -> Path:
     """$ARBORSPEC_CACHE, or ~/.cache/arborspec: converted models, profiles, prepared drafts, datasets."""
     env = os.environ.get("ARBORSPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "arborspec"
+    return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "arborspec"  # as printed: whole
 
 
 def atomic_write(path: Path | str, data: str | bytes) -> Path:
@@ -32,7 +33,7 @@ def atomic_write(path: Path | str, data: str | bytes) -> Path:
     processes writing the same path leave one whole version). Creates the parent directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # threads of one process too
     try:
         if isinstance(data, bytes):
             tmp.write_bytes(data)

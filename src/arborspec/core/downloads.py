@@ -33,10 +33,15 @@ def progress_bar(total: int, desc: str, progress: bool):
 
 @contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """Exclusive lock across processes, so two runs never download or convert the same alias at once."""
+    """Exclusive lock across processes, so two runs never download or convert the same alias at once. A run that
+    has to wait says so: it sat silent for as long as the other's download took (minutes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another arborspec process to finish with {path.stem} ...", True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import re
 import shutil
 import warnings
@@ -43,6 +44,8 @@ def library() -> "Kernels":
     """The kernels, compiled for this CPU on first use (about a minute) and loaded from the cache afterwards."""
     try:
         compile_extension("arborspec_kernels", build_dir(), ["-O3", "-march=native", "-fopenmp"])
+    except OSError as exc:  # the cache itself (a file in its place, no permission): no compiler is missing
+        raise KernelBuildError(f"could not build arborspec's kernels in {build_dir()}: {exc.strerror or exc}") from exc
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
         raise KernelBuildError(f"could not compile arborspec's kernels ({explain(exc)}); they need a C++ compiler "
                                "(g++ or clang++) and ninja (pip install ninja)") from exc
@@ -92,12 +95,32 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
     only be a dead process's, and is removed."""
     from torch.utils import cpp_extension
 
+    from ..core.disk_cache import atomic_write
     from ..core.downloads import file_lock
     directory.mkdir(parents=True, exist_ok=True)
     with file_lock(directory / "build.lock"):
         (directory / "lock").unlink(missing_ok=True)
+        library, marker = directory / f"{name}.so", directory / f"{name}.built.json"
+        if library.exists() and _read(marker) != _fingerprint(library):
+            library.unlink()  # damaged, or left by a build that did not finish: ninja builds it again
         cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if _read(marker) != _fingerprint(library):
+            atomic_write(marker, json.dumps(_fingerprint(library)))
+
+
+def _fingerprint(library: Path) -> dict:
+    """What a whole build's library is, checked before it is loaded: ninja reloads any library newer than its
+    sources, and a truncated one killed the process in dlopen with SIGBUS, an empty one failed every start (with a
+    hint about compilers), and neither was ever built again."""
+    return {"size": library.stat().st_size, "sha256": hashlib.sha256(library.read_bytes()).hexdigest()}
+
+
+def _read(marker: Path) -> dict | None:
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @functools.cache

