@@ -168,3 +168,15 @@ def test_a_cached_lean_choice_is_found_before_loading_and_the_shipped_draft_is_n
         assert Path(pair.draft.source).resolve() == file.resolve()
         out = SpeculativeDecoder(pair.target, pair.draft, method="chain").generate([5, 17, 42, 9], max_new_tokens=24)
         assert out.token_ids == plain
+
+
+def test_a_killed_builds_temporary_file_goes_with_the_next_build(files, tmp_path):
+    """A requantization killed midway left its ~430 MB temporary file for good."""
+    import llama_cpp
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(files["draft"].read_bytes())
+    out = gguf_requant.requantized_path(draft, "q4_0", llama_cpp.__version__)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stale = out.with_name(f"{out.name}.99999.tmp")
+    stale.write_bytes(b"half a file")
+    assert gguf_requant.requantized(draft, "q4_0", progress=False) == out and not stale.exists()

@@ -64,6 +64,8 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
     with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
         if out.exists():
             return out
+        for stale in out.parent.glob(f"{out.name}.*.tmp"):  # a killed build's (up to ~430 MB): the lock is ours
+            stale.unlink(missing_ok=True)
         say(f"requantizing the draft {source.name} to {kind} (once; cached in {out.parent})", progress)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
