@@ -276,3 +276,10 @@ def test_a_fit_is_written_with_each_sign_once():
     assert RuntimeModel("quadratic", (1.568e-6, -5.423e-4, 1.096e-2)).describe() == \
         "t(N) = 0.001568*N^2 - 0.5423*N + 10.96 ms"
     assert RuntimeModel("linear", (-2e-3, 5e-3)).describe() == "t(N) = -2*N + 5 ms"
+
+
+def test_cli_profile_cuts_a_prefix_past_the_context_window(llama_dirs, capsys):
+    """`profile --pair` fitted its prefix into the window; `profile --model` did not, and native refused it."""
+    code = main(["profile", "--model", llama_dirs["target"], "--dtype", "fp32", "--sizes", "1,2,4", "--repeats", "1",
+                 "--prefix", "100000"])
+    assert code == 0 and "--prefix 100000 cut to" in capsys.readouterr().err

@@ -65,7 +65,7 @@ from .runspec import (
     parse,
 )
 from .server import add_serve_arguments, run_serve
-from .tuning.costs import measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path
+from .tuning.costs import fitting_prefix, measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path
 from .tuning.draft_choice import choose_draft_quant, describe, plot_variants
 from .tuning.runtime_model import default_kind, fit_runtime, required_tau_ratio
 from .verify import VERIFIERS
@@ -424,7 +424,11 @@ def cmd_profile(args) -> int:
         raise CliError("`arborspec profile` needs --model SPEC, or --pair (with --target/--draft)")
     model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend, llama=llama_options(args)).model
     kind = args.kind or default_kind(model)
-    times = measure_forward_cost(model, sizes, prefix=args.prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
+    prefix = fitting_prefix(model, args.prefix, sizes, args.repeats)  # native refused a prefix past its window
+    if prefix < args.prefix:
+        print(f"[arborspec] --prefix {args.prefix} cut to {prefix}: the model's context window holds no more beside "
+              "the timed trees", file=sys.stderr)
+    times = measure_forward_cost(model, sizes, prefix=prefix, repeats=args.repeats, ssm_tree=args.ssm_tree)
     fit = fit_runtime(sizes, times, kind)
     for n, t in zip(sizes, times):
         print(f"N = {n:4d}: {t * 1e3:9.2f} ms (fit {fit(n) * 1e3:9.2f} ms)")
