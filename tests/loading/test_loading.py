@@ -193,6 +193,13 @@ def test_load_directory_without_checkpoint_is_a_load_error(tmp_path):
         load_model(str(tmp_path), progress=False)
 
 
+def test_a_directory_named_like_a_gguf_is_called_a_directory(tmp_path):
+    (tmp_path / "model.gguf").mkdir()  # it was "model path ... not found"
+    for backend in ("native", "llamacpp"):
+        with pytest.raises((ModelLoadError, ValueError), match="is a directory; a GGUF model is one .gguf file"):
+            load_model(str(tmp_path / "model.gguf"), backend=backend, progress=False)
+
+
 def test_existing_file_that_is_not_gguf_is_rejected(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(b"x")

@@ -253,6 +253,8 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     KV cache's element type, "f16" or "f32".
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory; a GGUF model is one .gguf file")
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} not found")
     n_threads = usable_cores() if n_threads is None else n_threads

@@ -114,6 +114,8 @@ def _spec_gguf(spec: str, progress: bool, check: bool = True) -> Path:
     """The GGUF file of `spec`: an alias's kept GGUF (fetched if need be) or the .gguf path given; with `check`,
     ModelLoadError if there is no such file."""
     path = alias_gguf(spec, progress) if spec in ALIASES else Path(spec).expanduser()
+    if check and path.is_dir():
+        raise ModelLoadError(f"{spec!r} is a directory; a GGUF model is one .gguf file")
     if check and not path.is_file():
         raise ModelLoadError(f"model path {spec!r} not found")
     return path
