@@ -22,8 +22,8 @@ A run spec is one decoding method with everything that shapes it, written as
   the steps it drafts nothing for); `auto+suffix0` turns them off.
 
 `generate`'s flags compose the same spec (--method takes the whole grammar; --k, --verifier, --draft-quant,
---ngram ... add to it), so the defaults live here once: method `auto`, the draft quantization measured fastest for
-the pair on this machine (`auto`), the default Qwen pair in bf16. A method whose name carries no quantization lever
+--ngram ... add to it), so the default method (`auto`) and the levers live here once; the default pair, dtype,
+backend and draft variant (`auto`: the one measured fastest for the pair on this machine) in loading/pair.py. A method whose name carries no quantization lever
 uses the run's --draft-quant, in `generate` and in `bench` alike.
 
 `wetap` is WETAP's trees with an exact verifier everywhere; the paper's lossy verifier is `wetap-lossy` (or
@@ -64,7 +64,7 @@ class RunSpec:
     budget: int | None = None  # pinned by @BUDGET
     verifier: str | None = None  # None: the policy's default for the sampling settings
     allow_lossy: bool = False  # a run-wide consent (--allow-lossy), needed by a lossy verifier
-    quant: str = DEFAULT_DRAFT_QUANT  # the draft's quantization: auto | none | int8 | int4
+    quant: str = DEFAULT_DRAFT_QUANT  # the draft's quantization: one of loading.pair.DRAFT_QUANTS
     vocab: int = 0  # draft head over this many most frequent tokens (0: all)
     ngram: int = 0  # prompt-lookup branches matching up to this many tokens (0: off)
     ngram_len: int = NGRAM_LEN

@@ -2,7 +2,8 @@
 
 The torch backend dequantizes a GGUF into dense bf16 tensors (the 1.5B target: ~3 GB resident); llama.cpp keeps the
 blocks but runs its own kernels, one sequence-id set per tree node. Here the model is transformers' skeleton in
-float32 (so `hf.TreeSession`'s tree attention, and with it every policy and verifier, runs unchanged) whose every
+float32 (its sessions are `native_step.NativeSession`s on the C++ step; `hf.TreeSession` with the Python forward only
+for head sizes the step does not take) whose every
 linear layer and output head is a `QuantLinear` and whose embedding is a `QuantEmbedding`: both hold a
 `kernels.QuantMatrix` over the file's blocks (nothing is dequantized up front), and the matrix products run on
 arborspec's own kernels, which read the blocks once for all rows of a tree (docs/kernels.md). Norms, biases and the
@@ -308,7 +309,7 @@ def load_native(path: str | Path) -> PreTrainedModel:
     model.requires_grad_(False)
     model.config._name_or_path = str(path)  # what profiles and messages call the model, as llama.cpp's backend does
     model.native_gguf = NativeInfo(path, info.weight_type)
-    model.fingerprint = MethodType(fingerprint, model)  # what cache.model_fingerprint uses for cost profiles
+    model.fingerprint = MethodType(fingerprint, model)  # what disk_cache.model_fingerprint uses for cost profiles
     native_step.install(model)
     return model
 

@@ -114,7 +114,7 @@ def upgraded(data):
 
 def write(path: str | Path, data) -> Path:
     """Write `data` as the record `path` names (`DIR/results.json`): indented JSON, gzipped when it is over
-    COMPRESS_ABOVE bytes; the other form, if any, is removed. Atomic (see cache.atomic_write). Returns the file."""
+    COMPRESS_ABOVE bytes; the other form, if any, is removed. Atomic (see disk_cache.atomic_write). Returns the file."""
     path = Path(path)
     if path.name.endswith(GZ):
         path = path.with_name(path.name[:-len(GZ)])

@@ -2,7 +2,7 @@
 
 With free branches (`ar+suffix8`, `ar+lookahead`: draft-free speculation) the engine asks it to price them: it
 measures (or loads) the target's cost curve, and the budget keeps only the rows whose measured acceptance pays for
-them (graft_budget.py), so the draft-free mode is never much slower than plain decoding where the text does not
+them (grafts/budget.py), so the draft-free mode is never much slower than plain decoding where the text does not
 repeat. Measured in docs/suffix.md ("The draft-free mode, budgeted").
 """
 from __future__ import annotations
@@ -34,5 +34,5 @@ class AutoregressivePolicy(Policy):
         return TokenTree.root(ctx.context[-1])
 
     def estimate(self) -> list[float] | None:
-        """One token in a plain step's predicted seconds: what a free branch must beat (graft_budget.py)."""
+        """One token in a plain step's predicted seconds: what a free branch must beat (grafts/budget.py)."""
         return None if self.costs is None else [1.0, float(self.costs.plain_step())]

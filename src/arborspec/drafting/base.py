@@ -100,12 +100,12 @@ class Policy:
     def price_free_branches(self, target) -> None:
         """Called by the engine when free branches (n-gram, suffix, lookahead) are grafted onto this policy's trees:
         a policy that drafts nothing itself may measure the target's costs here, so that the budget keeps only the
-        rows that pay (graft_budget.py; `ar` does). By default nothing: a policy without a cost model keeps every
+        rows that pay (grafts/budget.py; `ar` does). By default nothing: a policy without a cost model keeps every
         branch, as asked."""
 
     def estimate(self) -> list[float] | None:
         """[expected tokens, predicted seconds] of the step `draft` just built, under measured costs, for the budget
-        of draft-free branches (graft_budget.py); None for a policy without a cost model."""
+        of draft-free branches (grafts/budget.py); None for a policy without a cost model."""
         return None
 
 

@@ -24,8 +24,8 @@ from ..core.options import check_int
 def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list[str] | None = None,
                    seeds: list[int | None] | None = None, ignore_eos: bool = False,
                    concurrency: int | None = None) -> list:
-    """One GenerationResult per prompt, in order (see the module docstring); `seeds`: one per prompt (None: each
-    unseeded); `concurrency`: the most requests active at once (None: all of them)."""
+    """One GenerationResult per prompt, in order (see the module docstring); `seeds`: one per prompt (None: the
+    decoder's own seed, sampling.seed; unseeded only where that is None); `concurrency`: the most requests active at once (None: all of them)."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):  # a string was read as one-letter prompts
         raise ValueError(f"prompts must be a list of prompts (texts, token-id lists or conversations), not "
                          f"{type(prompts).__name__}; one prompt: generate()")

@@ -11,7 +11,7 @@
 // itself - through one code path, so a tree row's logits are bit for bit those of the same token decoded alone after
 // its path was committed (the cache then holds the same key vectors, in the same order, at [0, prefix + depth]).
 //
-// The KV cache is owned by the Python session (backends: models/native_step.py) as two float32 tensors per
+// The KV cache is owned by the Python session (backends/native_step.py) as two float32 tensors per
 // sequence, keys and values of shape (layers, kv_heads, capacity, head_dim), so each head's keys are contiguous
 // for attention; a forward writes its rows' keys and values at [length, length + rows) of their sequence's cache.
 // Python checks every index before the call; the checks here are a second line (an error, never a crash).
@@ -342,7 +342,7 @@ void rotate(float* v, int64_t heads, int64_t d, const float* cos, const float* s
 // only the order in which independent chains advance, never a chain's own order: every score and output value is
 // the same bit pattern however the tiles fall, so a row's attention does not depend on how many keys it sees or what
 // else runs. The AVX-512 code keeps s0 and s1 as the two halves of one 16-lane register: the same bits again, so the
-// 8- and 16-lane paths agree bit for bit (tests/models/test_native_step.py runs both).
+// 8- and 16-lane paths agree bit for bit (tests/backends/test_native_step.py runs both).
 //
 // Measured (1.5B target, Zen 4, 16 rows after a 200-token prefix, `perf record`): the first version, one dot at a
 // time and a weighted sum whose accumulators the compiler kept on the stack, spent ~0.9 ms of CPU per row here.

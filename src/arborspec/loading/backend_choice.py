@@ -8,7 +8,7 @@ target decodes at t(1) 24 ms on native against 29 ms on llama.cpp, but verifies 
 on a host where llama.cpp's t(1) is the faster one native may still verify trees far cheaper (docs/kernels.md).
 
 The rule. Each candidate loads the target (and the GGUF draft, which follows the target's backend) and profiles
-them (`profile.profile_model`: the cost curves t(n) and d(w) the auto policy itself sizes its trees by, cached, so
+them (`costs.profile_model`: the cost curves t(n) and d(w) the auto policy itself sizes its trees by, cached, so
 the winner's are not measured again when generation starts). Its figure is the rate the auto policy's own model
 predicts from those curves (`drafting.auto.policy.predicted_rates`): the best chain at the pair's saved acceptance
 where it beats plain decoding by the guard's margin, else plain decoding's 1 / t(1). The highest rate wins; within
@@ -17,7 +17,7 @@ plain decoding's, t(1) alone.
 
 The result is cached (a record per file pair, machine, thread count and library builds), so the measurement, which
 loads the losing backend once, happens the first time only; a later start loads nothing here. The cached figures are
-checked against live forwards (`profile.profile_model`: a cached curve more than 2x slower than a few live forwards
+checked against live forwards (`costs.profile_model`: a cached curve more than 2x slower than a few live forwards
 was taken while something else ran, and is measured again, once, with a note): when the choice is made, every
 candidate again after all were profiled one after another (a first start on a busy machine once timed the draft on
 native at 1064 ms against llama.cpp's 65 ms and kept that choice for good), and at each later start the winner's
@@ -95,7 +95,7 @@ def figures_of(t_curve: CostCurve, d_curve: CostCurve | None, target=None, draft
 
 def remeasured(models: tuple, progress: bool = True) -> bool:
     """Whether a candidate's profiles (target, draft) had to be measured again after all candidates were profiled:
-    each checked against a few live forwards now (profile.confirm_profile). Profiles are taken one after another;
+    each checked against a few live forwards now (costs.confirm_profile). Profiles are taken one after another;
     this catches one that ran while something else did."""
     return any(confirm_profile(_model(m), progress)[1] == "measured" for m in models if m is not None)
 
@@ -152,7 +152,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
 
 def recheck(choice: Choice, target, draft=None, progress: bool = True) -> None:
     """After a cached choice's models loaded: their cost curves as the auto policy will read them (cached, checked
-    against a few live forwards: profile.profile_model). A curve measured again (its cached figure more than 2x
+    against a few live forwards: costs.profile_model). A curve measured again (its cached figure more than 2x
     slower than the live forwards) replaces the winner's figures in the record, so the start-up line and the next
     comparison read true ones. The choice itself stands: the winner only got faster. (The choice's own measurement
     checks every candidate against live forwards before it compares them: `choose`.)"""

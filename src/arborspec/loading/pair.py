@@ -139,7 +139,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     """THE loader of a target/draft pair, for `arborspec generate`, `bench`, `serve` and the Python API: (target,
     draft) loaded (alias, local directory, .gguf file or hub id) and checked to share a tokenizer, the draft prepared.
 
-    The backends are decided before anything loads (loading/model.py, plan_backends: `--backend auto` picks the
+    The backends are decided before anything loads (loading/plan.py, plan_backends: `--backend auto` picks the
     GGUF backend whose measured costs predict the fastest decoding, speculation included, cached; the draft follows
     it), so each model loads once, on the backend it runs on. For a PyTorch draft `draft_quant="auto"` measures
     which draft variant is fastest for this pair on this machine the first time (seconds to a minute; cached, see

@@ -69,7 +69,7 @@ def rounds(scheduler: Scheduler) -> str:
 
 
 def load_decoders(args, spec: RunSpec) -> tuple[Decoders, LoadedPair]:
-    """The pair loaded by the loader `arborspec generate` uses (spec.load_pair_for: the same flags give the same
+    """The pair loaded by the loader `arborspec generate` uses (loading.pair.load_pair_for: the same flags give the same
     backends and draft), keeping the draft's resolved quantization, which requests' method levers are checked
     against, and one warm-up generation, which also checks the sampling flags."""
     pair = load_pair_for(args, spec)

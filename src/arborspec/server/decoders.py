@@ -32,7 +32,7 @@ class Decoders:
 
     spec: RunSpec  # the server's method, as --method and its flags named it
     target: object  # LoadedModel
-    draft: object | None  # LoadedModel prepared by spec.prepare_draft, or None when the server's method drafts nothing
+    draft: object | None  # LoadedModel prepared by loading.pair.prepare_draft, or None when the server's method drafts nothing
     quant: str  # the draft's quantization, "auto" resolved
     vocab: int  # the draft's head size, "auto" resolved (0: the whole vocabulary)
     # the server's flags: sampling (what a request leaves out, seed included), draft temperature, token order, SSM tree

@@ -7,7 +7,7 @@ output is exactly what it would be alone. Only the loaded models are shared: ses
 thread at a time runs a forward (`Scheduler.models`: a round, or a request's decoder being made), so no two forwards
 race.
 
-A round (`step_round`) is `models.batching.run_round` over the requests' steps: with a target that batches (the
+A round (`step_round`) is `backends.batching.run_round` over the requests' steps: with a target that batches (the
 native backend) every request drafts its tree and ONE target forward verifies all of them; otherwise the steps run
 one after another. `SpeculativeDecoder.generate_batch` (and `arborspec bench --concurrency`) runs the same rounds.
 """
@@ -118,7 +118,7 @@ def _advance(job: Job, metrics: Metrics) -> None:
 
 class Scheduler:
     """Admission (`submit`), the worker thread's rounds, and shutdown (`drain`, then `stop`). `batch`: the rounds share
-    one target forward (`step_round`); for a target that batches (`models.batching.can_batch`)."""
+    one target forward (`step_round`); for a target that batches (`backends.batching.can_batch`)."""
 
     def __init__(self, max_batch: int, max_queue: int, metrics: Metrics, batch: bool = False):
         if max_batch < 1 or max_queue < 0:

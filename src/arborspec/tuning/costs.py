@@ -1,7 +1,7 @@
 """Cost profiles: what one forward over a tree of n tokens costs a given model on this machine, measured and cached.
 
 `measure_forward_cost` times a model's tree forwards (the fastest of repeats, on a ~200-token prefix) through the same
-sessions generation uses (`models.make_session`), so it times any backend, a llama.cpp model included.
+sessions generation uses (`backends.make_session`), so it times any backend, a llama.cpp model included.
 
 The auto policy (drafting/auto/) sizes every tree from two such curves: the target's t(n) (one forward over n tree
 tokens, root included) and the draft's d(w) (one draft call over w nodes: the cost of one drafted layer).

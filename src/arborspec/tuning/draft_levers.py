@@ -191,7 +191,7 @@ def _cached_draft_path(model, quant: str, vocab: int) -> Path:
 
 
 def save_atomically(obj, path: Path) -> None:
-    """`torch.save` through a temporary file and a rename (`cache.atomic_write` for torch objects): a reader never
+    """`torch.save` through a temporary file and a rename (`disk_cache.atomic_write` for torch objects): a reader never
     loads half a file, and two processes preparing the same draft leave one whole copy."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

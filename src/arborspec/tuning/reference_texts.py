@@ -13,7 +13,7 @@ DEFAULT_PROMPTS = [
     "def is_prime(n: int) -> bool:\n",
 ]
 # a file of ordinary Python that neither model was shown by this project: teacher-forced agreement of a draft with
-# its target is measured on it and DEFAULT_PROMPTS (tuning/draft_choice.py, profile.pair_agreement)
+# its target is measured on it and DEFAULT_PROMPTS (tuning/draft_choice.py, agreement.pair_agreement)
 REFERENCE_TEXT = '''from dataclasses import dataclass, field
 
 

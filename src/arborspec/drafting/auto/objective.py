@@ -1,6 +1,6 @@
 """The objective of the auto policy: expected tokens per second of one step, under this machine's measured costs.
 
-Costs (measured once per model, dtype, thread count and machine; cached, `profile.profile_model`): t(n), one target
+Costs (measured once per model, dtype, thread count and machine; cached, `costs.profile_model`): t(n), one target
 forward over n tree tokens (root included), and d(w), one draft call over w nodes (the cost of drafting one layer).
 A step whose draft calls forwarded w_1, ..., w_L nodes (w_1 = 1: the root) and which drafted N nodes takes
 
@@ -102,8 +102,9 @@ def expected_ceiling(costs: CostModel, acceptance, child_prob: float, max_depth:
 
     `first_accept` given (the measured rate at which the root's first child is accepted): node i is accepted with
     probability first_accept ** i instead, the chain of speculative sampling's analysis (each token accepted
-    independently at the same rate). The policy passes it at T > 0, where a node's score says little about its
-    acceptance and a(.) of the mean score fell far below the mean of a(.) (AutoPolicy._expected_rate)."""
+    independently at the same rate). The policy passes it once MIN_FIRST_EVIDENCE drafted steps have measured the
+    root's first child, at any temperature: at T > 0 a node's score says little about its acceptance and a(.) of the
+    mean score fell far below the mean of a(.) (AutoPolicy._expected_rate)."""
     best, gain = 0.0, 1.0
     for k in range(1, max_depth + 1):
         gain += first_accept ** k if first_accept is not None else float(acceptance(child_prob ** k))

@@ -42,7 +42,7 @@ from .tree_builder import TreeBuilder
 
 COST_WINDOW = 15  # steps whose measured / predicted cost ratios set the cost scales (their median)
 DEFAULT_CHILD_PROBS = (0.6, 0.15, 0.06, 0.03, 0.02, 0.01, 0.01, 0.005)
-MIN_FIRST_EVIDENCE = 16  # drafted steps before the first child's acceptance at T > 0 is read (_expected_rate)
+MIN_FIRST_EVIDENCE = 16  # drafted steps before the first child's measured acceptance is read (_expected_rate)
 
 
 @dataclass

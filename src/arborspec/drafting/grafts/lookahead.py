@@ -71,7 +71,7 @@ class Lookahead:
         return tree
 
     def skip(self) -> None:
-        """This step's branch was left out of the tree (graft_budget.py): no Jacobi step from its forward."""
+        """This step's branch was left out of the tree (grafts/budget.py): no Jacobi step from its forward."""
         self.nodes = []
 
     def observe(self, logits: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ def default_suffix_nodes(method: str | None) -> int:
 
     Why auto grafts them: where the answer repeats its prompt (code edits, quoting) they are the only drafts that pay
     on a CPU whose draft model cannot (docs/suffix.md), and auto's budget cuts each branch to the prefix whose
-    measured acceptance pays for its rows, so where they miss little is grafted (graft_budget.py). At T > 0 the
+    measured acceptance pays for its rows, so where they miss little is grafted (grafts/budget.py). At T > 0 the
     engine grafts these default branches only onto the trees auto leaves bare, verified by naive, and keeps
     traversal for the drafted ones (engine/verifier_choice.py: `grafts_bare_trees_only`); `+suffixN` there asks for
     naive on every tree. Resolved in one place: branches.py, `suffix_nodes`."""
@@ -118,7 +118,7 @@ def graft_suffix_branches(tree: TokenTree, index: SuffixIndex, context: list[int
     children that already carry the same token (they stay credited to their first source, core/tree.py; suffix goes to
     `also`); at most `budget` nodes are added, none deeper than `max_depth`. New nodes are added most probable
     first, parents before children, so every prefix of them is a tree; `scores`, if given, gets each new node's
-    empirical path probability (what graft_budget.py cuts the branch by).
+    empirical path probability (what grafts/budget.py cuts the branch by).
 
     A node that gets a new child is marked DETERMINISTIC (its children are no longer all drawn from its draft
     distribution). A new node's prob is the draft's probability of its token where the parent recorded one (so the
