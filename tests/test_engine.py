@@ -147,6 +147,28 @@ def test_stop_strings_and_text(tokenizer):
     for bad in ([""], [stop, ""], [None]):
         with pytest.raises(ValueError, match="non-empty strings"):
             dec.generate("def f(x):", max_new_tokens=4, stop=bad)
+    at_budget = full.text.index(stop) + len(stop)  # the stop string completed by the budget's last token
+    last = dec.generate("def f(x):", max_new_tokens=at_budget, ignore_eos=True, stop=[stop])
+    assert last.text.endswith(stop) and last.stats.finish_reason == "stop"  # it read "length"
+
+
+def test_a_stream_joins_up_to_the_text_when_the_tokenizer_cleans_up_spaces(tokenizer):
+    """With clean_up_tokenization_spaces, decoding " ," gave "," once the comma came, rewriting a space the stream
+    had sent: the joined stream kept the space and lost the comma."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.clean_up_tokenization_spaces = True
+    dec = SpeculativeDecoder(tiny_model("llama", seed=3), method="ar", tokenizer=tok, temperature=3.0)
+    whole = dec.generate("a , b . c", 40, ignore_eos=True, seed=81).text
+    assert " ," in whole  # the case: a space, then a comma in a later step
+    assert "".join(dec.stream("a , b . c", 40, ignore_eos=True, seed=81)) == whole
+
+
+def test_a_bad_seed_in_a_batch_is_refused_before_any_prompt_runs(tokenizer, monkeypatch):
+    dec = SpeculativeDecoder(tiny_model("llama", seed=0), method="ar", tokenizer=tokenizer)
+    monkeypatch.setattr(type(dec), "fork", lambda self: pytest.fail("a prompt started"))
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        dec.generate_batch(["ab", "cd", "ef"], 8, seeds=[1, 2, "oops"], concurrency=1)
 
 
 def test_context_window_is_respected():

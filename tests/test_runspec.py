@@ -222,3 +222,17 @@ def test_load_pair_checks_the_pair(tmp_path):
     assert d is None
     with pytest.raises(ValueError, match="unknown draft quantization"):
         pair_loader.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="int3")
+
+
+def test_load_pair_refuses_what_the_engine_would_before_measuring_draft_variants(tmp_path, monkeypatch):
+    """With draft_quant "auto" the variants were measured first: a draft whose table is short of the tokenizer failed
+    with an IndexError inside the measurement, not the engine's clear refusal."""
+    from arborspec.tuning import draft_choice
+    monkeypatch.setattr(draft_choice, "choose_draft_quant", lambda *a, **k: pytest.fail("measured a refused pair"))
+    tok = char_tokenizer()
+    for name, vocab in (("target", None), ("short", len(tok) - 7)):
+        model = tiny_model("llama", seed=0) if vocab is None else tiny_model("llama", seed=0, vocab=vocab)
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match="do not cover the tokenizer"):
+        pair_loader.load_pair(str(tmp_path / "target"), str(tmp_path / "short"), dtype="fp32", progress=False)

@@ -69,7 +69,8 @@ def test_context_window_and_eos_ids_read_any_config():
     gpt2 = SimpleNamespace(config=SimpleNamespace(n_positions=1024))
     assert context_window(gpt2) == 1024 and context_window(SimpleNamespace(config=SimpleNamespace())) == 2**31
     assert context_window(SimpleNamespace(config=SimpleNamespace()), default=0) == 0
-    assert eos_ids(NotTorchModel(), SimpleNamespace(eos_token_id=2)) == {2, 7, 8}
+    assert eos_ids(NotTorchModel(), SimpleNamespace(eos_token_id=2)) == {7, 8}  # the config's, as generate's
+    assert eos_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=2)) == {2}  # no config: the tokenizer's
     assert eos_ids(SimpleNamespace(), None) == set()
 
 
@@ -105,3 +106,24 @@ def test_a_model_that_brings_its_own_sessions_runs_through_the_engine_and_the_pr
     key = costs.profile_key(model)
     assert key["threads"] == 3 and key["model"] == "fake-fingerprint" and key["dtype"] == "q4_k_m"
     assert costs.profile_model(model, sizes=(1, 2, 4), repeats=1, prefix=8)[1] == "cache"
+
+
+def test_a_generation_configs_logits_processors_are_named_once_not_applied_in_silence():
+    """transformers' generate applies a saved repetition_penalty (or min_new_tokens, suppress_tokens, ...) to greedy
+    decoding too: its output parted from arborspec's without a word."""
+    import warnings
+
+    from arborspec import SpeculativeDecoder
+    from tests.conftest import tiny_model
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.1
+    model.generation_config.suppress_tokens = [3]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        SpeculativeDecoder(model, method="ar")
+        SpeculativeDecoder(model, method="ar")
+    said = [str(w.message) for w in seen if "generation config" in str(w.message)]
+    assert len(said) == 1 and "repetition_penalty=1.1" in said[0] and "suppress_tokens=[3]" in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpeculativeDecoder(tiny_model("llama"), method="ar")  # neutral settings: nothing to say

@@ -31,3 +31,17 @@ def test_threads_writing_one_record_never_leave_it_torn(tmp_path):
             torn.append(err)
     assert not errors and not torn
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_models_fingerprint_sees_its_middle_layers():
+    """It sampled the first 64 values of the first and last two weights: a checkpoint saved again over the same
+    directory with other middle layers kept its old int8 draft."""
+    import torch
+
+    from arborspec.core.disk_cache import model_fingerprint
+    from tests.conftest import tiny_model
+    model = tiny_model("llama", seed=0)
+    before = model_fingerprint(model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[5:].add_(0.01)  # past its first 64 values
+    assert model_fingerprint(model) != before

@@ -7,6 +7,8 @@ Only `model.config` (vocab_size, max_position_embeddings or GPT-2's n_positions)
 """
 from __future__ import annotations
 
+import warnings
+
 NO_LIMIT = 2**31  # the context window of a model whose config names none
 
 
@@ -51,16 +53,16 @@ def vocab_size(*models) -> int | None:
 
 
 def eos_ids(model, tokenizer) -> set[int]:
-    """Every token id that ends generation: the tokenizer's EOS and the model's generation config's (one id or a
-    list; instruction-tuned models often name several)."""
-    ids = set()
+    """Every token id that ends generation, as transformers' generate reads them: the model's generation config's
+    (one id or a list; instruction-tuned models often name several), else the tokenizer's EOS. (Both at once
+    stopped at a tokenizer EOS the config leaves out, where generate goes on.)"""
     generation_config = getattr(model, "generation_config", None)
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+    for value in (getattr(generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return ids
+            return {value}
+        if value:
+            return {int(v) for v in value}
+    return set()
 
 
 def check_pair(target, draft, target_tokenizer, draft_tokenizer=None, names: str = "draft and target") -> None:
@@ -100,3 +102,25 @@ def _check_tokenizers(t_tok, d_tok, names: str) -> None:
 def pair_names(target, draft) -> str:
     """How error messages name a pair: by the specs they were loaded from (LoadedModel.name), '?' if unknown."""
     return f"draft {getattr(draft, 'name', '?')!r} and target {getattr(target, 'name', '?')!r}"
+
+
+# transformers' logits processors a generation config may switch on, each with its neutral value: generate applies
+# them to greedy decoding too, arborspec (every method, `ar` included) reads the raw logits
+PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                      "min_new_tokens": 0, "min_length": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
+                      "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None,
+                      "forced_eos_token_id": None}
+_warned: set[int] = set()
+
+
+def warn_unapplied(model) -> None:
+    """Warn once per model whose saved generation config switches on a logits processor (a checkpoint's
+    repetition_penalty, min_new_tokens, suppress_tokens, ...): transformers' generate would apply it and its output
+    would part from arborspec's, with no word of why."""
+    config = getattr(model, "generation_config", None)
+    found = [f"{name}={getattr(config, name)!r}" for name, neutral in PROCESSOR_SETTINGS.items()
+             if getattr(config, name, neutral) not in (neutral, None, [], {})]
+    if found and id(model) not in _warned:
+        _warned.add(id(model))
+        warnings.warn(f"the model's generation config sets {', '.join(found)}; arborspec decodes from the raw "
+                      "logits and does not apply it (transformers' generate would)", stacklevel=3)

@@ -69,7 +69,8 @@ def library_versions() -> dict:
 
 def model_fingerprint(model) -> str:
     """A short hash that changes when the model does: class, config, module types (quantized layers are other
-    classes), parameter count, dtypes, and a sample of the first and last weights.
+    classes), parameter count, dtypes, and 64 values spread over every weight (the first 64 of the first and last
+    two: a checkpoint saved again over the same directory with other middle layers kept its old int8 draft).
 
     A model that is not a torch module (e.g. a llama.cpp model) may define `fingerprint()` itself."""
     if hasattr(model, "fingerprint"):
@@ -82,10 +83,11 @@ def model_fingerprint(model) -> str:
     h.update(",".join(sorted({type(m).__name__ for m in model.modules()})).encode())
     params = list(model.named_parameters())
     h.update(str(sum(p.numel() for _, p in params)).encode())
-    for name, p in params[:2] + params[-2:]:
+    for name, p in params:
         h.update(f"{name}:{type(p).__name__}:{p.dtype}:{tuple(p.shape)}".encode())
         try:
-            h.update(np.asarray(p.detach().reshape(-1)[:64].float().cpu()).tobytes())
+            flat = p.detach().reshape(-1)
+            h.update(np.asarray(flat[::max(1, flat.numel() // 64)][:64].float().cpu()).tobytes())
         except Exception:  # a packed / quantized tensor without a plain view
             pass
     return h.hexdigest()[:20]

@@ -25,7 +25,8 @@ NOT_SUPPORTED = dict.fromkeys(("repetition_penalty", "frequency_penalty", "prese
                                "num_return_sequences", "generation_config"),
                               "arborspec samples with temperature, top_k, top_p and seed only")
 NOT_SUPPORTED |= {"max_length": "give generate() max_new_tokens", "eos_token_id": "generate() stops at the "
-                  "tokenizer's EOS token (ignore_eos=True: never) or at its stop strings (stop=[...])",
+                  "model's EOS ids (its generation config's, else the tokenizer's; ignore_eos=True: never) or at its "
+                  "stop strings (stop=[...])",
                   "pad_token_id": "prompts are not padded (generate_batch takes prompts of any lengths)"}
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..backends import check_session_support, make_session
 from ..backends.batching import sharing
-from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names
+from ..backends.model_info import check_pair, context_window, eos_ids, model_and_tokenizer, pair_names, warn_unapplied
 from ..backends.session import vocab_aligned
 from ..core.options import check_bool, check_int
 from ..core.sampling import make_generator
@@ -27,7 +27,7 @@ from .config import DecoderConfig
 from .generation import Generation, check_budget
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
-from .prompts import model_prompt_ids
+from .prompts import decode_text, model_prompt_ids
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
 from .verifier_choice import choose_verifiers, with_free_branches
@@ -57,6 +57,7 @@ class SpeculativeDecoder:
         self.config = c = DecoderConfig.of(config, **options)
         self.free = c.free_branches()  # n-gram, suffix and lookahead branches (false when none)
         self.target, self.tokenizer = model_and_tokenizer(target, tokenizer)
+        warn_unapplied(self.target)  # a generation config's logits processors
         self.draft, draft_tok = model_and_tokenizer(draft) if draft is not None else (None, None)
         if self.tokenizer is None:
             self.tokenizer = draft_tok
@@ -393,4 +394,4 @@ class SpeculativeDecoder:
     def _decode(self, tokens: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return decode_text(self.tokenizer, tokens)

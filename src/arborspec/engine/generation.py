@@ -114,18 +114,20 @@ class Generation:
         return GenerationResult(self.decode(self.new), list(self.new), self.stats, logprobs, self.prompt_logprobs)
 
     def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
-        """Cut `proposed` at EOS, the token budget, the context window or a stop string; say why we stopped."""
+        """Cut `proposed` at EOS, a stop string, the token budget or the context window; say why we stopped, in that
+        order (a stop string completed by the budget's last token read "length", and a caller that trims the stop
+        string on "stop" kept it)."""
         kept = []
         for tok in proposed:
             kept.append(tok)
             if tok in self.eos:
                 return kept, "eos"
+            if self.stop and self._hits_stop(self.new + kept):
+                return kept, "stop"
             if len(self.new) + len(kept) >= self.max_new_tokens:
                 return kept, "length"
             if len(self.context) + len(kept) >= self.window:
                 return kept, "context"
-            if self.stop and self._hits_stop(self.new + kept):
-                return kept, "stop"
         return kept, ""
 
     def _hits_stop(self, tokens: list[int]) -> bool:

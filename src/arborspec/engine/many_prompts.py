@@ -19,13 +19,15 @@ from functools import partial
 
 from ..backends.batching import can_batch, run_round
 from ..core.options import check_int
+from ..core.sampling import check_seed
 
 
 def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list[str] | None = None,
                    seeds: list[int | None] | None = None, ignore_eos: bool = False,
                    concurrency: int | None = None) -> list:
     """One GenerationResult per prompt, in order (see the module docstring); `seeds`: one per prompt (None: the
-    decoder's own seed, sampling.seed; unseeded only where that is None); `concurrency`: the most requests active at once (None: all of them)."""
+    decoder's own seed, sampling.seed; unseeded only where that is None); `concurrency`: the most requests active at
+    once (None: all of them)."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):  # a string was read as one-letter prompts
         raise ValueError(f"prompts must be a list of prompts (texts, token-id lists or conversations), not "
                          f"{type(prompts).__name__}; one prompt: generate()")
@@ -40,6 +42,8 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
         check_int(limit, "concurrency", 1)
     for prompt in prompts:  # an empty or too long prompt fails here, before any request has started
         decoder.encode(prompt)
+    for seed in seeds:  # and a bad seed (it failed when its prompt's turn came, the results before it thrown away)
+        check_seed(seed)
     batch = can_batch(decoder.target)
     results: list = [None] * n
     waiting, active = deque(range(n)), {}  # active: prompt index -> its decoder loop

@@ -151,3 +151,11 @@ def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int],
         if piece:
             ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
     return ids
+
+
+def decode_text(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids`, as a generation's text, its stream and the server's logprobs all read it. Without the
+    tokenizer's clean-up of spaces before punctuation: with it (`clean_up_tokenization_spaces`) a later token could
+    rewrite text already streamed (" ," became "," once the comma came), and the joined stream parted from the
+    result's text."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)

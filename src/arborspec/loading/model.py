@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..backends import llamacpp, native
+from ..backends import check_session_support, llamacpp, native
 from ..backends.model_info import check_pair, pair_names
 from ..core.disk_cache import cache_dir, sha256_key
 from ..core.downloads import ModelLoadError, say
@@ -284,3 +284,13 @@ def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None
     """Raise ValueError unless draft and target tokenize identically (same vocabulary, same ids, same EOS): the
     tokenizer half of `model_info.check_pair`, for loaded models (the engine checks the models' output rows too)."""
     check_pair(None, None, target.tokenizer, draft.tokenizer, pair_names(target, draft))
+
+
+def check_loaded_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """What the engine would refuse the pair for, checked before the draft is prepared: with draft_quant "auto" the
+    draft variants were measured first, and a pair the engine refuses (a draft's table short of the tokenizer, a
+    model without a KV cache, ALiBi) failed there with a traceback (an IndexError in the draft's embedding)."""
+    check_tokenizers_compatible(target, draft)
+    check_pair(target.model, draft.model, target.tokenizer, draft.tokenizer, pair_names(target, draft))
+    for loaded in (target, draft):
+        check_session_support(loaded.model)

@@ -13,7 +13,7 @@ from ..core.downloads import ModelLoadError
 from ..tuning import draft_levers
 from ..tuning.draft_choice import best_variant, cached_native_choice, choose_draft_quant, label, variant
 from ..tuning.gguf_requant import LEAN_TYPES, requantized
-from .model import DEFAULT_DTYPE_NAME, _spec_gguf, check_tokenizers_compatible, resolve_dtype
+from .model import DEFAULT_DTYPE_NAME, _spec_gguf, check_loaded_pair, resolve_dtype
 from .plan import load_planned, plan_backends
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -155,7 +155,7 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress, draft_file)
     if draft is None:
         return LoadedPair(target_model, None, "none", (backend_of(target_model.model), None), plan.why)
-    check_tokenizers_compatible(target_model, draft_model)
+    check_loaded_pair(target_model, draft_model)
     if lean:  # the chosen lean file is loaded: its head is what is left to prepare
         quant, vocab = lean
         draft_model = prepare_draft(target_model, draft_model, "none", vocab, progress=progress)[0]

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine.prompts import conversation_ids, has_chat_template
+from ..engine.prompts import conversation_ids, decode_text, has_chat_template
 from .decoders import Decoders
 from .logprobs import Logprobs
 from .metrics import CONTENT_TYPE, Metrics
@@ -120,7 +120,7 @@ def create_app(decoders: Decoders, limits: Limits, scheduler: Scheduler, metrics
         steps = await run_in_threadpool(start_generation, decoders, limits.model_name, req, prompt, chat, n, stop,
                                         scheduler.models, top, echo and top is not None)
         opts, tokenizer = req.arborspec, decoders.target.tokenizer
-        echo_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else None
+        echo_text = (prompt if isinstance(prompt, str) else decode_text(tokenizer, prompt, False)) if echo else None
         reply = Reply(limits.model_name, chat, stop, token_ids=bool(opts and opts.return_token_ids),
                       include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       logprobs=None if top is None else Logprobs(tokenizer, chat, base=len(echo_text or "")),

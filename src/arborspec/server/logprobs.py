@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 
 from ..engine import GenerationResult
+from ..engine.prompts import decode_text
 
 try:  # GPT-2's byte <-> printable-character table, which byte-level BPE vocabularies (Qwen, Llama 3) are written in
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -44,11 +45,11 @@ def grown(tokenizer, ids: list[int], i: int, length: int, start: int,
     token one character early). A token that changes nothing shown continues the half character token i - 1 began,
     or has no text (a special token skipped), and then starts at the end."""
     lo = max(0, i - WINDOW)
-    before = tokenizer.decode(ids[lo:i], skip_special_tokens=skip_special_tokens)
-    after = tokenizer.decode(ids[lo:i + 1], skip_special_tokens=skip_special_tokens)
+    before = decode_text(tokenizer, ids[lo:i], skip_special_tokens)
+    after = decode_text(tokenizer, ids[lo:i + 1], skip_special_tokens)
     at = length - len(before)  # where the window's text starts
     if after == before:
-        own = tokenizer.decode(ids[i:i + 1], skip_special_tokens=skip_special_tokens)
+        own = decode_text(tokenizer, ids[i:i + 1], skip_special_tokens)
         return length, start if own and after.endswith("\ufffd") else length
     return at + len(after), at + len(os.path.commonprefix([before, after]))
 
@@ -100,7 +101,7 @@ class Logprobs:
             length, start = grown(self.tokenizer, ids, i, length, start)
             starts.append(start)
         self.given = True
-        if self.tokenizer.decode(ids).endswith(text):
+        if decode_text(self.tokenizer, ids, False).endswith(text):
             lead = length - len(text)  # the characters of the tokens the tokenizer put in front
             return self._completion(list(zip(result.prompt_logprobs, [max(0, start - lead) for start in starts])))
         return self._completion(list(zip(result.prompt_logprobs, self._mapped(ids, text) or starts)))
@@ -142,7 +143,7 @@ class Logprobs:
         return {"token": self.text(token), "logprob": logprob, "bytes": list(self.bytes(token))}
 
     def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        return decode_text(self.tokenizer, [token], False)
 
     def key(self, token: int) -> str:
         """Completions' name for a token: its text, or `bytes:\\xNN...` where it holds part of a character."""
