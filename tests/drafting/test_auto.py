@@ -849,3 +849,27 @@ def test_a_repeatable_auto_repeats_after_other_generations_and_in_a_batch(monkey
     from arborspec.engine import decoder as decoder_module
     monkeypatch.setattr(decoder_module, "sharing", lambda: 64)  # a round of 64 requests, as a busy server's
     assert decoder().generate(prompts[0], max_new_tokens=30, ignore_eos=True, seed=0).token_ids == alone[0]
+
+
+def test_a_pair_judged_unable_to_pay_drafts_again_every_so_often_across_runs():
+    """A plain generation learns nothing: one bad stretch saved with the calibration kept every later run of the pair
+    plain for good, a perfect draft included. Every EXPLORE_EVERY-th plain generation in a row drafts anyway (the
+    guard judges it), the count kept with the calibration; a repeatable run never does."""
+    from arborspec.drafting.auto.policy import EXPLORE_EVERY
+
+    sizes = (1, 2, 4, 8, 16, 32)
+    native = CostModel(CostCurve.from_measurements(sizes, [0.049 * (1 + 0.25 * (n - 1)) for n in sizes]), flat(0.033))
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+
+    def decoder(**options):
+        dec = SpeculativeDecoder(target, draft, method="auto", suffix=0, **options)
+        dec.policy.use_costs(native)
+        dec.policy.child_probs[True][0] = 0.6  # no chain clears plain decoding by the guard's margin
+        dec.policy.first_child.set_evidence(0, 0)
+        return dec
+
+    first = decoder()
+    assert [first.policy.uses_draft(3, 10_000) for _ in range(EXPLORE_EVERY - 3)] == [False] * (EXPLORE_EVERY - 3)
+    later = decoder()  # a later run of the pair: it reads the count saved with the calibration
+    assert [later.policy.uses_draft(3, 10_000) for _ in range(4)] == [False, False, True, False]
+    assert not any(decoder(repeatable=True).policy.uses_draft(3, 10_000) for _ in range(2 * EXPLORE_EVERY))

@@ -29,3 +29,16 @@ def test_a_cache_that_cannot_be_written_costs_a_note_not_the_run(tmp_path, monke
     assert source == "measured" and curve(2) == pytest.approx(0.012)
     costs.profile_model(model, sizes=(1, 2), measure=lambda m, sizes, **kw: [0.01, 0.012])
     assert capsys.readouterr().err.count("cannot write to the cache") == 1  # said once
+
+
+def test_a_profile_of_small_sizes_is_not_read_for_larger_ones(tmp_path, monkeypatch):
+    """`arborspec profile --pair --sizes 1,2` cached a curve that auto, asking for trees up to 128, read flat past 2."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    small, source = costs.profile_model(model, sizes=(1, 2), measure=lambda m, sizes, **kw: [0.023, 0.018])
+    assert source == "measured"
+    _, source = costs.profile_model(model, sizes=(1, 2), measure=lambda m, sizes, **kw: pytest.fail("measured"))
+    assert source == "cache"
+    full, source = costs.profile_model(model, sizes=(1, 2, 4, 128),
+                                       measure=lambda m, sizes, **kw: [0.023, 0.018, 0.02, 0.3])
+    assert source == "measured" and full(128) == pytest.approx(0.3)

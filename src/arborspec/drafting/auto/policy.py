@@ -43,6 +43,7 @@ from .tree_builder import TreeBuilder
 COST_WINDOW = 15  # steps whose measured / predicted cost ratios set the cost scales (their median)
 DEFAULT_CHILD_PROBS = (0.6, 0.15, 0.06, 0.03, 0.02, 0.01, 0.01, 0.005)
 MIN_FIRST_EVIDENCE = 16  # drafted steps before the first child's measured acceptance is read (_expected_rate)
+EXPLORE_EVERY = 8  # plain generations in a row, counted across runs, before one drafts anyway (uses_draft)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class AutoPolicy(Policy):
         opts = self.options
         self.costs: CostModel | None = None
         self.cannot_pay = False  # no tree can beat plain decoding under the measured costs (uses_draft)
+        self.plain_runs = 0  # generations decoded plainly since one last drafted (saved with the calibration)
         self.calibrator = Calibrator(enabled=opts.calibration)
         # the child-probability predictor c_j (tree_builder.py), one for greedy (T = 0) and one for sampled steps
         width = opts.max_children
@@ -189,7 +191,24 @@ class AutoPolicy(Policy):
         if new_tokens > 0 and prompt_tokens > 1:
             rate = new_tokens / (new_tokens / rate + self.costs.layer(prompt_tokens - 1))
         self.cannot_pay = rate <= (1.0 + self._margin) / self.costs.plain_step()
+        if self.cannot_pay and not self.options.repeatable:
+            self.plain_runs += 1
+            if self.plain_runs >= EXPLORE_EVERY:
+                self._explore()
+            self.save()
+        elif not self.cannot_pay:
+            self.plain_runs = 0
         return not self.cannot_pay
+
+    def _explore(self) -> None:
+        """Draft this generation though the evidence says it cannot pay, and let the guard judge it: a plain
+        generation learns nothing, so one bad stretch saved with the calibration (100 first-child misses) kept every
+        later run of the pair plain for good, a perfect draft included. The saved evidence is scaled down to
+        MIN_FIRST_EVIDENCE observations a bin, so that this run's decides; a losing run costs at most the guard's
+        margin before it falls back."""
+        self.plain_runs, self.cannot_pay = 0, False
+        for calibrator in (self.calibrator, self.first_child):
+            calibrator.load(calibrator.to_dict(), cap=MIN_FIRST_EVIDENCE)
 
     def _restart(self) -> None:
         """A repeatable run starts from the acceptance evidence the policy was built with, whatever the decoder
@@ -234,6 +253,7 @@ class AutoPolicy(Policy):
                     n = min(len(arr), len(probs))
                     arr[:n] = np.clip(np.asarray(probs[:n], dtype=np.float64), 0.0, 1.0)
             self.first_child.load(saved.get("first_child", {}))
+            self.plain_runs = int(saved.get("plain_runs", 0) or 0)
         self.source["calibration"] = "cache" if loaded else "new"
 
     def save(self) -> None:
@@ -243,7 +263,7 @@ class AutoPolicy(Policy):
         keep_record("calibration", self._calib_key, {
             "calibrator": self.calibrator.to_dict(),
             "child_probs": {"true": self.child_probs[True].tolist(), "false": self.child_probs[False].tolist()},
-            "first_child": self.first_child.to_dict()})
+            "first_child": self.first_child.to_dict(), "plain_runs": self.plain_runs})
 
     # ---- one step -------------------------------------------------------------------------------------------
     def draft(self, ctx: DraftContext) -> TokenTree:
