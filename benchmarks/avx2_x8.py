@@ -14,7 +14,7 @@ for an AVX2-only one: the same instructions, another core.
 (b) `--part drafts`: whole-model forwards d(n) (`tuning.costs.measure_forward_cost`, n-node tree after a 200-token
     prefix) of GGUF drafts loaded on the AVX2 build, each twice (32-blocks in the row layout / in x8), and of the 1.5B
     target, interleaved over rounds, fastest round kept.
-(c) `--part target --target PATH.gguf [--sizes 1,2,4,8]`: the target's t(n), its K-quants in the file's rows, with
+(c) `--part target --target PATH.gguf [--sizes 1,4,8]`: the target's t(n), its K-quants in the file's rows, with
     Q4_K in x8 (the layouts before q6_K x8), and with both in x8, interleaved over rounds, fastest round kept.
 (d) `--part bench ARGS`: `arborspec bench ARGS` with every native model on the AVX2-only build, end to end (the
     Zen 3 proxy; `--methods ar,auto`: llama.cpp's own build is not AVX2-only).
@@ -22,7 +22,7 @@ for an AVX2-only one: the same instructions, another core.
 Usage: python benchmarks/avx2_x8.py --part matrices [--types q4_0,iq4_nl,q5_0,q8_0] [--sizes 1,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part drafts --drafts PATH.gguf,... [--target PATH.gguf] [--rounds 5]
            [--heads 0,65536]
-       python benchmarks/avx2_x8.py --part target --target PATH.gguf [--sizes 1,2,4,8] [--rounds 5]
+       python benchmarks/avx2_x8.py --part target --target PATH.gguf [--sizes 1,4,8] [--rounds 5]
        python benchmarks/avx2_x8.py --part bench --backend native --methods ar,auto [other `arborspec bench` flags]
 Prints markdown tables (ratios are what to compare: absolute times move with the shared host's state).
 """

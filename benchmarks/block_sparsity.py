@@ -2,7 +2,7 @@
 
 A block-sparse attention kernel skips all-zero b x b tiles of the mask, so the number of non-zero tiles is the work.
 Rows are the tree's nodes, columns the committed prefix plus the tree; every node sees the whole prefix and its own
-ancestors (`arborspec.tree.block_count`). We count tiles for
+ancestors (`arborspec.core.tree.block_count`). We count tiles for
 
 * random trees (each new node hangs under a uniformly chosen earlier node: Table 5's "random tree structure"), and
 * DySpec-like trees: DySpec Alg. 1 run on a synthetic draft whose next-token distributions mix confident and flat

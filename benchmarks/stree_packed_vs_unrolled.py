@@ -10,7 +10,7 @@ embeddings) and Mamba2-370M (d_model 1024, 48 layers), random weights, on a comm
   once packed (`ssm_tree="packed"`: one sequence, one state, the tree-masked scan) and once unrolled
   (`"unrolled"`: each root-to-leaf path is its own sequence in a batch, one state per path);
 * the fitted runtime models: t(N) = k*N + C for Mamba2-130M and a*N^2 + b*N + c for a Bamba hybrid of the same
-  width (24 layers, 4 of them attention, MLP 2048), N = 1..128 (`arborspec.tuning.costs`, `arborspec.runtime_model`).
+  width (24 layers, 4 of them attention, MLP 2048), N = 1..128 (`arborspec.tuning.costs`, `arborspec.tuning.runtime_model`).
 
 Both modes use the same SSD math per sequence, so the difference is the packing alone, not a different kernel: the
 unrolled batch recomputes shared prefixes once per path and, like any state-carrying scan (the paper's fused

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="t = k*N + C or a*N^2 + b*N + c (default: linear for pure SSMs, quadratic otherwise)")
     prof.add_argument("--sizes", default="1,2,4,8,16,32,64,128", help="tree sizes N (comma-separated)")
     prof.add_argument("--prefix", type=int, default=200, help="committed tokens before the tree")
-    prof.add_argument("--repeats", type=int, default=3, help="timed forwards per size (median)")
+    prof.add_argument("--repeats", type=int, default=3, help="timed rounds per size (the fastest is kept)")
     add_tree_layout_arguments(prof)
     prof.add_argument("--out", default=None, help="PNG plot of the fit and the tau-ratio rule")
 

@@ -1,6 +1,7 @@
 """Every argparse flag more than one command shares, declared once: the pair (--target, --draft, --dtype,
---draft-quant), the backends and llama.cpp's options, sampling, and the tree's layout. `generate`, `trees`,
-`calibrate`, `bench` and `serve` take them from here, with the defaults of loading/pair.py."""
+--draft-quant), the backends and llama.cpp's options, sampling, and the tree's layout. `generate`, `chat`,
+`trees`, `calibrate`, `profile`, `bench` and `serve` take them from here (each the ones it needs), with the defaults
+of loading/pair.py."""
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ from .verify import VERIFIERS
 
 
 def add_pair_arguments(p: argparse.ArgumentParser, quant: bool = True) -> None:
-    """--target, --draft, --dtype and --draft-quant, with the defaults above (`generate`, `trees`, `bench`;
-    `calibrate` without --draft-quant: it measures the draft as loaded)."""
+    """--target, --draft, --dtype and --draft-quant, with the defaults above (`generate`, `chat`, `trees`, `bench`,
+    `serve`; `calibrate` without --draft-quant: it measures the draft as loaded)."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, local dir, .gguf file or hub id")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model (same tokenizer as the target)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, help="bf16 (default: 2-3x faster than fp32 on CPU), fp32 or fp16")
@@ -38,7 +39,7 @@ def add_pair_arguments(p: argparse.ArgumentParser, quant: bool = True) -> None:
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
-    """--backend and --draft-backend (every command that loads models)."""
+    """--backend, --draft-backend and the --llama-* options (every command that loads models)."""
     p.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS,
                    help="what runs the models: llamacpp (llama.cpp's quantized CPU kernels on the GGUF itself), torch "
                         "(transformers), native (transformers' layers over the GGUF's blocks on arborspec's own "
@@ -59,8 +60,9 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_arguments(p, draft: bool = True) -> None:
-    """--temperature, --top-k, --top-p, --draft-temperature (unless not `draft`) and --seed (`generate`, `trees`,
-    `calibrate`; `serve`: the defaults for requests that leave the field out). `p`: a parser or an argument group."""
+    """--temperature, --top-k, --top-p, --draft-temperature (unless not `draft`) and --seed (`generate`, `chat`,
+    `trees`, `calibrate`; `serve`: the defaults for requests that leave the field out). `p`: a parser or an argument
+    group."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens only (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0,
@@ -81,7 +83,8 @@ def add_tree_layout_arguments(p) -> None:
 
 
 def add_method_arguments(p, example: str = "dynatree(adapt=false)@32+int8") -> None:
-    """--method, --verifier and --allow-lossy (`generate`, `trees`, `serve`; the bench takes a list: --methods)."""
+    """--method, --verifier and --allow-lossy (`generate`, `chat`, `trees`, `serve`; the bench takes a list:
+    --methods)."""
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"{GRAMMAR}, e.g. {example} (default {DEFAULT_METHOD}; see docs/benchmarks.md); policies: "
                         f"{', '.join(POLICIES)}")

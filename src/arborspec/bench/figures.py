@@ -1,4 +1,4 @@
-"""The benchmark's PNG plots, from results.json alone (matplotlib through arborspec.plotting). Each returns its path
+"""The benchmark's PNG plots, from results.json alone (matplotlib through arborspec.viz.canvas). Each returns its path
 or None when the run has nothing to show (e.g. no method ran with several budgets)."""
 from __future__ import annotations
 

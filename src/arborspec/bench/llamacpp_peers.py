@@ -11,7 +11,7 @@
   text encoded again, and only totals come back (tokens, accepted tokens, prompt and decoding seconds), so a step's
   share is the mean one.
 
-Both run the same GGUF file as the arborspec llama.cpp backend, with the same thread count. Sampling uses llama.cpp's
+All three run the same GGUF file as the arborspec llama.cpp backend, with the same thread count. Sampling uses llama.cpp's
 sampler (temperature -> top-k -> top-p, seeded), so at T > 0 the token streams are draws from the same distribution
 as arborspec's, not the same draws.
 """

@@ -17,7 +17,7 @@ the per-step lists, as the runner records them now (engine/stats.py), so reports
 and tree sizes the same way as new runs.
 
 `python -m arborspec.bench.records DIR...` rewrites every results.json under DIR in the form the writer picks (how
-results/ was compressed).
+results/ was compressed), upgrading schema-1 records as `read` does.
 """
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ def write(path: str | Path, data) -> Path:
 
 
 def recompress(root: str | Path) -> list[Path]:
-    """Rewrite every record under `root` in the form `write` picks (the JSON itself unchanged); the files written."""
+    """Rewrite every record under `root` in the form `write` picks; the files written. A schema-1 record is upgraded
+    on the way (`upgraded`: the prompt's forward leaves the per-step lists), so its JSON changes."""
     return [write(p, read(p)) for p in sorted({find(f.parent) for f in Path(root).rglob(f"{NAME}*")} - {None})]
 
 

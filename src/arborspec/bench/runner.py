@@ -26,7 +26,8 @@ proposed too; engine.StepStats.sources) and the environment.
 What a method name means is arborspec/runspec.py, the same for `generate`, the bench and the Python API.
 
 Over 400 lines: the interleaved loop, the warm-ups and the incremental results.json are one protocol whose parts must
-agree (what is timed, what is written when); the method catalogue is bench/methods.py, the metrics bench/metrics.py.
+agree (what is timed, what is written when); the method catalogue is runspec.py, the transformers baselines
+bench/methods.py, the llama.cpp peers bench/llamacpp_peers.py, the metrics bench/metrics.py.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class BenchSettings:
     draft_quant: str = DEFAULT_DRAFT_QUANT  # for methods whose name carries no quantization lever
     backend: str = DEFAULT_BACKEND  # what runs the models (auto: for GGUF models the backend measured fastest)
     draft_backend: str | None = None  # the draft's, when it differs
-    llama: dict = field(default_factory=dict)  # llama.cpp options (n_threads, n_ctx, n_batch) given on the command line
+    llama: dict = field(default_factory=dict)  # llama.cpp options (n_threads, n_ctx, n_batch, n_seq_max) given
     allow_lossy: bool = False
     prompts: int = 20
     max_new_tokens: int = 128

@@ -1,4 +1,4 @@
-"""Compile the kernels (`gguf_mm.cpp`) for this CPU, once, and load them as torch operators.
+"""Compile the kernels (`gguf_mm.cpp`, and the decoding step `forward.cpp`) for this CPU, once, and load them as torch operators.
 
 Why a torch C++ extension: the kernels split output rows across torch's own thread pool (`at::parallel_for`), so
 they never fight torch's threads for the cores (two OpenMP pools spinning on 2 cores cost 10x), and they take and

@@ -20,8 +20,8 @@
 //        to either reads 0.28 of the 1.5B target's bytes a step (0.40 as shipped); IQ4_NL kept greedy agreement
 //        with the target at 0.900 / 0.690 on two text sets (shipped 0.906 / 0.707, Q4_0 0.884 / 0.671), docs/kernels.md.
 //
-// Two implementations of each: AVX2 (256-bit integer multiply-adds) and a portable scalar one, which is also the
-// fallback on CPUs without AVX2. Output columns are split across torch's thread pool (linear), or across threads the
+// Three implementations of each: AVX-512 VNNI (the x16 layouts), AVX2 (256-bit integer multiply-adds) and a portable
+// scalar one, which is also the fallback on CPUs without AVX2. Output columns are split across torch's thread pool (linear), or across threads the
 // caller already runs (run_units: the forward step's one parallel region, forward.cpp).
 
 #include <ATen/ATen.h>

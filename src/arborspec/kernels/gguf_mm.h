@@ -2,8 +2,8 @@
 //
 // A weight matrix is held as kernels/matrix.py's QuantMatrix holds it: `data` (uint8, one row per weight row or per
 // packed group of rows) and `layout`, an integer naming how its bytes are arranged: a GGUF type number for blocks in
-// the file's row layout, or a packed layout below. Python and C++ agree on these numbers through matrix.py, which
-// reads them from `layouts()`.
+// the file's row layout, or a packed layout below. Python and C++ agree on these numbers through kernels/build.py
+// (`LAYOUTS`, read from `layouts()`), which matrix.py uses.
 #pragma once
 
 #include <ATen/ATen.h>
