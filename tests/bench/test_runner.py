@@ -182,7 +182,7 @@ def test_resume_after_a_method_failed_its_warm_up_keeps_the_finished_prompts(loa
     """The skipped method stayed among the configurations every finished prompt needed, so nothing counted as
     finished and the first prompt ran again; and each resume listed the skip once more."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(2)))
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
     real = runner.Bench.generate
 
     def no_dyspec(self, cfg, ids, max_new_tokens, seed):
@@ -199,6 +199,15 @@ def test_resume_after_a_method_failed_its_warm_up_keeps_the_finished_prompts(loa
     assert grown["resumed"][0]["prompts_done"] == 1 and [s["label"] for s in grown["skipped"]] == ["dyspec"]
     kept = [r for r in grown["runs"] if r["prompt_key"] == "p/0"]
     assert [(r["label"], r["wall"]) for r in kept] == [(r["label"], r["wall"]) for r in first["runs"]]  # not rerun
+
+    def no_chain_either(self, cfg, *args):  # a method that ran before fails its warm-up in the resuming shell
+        if cfg.method == "chain":
+            raise RuntimeError("chain's package is gone")
+        return no_dyspec(self, cfg, *args)
+    monkeypatch.setattr(runner.Bench, "generate", no_chain_either)
+    third = records.read(run_bench(BenchSettings(prompts=3, resume=True, **settings), models=loaded_pair))
+    assert [s["label"] for s in third["skipped"]] == ["chain", "dyspec"]  # chain fails its warm-up this time
+    assert [r["prompt_key"] for r in third["runs"] if r["label"] == "chain"] == ["p/0", "p/1"]  # its runs stay
 
 
 def test_resume_refuses_a_prompt_whose_text_changed(loaded_pair, tmp_path):
@@ -240,5 +249,6 @@ def test_transformers_baselines_on_a_gguf_target_are_skipped_saying_why(tmp_path
                              max_new_tokens=3, progress=False, out=str(tmp_path / "out"), draft_quant="none")
     results = records.read(run_bench(settings, models=(loaded, None)))
     assert [s["label"] for s in results["skipped"]] == ["hf-ar"]
-    assert "needs the target on --backend torch; it runs on llamacpp here" in results["skipped"][0]["reason"]
+    reason = results["skipped"][0]["reason"]
+    assert "needs a transformers model (--backend torch or native); the target runs on llamacpp" in reason
     assert all(r["perplexity"] is not None for r in results["runs"])  # read through the session

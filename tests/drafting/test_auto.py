@@ -858,13 +858,13 @@ def test_a_pair_judged_unable_to_pay_drafts_again_every_so_often_across_runs():
     from arborspec.drafting.auto.policy import EXPLORE_EVERY
 
     sizes = (1, 2, 4, 8, 16, 32)
-    native = CostModel(CostCurve.from_measurements(sizes, [0.049 * (1 + 0.25 * (n - 1)) for n in sizes]), flat(0.033))
+    verify = CostCurve.from_measurements(sizes, [0.049 * (1 + 0.25 * (n - 1)) for n in sizes])
     target, draft = make_pair("llama", seed=3, noise=0.0)
 
-    def decoder(**options):
+    def decoder(draft_cost=0.010, **options):  # a chain of the draft's tokens, all accepted, would pay
         dec = SpeculativeDecoder(target, draft, method="auto", suffix=0, **options)
-        dec.policy.use_costs(native)
-        dec.policy.child_probs[True][0] = 0.6  # no chain clears plain decoding by the guard's margin
+        dec.policy.use_costs(CostModel(verify, flat(draft_cost)))
+        dec.policy.child_probs[True][0] = 0.3  # no chain clears plain decoding by the guard's margin
         dec.policy.first_child.set_evidence(0, 0)
         return dec
 
@@ -873,3 +873,16 @@ def test_a_pair_judged_unable_to_pay_drafts_again_every_so_often_across_runs():
     later = decoder()  # a later run of the pair: it reads the count saved with the calibration
     assert [later.policy.uses_draft(3, 10_000) for _ in range(4)] == [False, False, True, False]
     assert not any(decoder(repeatable=True).policy.uses_draft(3, 10_000) for _ in range(2 * EXPLORE_EVERY))
+    assert not any(later.policy.uses_draft(3, 0) for _ in range(2 * EXPLORE_EVERY))  # scoring: nothing to learn
+    dear = decoder(draft_cost=0.033)  # where not even full acceptance pays, nothing could change the decision
+    assert not any(dear.policy.uses_draft(3, 10_000) for _ in range(2 * EXPLORE_EVERY))
+
+
+def test_saved_evidence_capped_on_load_is_the_cap_itself():
+    """Scaled by cap / trials, 49 trials read 15.999999999999998: under MIN_FIRST_EVIDENCE, so the first child's
+    measured rate went unread after an exploring run's cut."""
+    from arborspec.drafting.auto.acceptance import Calibrator
+    for trials in (49, 98, 103):
+        cal = Calibrator(edges=(0.0, 1.0))
+        assert cal.load({"edges": [0.0, 1.0], "hits": [trials / 2], "trials": [trials]}, cap=16)
+        assert cal.trials[0] == 16 and cal.hits[0] == pytest.approx(8)

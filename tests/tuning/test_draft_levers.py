@@ -140,3 +140,19 @@ def test_an_int8_draft_is_prepared_once_then_loaded_from_the_cache(tmp_path, mon
     for path in (tmp_path / "drafts").glob("*.pt"):
         path.write_bytes(b"truncated")
     assert torch.equal(prepared()(x).logits, first(x).logits) and len(calls) == 3  # a broken file is re-made
+
+
+def test_prepared_drafts_beyond_the_most_recently_used_are_removed(tmp_path):
+    """Every new fingerprint, lever or library made a new ~600 MB copy, and nothing removed the old ones."""
+    import os
+    drafts = tmp_path / "drafts"
+    drafts.mkdir()
+    for i in range(6):  # d0 the least recently used
+        (drafts / f"d{i}.pt").write_bytes(b"x")
+        os.utime(drafts / f"d{i}.pt", (1000 + i, 1000 + i))
+    new = drafts / "new.pt"
+    new.write_bytes(b"x")
+    os.utime(new, (10, 10))  # just written, whatever its clock says: never removed
+    removed = draft_levers.prune_drafts(new, keep=4)
+    assert sorted(p.name for p in removed) == ["d0.pt", "d1.pt", "d2.pt"]
+    assert sorted(p.name for p in drafts.iterdir()) == ["d3.pt", "d4.pt", "d5.pt", "new.pt"]

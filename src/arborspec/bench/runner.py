@@ -46,7 +46,6 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from ..backends import brings_sessions
 from ..backends.model_info import context_window, eos_ids
 from ..core.host import this_cpu
 from ..core.options import parse_int_list
@@ -212,9 +211,10 @@ class Bench:
     def generate(self, cfg: Config, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Generate once; return the measured fields (no perplexity, no memory)."""
         if cfg.spec.hf is not None:
-            if brings_sessions(self.target.model):  # it failed as "'LlamaCppModel' object has no attribute 'generate'"
-                raise ValueError(f"{cfg.method} runs transformers' own generate, which needs the target on "
-                                 f"--backend torch; it runs on {backend_of(self.target.model)} here")
+            if not callable(getattr(self.target.model, "generate", None)):  # it failed as "'LlamaCppModel' object
+                # has no attribute 'generate'"; a native target is transformers' own skeleton and runs it
+                raise ValueError(f"{cfg.method} runs transformers' own generate, which needs a transformers model "
+                                 f"(--backend torch or native); the target runs on {backend_of(self.target.model)}")
             draft = self.draft_for(cfg.spec)
             out = hf_generate(cfg.spec, self.target.model, draft.model if draft else None, ids,
                               max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p, self.eos, seed)
@@ -362,7 +362,8 @@ def _prompts(settings: BenchSettings, tokenizer, warnings: list[str]) -> list[Pr
     if settings.prompt_file:  # one more group: after the datasets, a larger --prompts could not extend a --resume
         groups[settings.prompt_file] = load_prompt_file(settings.prompt_file, tokenizer, settings.prompts,
                                                         settings.max_prompt_tokens)
-    for name, group in groups.items():
+    for name in settings.datasets:  # a prompt file may hold fewer; a dataset short of them says why
+        group = groups[name]
         if len(group) < settings.prompts:  # --text-tokens 0 gave no sharegpt-text prompt, and not a word
             warnings.append(f"{name} gave {len(group)} of the {settings.prompts} prompts asked for (the rest are "
                             f"longer than --max-prompt-tokens {settings.max_prompt_tokens}, or the set is smaller)")
@@ -487,7 +488,7 @@ def _carry_on(old: dict, fresh: dict, configs: list[Config]) -> tuple[dict, int]
             break
         done += 1
     kept = set(keys[:done])
-    old["runs"] = [r for r in old["runs"] if r["prompt_key"] in kept and (r["label"], r["temperature"]) in wanted]
+    old["runs"] = [r for r in old["runs"] if r["prompt_key"] in kept]  # a method skipped now keeps its finished runs
     old.setdefault("resumed", []).append(dict(at=time.strftime("%Y-%m-%d %H:%M:%S"), prompts_done=done,
                                               env=fresh["env"]))
     for field_ in ("settings", "prompts", "command", "skipped"):  # the command that reproduces the whole run

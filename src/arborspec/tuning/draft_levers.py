@@ -171,6 +171,7 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
     if path is not None and path.exists():
         try:
             loaded.model = torch.load(path, weights_only=False)  # written by this function, below
+            os.utime(path)  # used now: the copies least recently used go first (prune_drafts)
             return loaded
         except Exception:  # unreadable (truncated, other library build): prepare it again
             path.unlink(missing_ok=True)
@@ -179,7 +180,21 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
     loaded.model = quantize(loaded.model, quant)
     if path is not None:
         save_atomically(loaded.model, path)
+        prune_drafts(path)
     return loaded
+
+
+KEEP_DRAFTS = 4  # prepared draft copies kept in the cache, the most recently used: ~600 MB each for the 0.5B int8
+
+
+def prune_drafts(kept: Path, keep: int = KEEP_DRAFTS) -> list[Path]:
+    """Remove the prepared drafts beside `kept` but the `keep` - 1 most recently used (never `kept`): each change of
+    a model's fingerprint, the levers or the libraries makes a new copy, and nothing read the old ones again."""
+    others = sorted((p for p in kept.parent.glob("*.pt") if p != kept), key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = others[max(keep - 1, 0):]
+    for old in removed:
+        old.unlink(missing_ok=True)
+    return removed
 
 
 def _cached_draft_path(model, quant: str, vocab: int) -> Path:

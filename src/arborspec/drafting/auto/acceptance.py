@@ -76,7 +76,7 @@ class Calibrator:
         if hits.shape != self.hits.shape or trials.shape != self.trials.shape or (hits > trials + 1e-9).any():
             return False
         scale = np.where(trials > cap, cap / np.maximum(trials, 1e-12), 1.0)
-        self.hits, self.trials = hits * scale, trials * scale
+        self.hits, self.trials = hits * scale, np.minimum(trials, cap)  # cap itself: 16 read 15.999999999999998
         self._curve = None
         return True
 

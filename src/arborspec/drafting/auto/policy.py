@@ -190,8 +190,10 @@ class AutoPolicy(Policy):
         rate = self._expected_rate()
         if new_tokens > 0 and prompt_tokens > 1:
             rate = new_tokens / (new_tokens / rate + self.costs.layer(prompt_tokens - 1))
-        self.cannot_pay = rate <= (1.0 + self._margin) / self.costs.plain_step()
-        if self.cannot_pay and not self.options.repeatable:
+        bar = (1.0 + self._margin) / self.costs.plain_step()
+        self.cannot_pay = rate <= bar
+        # a run that learns something: never where even full acceptance could not pay, nor a run that generates nothing
+        if self.cannot_pay and not self.options.repeatable and new_tokens > 0 and ceiling_rate(self.costs) > bar:
             self.plain_runs += 1
             if self.plain_runs >= EXPLORE_EVERY:
                 self._explore()
