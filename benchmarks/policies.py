@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     SpeculativeDecoder(target, draft, method="chain", k=2).generate(prompts[0], max_new_tokens=4)
     reference: dict[int, list[int]] = {}
     rows = []
-    print(f"| method | tokens/step | tokens/s | speed-up | tree size | draft calls/step | t_draft | t_verify | same as ar |")
+    print("| method | tokens/step | tokens/s | speed-up | tree size | draft calls/step | t_draft | t_verify | same as ar |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     ar_tps = None
     for method in methods:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from arborspec.backends import batching
 
 TIMEOUT = 30

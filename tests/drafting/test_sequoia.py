@@ -22,7 +22,7 @@ def all_shapes(n):
     for k in range(1, n):
         for sizes in compositions(n - 1, k):
             for subs in itertools.product(*[list(all_shapes(s)) for s in sizes]):
-                kids, shape = [], [[]]
+                shape = [[]]
                 for sub in subs:
                     offset = len(shape)
                     shape[0].append(offset)

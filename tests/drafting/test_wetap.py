@@ -45,20 +45,15 @@ def test_app_d_layers_are_as_in_the_paper():
     assert cum[7] > cum[8]  # "the probability of token 7 is higher than the probability of token 8"
 
 
-def test_app_d_pruning_example(monkeypatch):
+def test_app_d_pruning_example():
     parents, depths, cum = app_d_tree()
-    import arborspec.drafting.wetap as wetap
-
-    steps = {}
-    real_sorted = sorted
-
     kept = prune(parents, depths, cum, budget=12, alpha=0.6)
     # the text: first prune to 12 by score; the parents 2, 3, 7 of kept tokens 5, 6, 11 are missing and come back
     # (15 > 12); drop leaf 12 (leaves shallow to deep); then the lowest probabilities, 15 and 16
     D = 4
     pmin, pmax = min(cum[1:]), max(cum[1:])
     score = {v: 0.6 * (cum[v] - pmin) / (pmax - pmin + 1e-6) + 0.4 * depths[v] / D for v in range(1, 17)}
-    first = set(real_sorted(range(1, 17), key=lambda v: -score[v])[:12])
+    first = set(sorted(range(1, 17), key=lambda v: -score[v])[:12])
     assert first == {1, 4, 5, 6, 9, 10, 11, 12, 13, 14, 15, 16}
     assert {parents[v] for v in (5, 6, 11)} == {2, 3, 7} and not {2, 3, 7} & first
     assert kept == [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 13, 14]
