@@ -15,6 +15,7 @@ from arborspec.loading.pair import backend_of
 from tests.backends.tiny_gguf import write_tiny_gguf
 
 PROMPT, NEW = [5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]
+pytestmark = pytest.mark.usefixtures("private_cache")  # the GGUF tokenizers it builds: not in ~/.cache
 
 
 def one_token_logits(model, context: list[int]) -> torch.Tensor:

@@ -237,11 +237,12 @@ def test_a_prompt_file_takes_its_turn_with_the_datasets_so_a_larger_run_extends_
     assert keys(2, warnings) == ["file/0", "file/1"] and "humaneval gave 0 of the 2 prompts" in warnings[0]
 
 
-def test_transformers_baselines_on_a_gguf_target_are_skipped_saying_why(tmp_path):
+def test_transformers_baselines_on_a_gguf_target_are_skipped_saying_why(tmp_path, monkeypatch):
     """Skipped with "'LlamaCppModel' object has no attribute 'generate'": the default --methods include hf-assisted,
     and --backend auto puts the default pair on llama.cpp or native."""
     from arborspec.loading import load_model
     from tests.backends.tiny_gguf import write_tiny_gguf
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))  # the GGUF's tokenizer: not in ~/.cache
     loaded = load_model(str(write_tiny_gguf(tmp_path / "t.gguf")), backend="llamacpp", progress=False)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "ab"}\n')
