@@ -264,3 +264,12 @@ def test_kernels_info_compiles_nothing(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
     code, out, _ = run_cli(capsys, "kernels", "info")
     assert code == 0 and "not built for this CPU" in out and not (tmp_path / "kernels").exists()
+
+
+def test_a_method_option_shows_a_default_only_where_every_method_shares_it():
+    """`--budget` said "default 64" for every method (suffix's is 16; `arborspec methods` shows each one's)."""
+    from arborspec.cli import build_parser
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    helps = {a.dest: a.help for a in generate._actions}
+    assert helps["opt_budget"].endswith("(default: each method's own, `arborspec methods`)")
+    assert helps["opt_k"].endswith("(default 5)")

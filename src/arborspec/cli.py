@@ -74,13 +74,21 @@ from .viz.trees import draw_trees
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
 
 # ---- argument parsing ---------------------------------------------------------------------------------------
-def _method_option_fields() -> dict[str, dataclasses.Field]:
-    """Every option any policy takes, by name (one CLI flag each)."""
-    fields: dict[str, dataclasses.Field] = {}
+def _method_option_fields() -> dict[str, list[dataclasses.Field]]:
+    """Every option any policy takes, by name (one CLI flag each), with each policy's own field for it."""
+    fields: dict[str, list[dataclasses.Field]] = {}
     for policy in POLICIES.values():
         for f in dataclasses.fields(policy.Options):
-            fields.setdefault(f.name, f)
+            fields.setdefault(f.name, []).append(f)
     return fields
+
+
+def _option_help(fields: list[dataclasses.Field]) -> str:
+    """The first policy's help, and the default where every policy taking the option shares it (`--budget` said
+    "default 64" for every method: suffix's is 16)."""
+    shared = len({repr(f.default) for f in fields}) == 1
+    default = f"default {fields[0].default!r}" if shared else "default: each method's own, `arborspec methods`"
+    return f"{fields[0].metadata.get('help', '')} ({default})"
 
 
 def _argtype(parse_value):
@@ -115,10 +123,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         help="graft lookahead branches: a Jacobi window W guesses wide and the n-grams it found "
                              "(0 = off; `--method ar --lookahead 4` is lookahead decoding, no draft model)")
     group = p.add_argument_group("method options (each method takes its own; see `arborspec methods`)")
-    for name, f in _method_option_fields().items():
-        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=_argtype(option_parser(f)),
-                           default=None,
-                           help=f"{f.metadata.get('help', '')} (default {f.default!r})")
+    for name, fields in _method_option_fields().items():
+        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=_argtype(option_parser(fields[0])),
+                           default=None, help=_option_help(fields))
 
 
 def build_parser() -> argparse.ArgumentParser:
