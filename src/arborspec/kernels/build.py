@@ -1,4 +1,5 @@
-"""Compile the kernels (`gguf_mm.cpp`, and the decoding step `forward.cpp`) for this CPU, once, and load them as torch operators.
+"""Compile the kernels (`gguf_mm.cpp`, and the decoding step `forward.cpp`) for this CPU, once, and load them as
+torch operators.
 
 Why a torch C++ extension: the kernels split output rows across torch's own thread pool (`at::parallel_for`), so
 they never fight torch's threads for the cores (two OpenMP pools spinning on 2 cores cost 10x), and they take and
@@ -105,8 +106,9 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
             library.unlink()  # damaged, or left by a build that did not finish: ninja builds it again
         cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        if _read(marker) != _fingerprint(library):
-            atomic_write(marker, json.dumps(_fingerprint(library)))
+        built = _fingerprint(library)  # hashed once: the library ninja left, rebuilt or not
+        if _read(marker) != built:
+            atomic_write(marker, json.dumps(built))
 
 
 def _fingerprint(library: Path) -> dict:

@@ -160,7 +160,7 @@ class Logprobs:
 
 def special_ids(tokenizer) -> set[int]:
     """The ids `decode(skip_special_tokens=True)` leaves out: the named special tokens and every added token marked
-    special (Qwen2.5: 22 ids, where all_special_ids names 3)."""
+    special (Qwen2.5-Coder: 20 ids, where all_special_ids names 2)."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     marked = {i for i, token in added.items() if getattr(token, "special", False)}
     return set(getattr(tokenizer, "all_special_ids", ())) | marked
