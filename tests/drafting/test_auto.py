@@ -798,6 +798,28 @@ def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when
 
 
 @pytest.mark.usefixtures("private_cache")
+def test_at_t_above_0_a_calibration_is_kept_per_verifier():
+    """auto+ngram at T > 0 verifies every tree with naive, which accepts fewer sampled draft tokens than auto's own
+    traversal; its evidence must not become the record plain auto plans its trees with. At T = 0 they share one."""
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+
+    def saved(temperature, **options):
+        dec = SpeculativeDecoder(target, draft, method="auto", temperature=temperature, **options)
+        dec.policy.use_costs(CostModel(T_CPU, D_CPU))
+        dec.policy.calibrator.observe([0.5], [0])  # evidence (has_evidence), so a later decoder loads the record
+        dec.policy.save()
+        return dec.verifier.name
+
+    assert saved(1.0, ngram=4, suffix=0) == "naive"
+    plain = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0)
+    assert plain.verifier.name == "traversal" and plain.policy.source["calibration"] == "new"
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=1.0, ngram=4,
+                              suffix=0).policy.source["calibration"] == "cache"
+    saved(0.0, ngram=4, suffix=0)
+    assert SpeculativeDecoder(target, draft, method="auto", suffix=0).policy.source["calibration"] == "cache"
+
+
+@pytest.mark.usefixtures("private_cache")
 def test_a_repeatable_auto_samples_the_same_tokens_whatever_the_clock_and_earlier_runs(monkeypatch):
     """At T > 0 the tokens a seed gives depend on the trees (a tree's shape decides which random draws are made),
     and auto's trees follow the measured step times and the calibration saved by earlier runs. auto(repeatable)

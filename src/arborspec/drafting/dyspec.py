@@ -90,9 +90,10 @@ class DySpecPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.auto.max_tree_depth if self.auto else self.options.budget
 
-    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None) -> None:
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None,
+             verifier: str = "") -> None:
         if self.auto:
-            self.auto.bind(target, draft, sampling, draft_sampling, tokenizer)
+            self.auto.bind(target, draft, sampling, draft_sampling, tokenizer, verifier)
 
     def update(self, step) -> None:
         if self.auto:

@@ -75,7 +75,8 @@ class SpeculativeDecoder:
             check_session_support(model)
         self.step_threads = step_threads([self.target] + ([self.draft] if drafts else []))
         # e.g. auto: load or measure the models' cost profiles
-        self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling, self.tokenizer)
+        self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling, self.tokenizer,
+                         self.verifier.name)
         if self.free:  # e.g. ar: measure the target's costs, so the budget keeps only free rows that pay
             self.policy.price_free_branches(self.target)
 

@@ -11,7 +11,8 @@ engine's other time; load that slows both models alike leaves the trees unchange
 makes them smaller.
 
 Memory (`remember`): the calibration and the child-probability predictor are saved in the cache directory every 8
-steps and when a new generation starts, keyed by the pair's fingerprints, dtypes, thread count and sampling settings.
+steps and when a new generation starts, keyed by the pair's fingerprints, dtypes, thread count, sampling settings and
+(at T > 0) verifier.
 
 `result.stats.policy` (GenerationStats) explains the choices (`explain`): per step the mode, layer widths, predicted
 tokens and seconds and why growth stopped; the calibration curve; the predictor; the cost model and its source; the
@@ -33,6 +34,7 @@ from ...core.sampling import SamplingConfig
 from ...core.tree import DrawRule, TokenTree
 from ...tuning import costs as forward_costs
 from ...tuning.agreement import pair_agreement, pair_overlap
+from ...verify import VERIFIERS
 from ..base import DraftContext, Policy
 from .acceptance import Calibrator
 from .guard import Guard
@@ -111,7 +113,8 @@ class AutoPolicy(Policy):
         self.source = {"costs": source}
         return self
 
-    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None) -> None:
+    def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None,
+             verifier: str = "") -> None:
         """Profile (or load the cached profiles of) the target and the draft; load the saved calibration, or for a
         pair with none, start the greedy predictor from the pair's measured agreement (`seed_from_agreement`)."""
         self._greedy = sampling.greedy
@@ -126,7 +129,7 @@ class AutoPolicy(Policy):
                            "target_profile": str(forward_costs.profile_path(target)),
                            "draft_profile": str(forward_costs.profile_path(draft))}
         if self.options.remember:
-            self._calib_key = _calibration_key(target, draft, sampling, draft_sampling)
+            self._calib_key = _calibration_key(target, draft, sampling, draft_sampling, verifier)
             self._load_calibration()
         if tokenizer is not None and not self.has_evidence():
             self.seed_from_agreement(target, draft, tokenizer)
@@ -397,12 +400,21 @@ class AutoPolicy(Policy):
         return out
 
 
-def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig) -> dict:
-    """What a saved calibration is valid for: the pair, their dtypes, the thread count and both sampling settings."""
-    return {"target": model_fingerprint(target), "draft": model_fingerprint(draft),
-            "dtype": [str(target.dtype), str(draft.dtype)], "threads": forward_costs.model_threads(target),
-            "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
-            "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
+def _calibration_key(target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig,
+                     verifier: str = "") -> dict:
+    """What a saved calibration is valid for: the pair, their dtypes, the thread count, both sampling settings and,
+    at T > 0, the verifier of the drafted trees. Why the verifier: at T > 0 how many drafted nodes are accepted
+    depends on it (naive accepts fewer of a sampled draft's tokens than traversal), and `auto+ngram`, a `--verifier`
+    of the caller's or dyspec(budget=auto) runs the same policy under another one; one record for all let their
+    evidence lower the acceptance auto plans its traversal-verified trees with. At T = 0 every exact verifier
+    accepts the same path, so they share one record (a lossy one keys its own)."""
+    key = {"target": model_fingerprint(target), "draft": model_fingerprint(draft),
+           "dtype": [str(target.dtype), str(draft.dtype)], "threads": forward_costs.model_threads(target),
+           "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
+           "draft_sampling": [draft_sampling.temperature, draft_sampling.top_k, draft_sampling.top_p]}
+    if verifier and (not sampling.greedy or not VERIFIERS[verifier].exact):
+        key["verifier"] = verifier
+    return key
 
 
 def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: float | None = None,
