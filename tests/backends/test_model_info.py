@@ -127,3 +127,26 @@ def test_a_generation_configs_logits_processors_are_named_once_not_applied_in_si
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SpeculativeDecoder(tiny_model("llama"), method="ar")  # neutral settings: nothing to say
+
+
+def test_a_new_model_is_warned_about_though_it_reuses_a_freed_ones_id():
+    """Models were remembered by id(); CPython hands a freed object's id to the next one of its size, which then went
+    unwarned."""
+    import gc
+    import types
+    import warnings
+
+    from arborspec.backends.model_info import warn_unapplied
+
+    class Model:
+        generation_config = types.SimpleNamespace(repetition_penalty=1.3)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            model = Model()
+            warn_unapplied(model)
+            warn_unapplied(model)
+            del model
+            gc.collect()
+    assert sum("repetition_penalty=1.3" in str(w.message) for w in seen) == 10

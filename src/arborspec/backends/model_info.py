@@ -8,6 +8,7 @@ Only `model.config` (vocab_size, max_position_embeddings or GPT-2's n_positions)
 from __future__ import annotations
 
 import warnings
+import weakref
 
 NO_LIMIT = 2**31  # the context window of a model whose config names none
 
@@ -110,7 +111,19 @@ PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1
                       "min_new_tokens": 0, "min_length": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
                       "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None,
                       "forced_eos_token_id": None}
-_warned: set[int] = set()
+_warned: weakref.WeakSet = weakref.WeakSet()  # models warned about (by identity, forgotten with them)
+
+
+def _first_time(model) -> bool:
+    """Whether `model` was not warned about yet (an object that takes no weak reference: every time). Not by id():
+    a new model could get a freed one's id and go unwarned."""
+    try:
+        if model in _warned:
+            return False
+        _warned.add(model)
+    except TypeError:
+        pass
+    return True
 
 
 def warn_unapplied(model) -> None:
@@ -120,7 +133,6 @@ def warn_unapplied(model) -> None:
     config = getattr(model, "generation_config", None)
     found = [f"{name}={getattr(config, name)!r}" for name, neutral in PROCESSOR_SETTINGS.items()
              if getattr(config, name, neutral) not in (neutral, None, [], {})]
-    if found and id(model) not in _warned:
-        _warned.add(id(model))
+    if found and _first_time(model):
         warnings.warn(f"the model's generation config sets {', '.join(found)}; arborspec decodes from the raw "
                       "logits and does not apply it (transformers' generate would)", stacklevel=3)
