@@ -71,6 +71,18 @@ def test_commit_compacts_to_the_accepted_path(arch):
         context.append(rng.randrange(2, 56))
 
 
+def test_prefilling_nothing_changes_nothing():
+    """Session.prefill([]) failed here (the ids of no rows made a float tensor); native and the others did nothing."""
+    model = tiny_model("llama")
+    session = TreeSession(model)
+    session.prefill([])
+    session.prefill([5, 6])
+    session.prefill([])
+    assert session.cached == [5, 6] and session.cache.get_seq_length() == 2
+    logits = session.forward([5, 6, 7], TokenTree.root(7), [0])[0]
+    torch.testing.assert_close(logits, reference_logits(model, [5, 6, 7]), atol=2e-5, rtol=1e-4)
+
+
 def test_renumber_then_commit_keeps_exactly_the_path(arch):
     """A policy that prunes after drafting (WETAP) renumbers the region; commit must still drop every other row,
     including the pruned nodes' KV and when the kept path happens to sit in the region's first rows."""

@@ -291,13 +291,18 @@ def test_bad_input_is_refused_before_the_operator_and_by_it(native):
         "sees no key": dict(prefix=long([0, 0])),
         "outside the vocabulary": dict(ids=long([1, 10**6])),
         "must be ascending": dict(extra=long([3, 2]), offsets=long([0, 0, 2]), prefix=long([1, 1])),
+        # a row's offsets past the extra table (a later row's set right): read past its end before
+        "bad visible range": dict(extra=long([2, 3]), offsets=long([0, 600, 2]), prefix=long([1, 1])),
+        "kept row out of range": dict(keep=long([2])),
     }
+    before = session.keys.clone()
     for message, change in cases.items():
         args = dict(ids=ids, cos=cos, sin=cos, keys=[session.keys], values=[session.values], seq=long([0, 0]),
                     at=long([0, 1]), prefix=long([1, 2]), offsets=long([0, 0, 0]), extra=long([]), keep=long([1]))
         args.update(change)
         with pytest.raises(RuntimeError, match=message):
             step.cpp.forward(*args.values())
+    assert torch.equal(session.keys, before)  # refused before anything was written
 
 
 # ------------------------------------------------------------------------------------------ a pruned draft head

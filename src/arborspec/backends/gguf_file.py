@@ -8,6 +8,7 @@ cannot read (`read_gguf_info`).
 """
 from __future__ import annotations
 
+import re
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -148,20 +149,38 @@ def read_gguf_info(path: Path) -> GgufInfo:
 
 def describe(path: Path, file: GgufFile) -> GgufInfo:
     """The GgufInfo of a file `read_gguf` has read; ValueError if it is no model."""
-    return _info(path, file.metadata.get, [t.qtype.name for t in file.tensors if len(t.shape) == 2],
-                 bool(file.tensors))
+    return _info(path, file.metadata.get, [(t.name, t.shape, t.qtype) for t in file.tensors])
 
 
-def _info(path: Path, field, matrix_types: list[str], has_tensors: bool) -> GgufInfo:
-    """GgufInfo from a metadata lookup `field(key)` (None when absent), whichever reader read the header."""
+def _info(path: Path, field, tensors: list[tuple]) -> GgufInfo:
+    """GgufInfo from a metadata lookup `field(key)` (None when absent) and the tensor table's (name, shape outermost
+    first, type), whichever reader read the header."""
     arch = field("general.architecture")
-    if not isinstance(arch, str) or not has_tensors:
+    if not isinstance(arch, str) or not tensors:
         raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
     _check_sizes(path, arch, field)
+    _check_tensors(path, arch, field, tensors)
     context = field(f"{arch}.context_length")
     return GgufInfo(arch, int(context) if context is not None else None,
-                    weight_type(field("general.file_type"), matrix_types),
+                    weight_type(field("general.file_type"), [qt.name for _, shape, qt in tensors if len(shape) == 2]),
                     bool(field(f"{arch}.pooling_type")) or field(f"{arch}.attention.causal") is False)
+
+
+def _check_tensors(path: Path, arch: str, field, tensors: list[tuple]) -> None:
+    """ValueError for a tensor table no model can have (a corrupt file): rows that are not whole blocks of their
+    type (the size read rounded down in silence, and native failed later naming neither file nor tensor), or more
+    layers declared than the file holds tensors for (native built every declared layer first: a block_count of
+    100000 on a 2-layer file ran out of memory loading, ~3.5 ms a layer)."""
+    for name, shape, qtype in tensors:
+        block = GGML_QUANT_SIZES[qtype][0]
+        if shape and shape[-1] % block:
+            raise ValueError(f"{path} is a corrupt GGUF file: tensor {name} has rows of {shape[-1]} values, not a "
+                             f"multiple of {qtype.name}'s block of {block}")
+    layers = field(f"{arch}.block_count")
+    held = {int(name.split(".")[1]) for name, _, _ in tensors if re.fullmatch(r"blk\.\d+\..+", name)}
+    if isinstance(layers, (int, np.integer)) and held and layers > max(held) + 1:
+        raise ValueError(f"{path} is a corrupt GGUF file: {arch}.block_count is {layers}, but it holds tensors for "
+                         f"{max(held) + 1} layers")
 
 
 SIZES = {"block_count": 1, "attention.head_count": 1, "attention.head_count_kv": 1, "embedding_length": 1,
@@ -217,4 +236,6 @@ def _info_by_gguf(path: Path) -> GgufInfo:
         f = reader.get_field(key)
         return None if f is None else f.contents()
 
-    return _info(path, field, [t.tensor_type.name for t in reader.tensors if len(t.shape) == 2], bool(reader.tensors))
+    # gguf lists a tensor's dimensions innermost first
+    return _info(path, field, [(t.name, tuple(int(d) for d in reversed(t.shape)), QT(int(t.tensor_type)))
+                               for t in reader.tensors])

@@ -76,6 +76,8 @@ class TreeSession(TreeRegion):
         """Put committed tokens into the cache without computing logits over the vocabulary."""
         if self.region_len:
             raise RuntimeError("prefill with a non-empty region")
+        if not ids:  # nothing to put (a forward of no rows failed: its ids made a float tensor)
+            return
         n, past = len(ids), len(self.cached)
         allowed = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
         self._run(list(ids), list(range(past, past + n)), allowed, keep=1)

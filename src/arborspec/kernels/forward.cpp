@@ -790,12 +790,12 @@ class Model : public torch::CustomClassHolder {
                      at::Tensor offsets, at::Tensor extra, at::Tensor keep) {
     at::NoGradGuard no_grad;
     const Rows rows = describe(ids, cos, sin, keys, values, seq, at, prefix, offsets, extra);
+    TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.is_contiguous(), "keep: int64 (k,)");
+    const int64_t* pk = keep.data_ptr<int64_t>();  // checked before the caches are written
+    for (int64_t i = 0; i < keep.numel(); ++i) TORCH_CHECK(pk[i] >= 0 && pk[i] < rows.n, "kept row out of range");
     at::Tensor h = embed(ids);  // (n, hidden)
     layers_in_region(h, cos, sin, keys, values, rows);
-    TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1, "keep: int64 (k,)");
     if (keep.numel() == 0) return at::empty({0, 0}, at::kFloat);
-    const int64_t* pk = keep.data_ptr<int64_t>();
-    for (int64_t i = 0; i < keep.numel(); ++i) TORCH_CHECK(pk[i] >= 0 && pk[i] < rows.n, "kept row out of range");
     at::Tensor logits = head_(rms_norm(h.index_select(0, keep).contiguous(), final_norm_, final_eps_));
     TORCH_CHECK(all_finite(logits), "non-finite logits (NaN or inf)");
     return head_ids_.defined() ? spread(logits) : logits;
@@ -1035,7 +1035,8 @@ class Model : public torch::CustomClassHolder {
       TORCH_CHECK(ps[r] >= 0 && ps[r] < (int64_t)keys.size(), "row ", r, " names no sequence");
       const int64_t capacity = keys[ps[r]].size(2);
       TORCH_CHECK(pa[r] >= 0 && pa[r] < capacity, "row ", r, " writes past its cache (", capacity, ")");
-      TORCH_CHECK(pp[r] >= 0 && pp[r] <= capacity && po[r] <= po[r + 1], "row ", r, ": bad visible range");
+      TORCH_CHECK(pp[r] >= 0 && pp[r] <= capacity && po[r] <= po[r + 1] && po[r + 1] <= extra.size(0),
+                  "row ", r, ": bad visible range");
       for (int64_t e = po[r]; e < po[r + 1]; ++e) {
         TORCH_CHECK(pe[e] >= pp[r] && pe[e] < capacity && (e == po[r] || pe[e] > pe[e - 1]),
                     "row ", r, ": extra entries must be ascending, past its prefix, inside its cache");
