@@ -63,6 +63,11 @@ def test_the_decision_rule_is_eq_7():
 def test_full_tree_shape_and_default_kinds():
     tree = full_tree(15, 3, [7, 8])
     assert len(tree) == 15 and tree.depth == 3 and tree.widths() == [1, 2, 4, 8]
+    for n, leaves in [(128, 7), (128, 63), (15, 1), (15, 8), (1, 3)]:  # a backend's forwards that take few leaves
+        tree = full_tree(n, 3, [7, 8], leaves=leaves)
+        parents = set(tree.parents)
+        assert len(tree) == n and sum(i not in parents for i in range(n)) == min(leaves, (n + 1) // 2)
+    assert full_tree(15, 3, [7, 8], leaves=4).widths() == [1, 2, 4, 4, 4]  # the complete layers, then chains
     assert default_kind(ssm_model("mamba2")) == "linear"
     assert default_kind(ssm_model("bamba")) == "quadratic"
     assert default_kind(tiny_model("llama")) == "quadratic"

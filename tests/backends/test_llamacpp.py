@@ -369,6 +369,29 @@ def test_greedy_speculative_output_equals_plain_decoding(gguf_dir, method, optio
 
 
 @needs_llama
+@pytest.mark.usefixtures("private_cache")
+def test_auto_runs_on_models_loaded_with_few_sequences(gguf_dir):
+    """auto profiled complete binary trees of up to 128 tokens (64 leaves), so on models loaded with n_seq_max <= 48
+    it stopped before its first step ("one forward needs more than 7 branches"); its profile's trees now keep to the
+    models' leaves, and so do the trees it drafts."""
+    from arborspec.drafting.auto.objective import CostModel
+    from arborspec.engine import SpeculativeDecoder
+    from arborspec.tuning.costs import CostCurve
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_seq_max=8)
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, n_seq_max=8)
+    prompt = "def fib(n):\n    return"
+    ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=32, ignore_eos=True)
+    dec = SpeculativeDecoder(target, draft, method="auto", suffix=0, guard=False)
+    assert dec.policy.options.max_nodes == 7
+    flat = CostCurve.from_measurements((1, 128), (0.1, 0.1))  # any tree pays: wide ones
+    dec.policy.use_costs(CostModel(flat, CostCurve.from_measurements((1, 128), (0.001, 0.001))))
+    spec = dec.generate(prompt, max_new_tokens=32, ignore_eos=True)
+    assert spec.token_ids == ar.token_ids
+    assert max(s.tree_size for s in spec.stats.steps) == 7
+
+
+@needs_llama
 def test_trees_larger_than_n_batch_fit_up_to_the_end_of_the_window(gguf_dir):
     """240 + 16 cells (a multiple of 256: llama.cpp adds none) held 48-node trees until ~16 cells before the end of
     the window, then llama_decode found the cache full: the room after n_ctx is a whole tree's now."""
@@ -400,6 +423,20 @@ def test_plain_loop_equals_the_general_loop(gguf_dir, temperature):
         b = general.generate(prompt, max_new_tokens=32, seed=seed, ignore_eos=True)
         assert a.token_ids == b.token_ids and a.text == b.text
         assert len(set(a.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
+def test_a_llama_cpp_python_model_is_refused_with_the_way_to_load_it(gguf_dir):
+    """A llama_cpp.Llama has .model (a pointer, an int) and .tokenizer: it was taken for a loaded pair, and the error
+    said "got int"."""
+    import llama_cpp
+
+    from arborspec.engine import SpeculativeDecoder
+
+    theirs = llama_cpp.Llama(model_path=str(gguf_dir / "target.gguf"), n_ctx=64, verbose=False)
+    with pytest.raises(TypeError, match="llama-cpp-python's Llama; load the GGUF file with arborspec.load_model"):
+        SpeculativeDecoder(theirs, method="ar")
+    theirs.close()
 
 
 @needs_llama

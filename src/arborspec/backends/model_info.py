@@ -16,6 +16,10 @@ NO_LIMIT = 2**31  # the context window of a model whose config names none
 def model_and_tokenizer(model_or_loaded, tokenizer=None) -> tuple:
     """(model, tokenizer) of a LoadedModel, a (model, tokenizer) pair, or a bare model and `tokenizer`. TypeError for
     anything that is not a loaded model (a name or a path, as transformers users may pass: it failed deep inside)."""
+    if type(model_or_loaded).__module__.startswith("llama_cpp"):  # its .model is a pointer: "got int" said nothing
+        raise TypeError(f"expected a loaded model, got llama-cpp-python's {type(model_or_loaded).__name__}; load the "
+                        "GGUF file with arborspec.load_model(path, backend='llamacpp') (or load_pair), which runs "
+                        "it on llama.cpp with the tree sessions speculation needs")
     if hasattr(model_or_loaded, "model") and hasattr(model_or_loaded, "tokenizer"):
         model, tokenizer = model_or_loaded.model, model_or_loaded.tokenizer
     elif isinstance(model_or_loaded, tuple) and len(model_or_loaded) == 2:
@@ -44,6 +48,13 @@ def context_window(model, default: int = NO_LIMIT) -> int:
         if original:
             window = min(window, int(original))
     return window
+
+
+def branch_limit(model) -> int | None:
+    """How many leaves one forward's tree may have on `model`, None for no limit: llama.cpp's sessions give every
+    branch a sequence id of their own, n_seq_max - 1 of them (backends/llamacpp.py); the other backends take any."""
+    n_seq_max = getattr(model, "n_seq_max", None)
+    return max(1, int(n_seq_max) - 1) if isinstance(n_seq_max, int) else None
 
 
 def vocab_size(*models) -> int | None:

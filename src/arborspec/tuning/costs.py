@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..backends import make_session
-from ..backends.model_info import context_window
+from ..backends.model_info import branch_limit, context_window
 from ..backends.native import file_fingerprint
 from ..core.disk_cache import keep_record, model_fingerprint, read_record, record_path, sha256_key
 from ..core.host import machine_id
@@ -37,11 +37,21 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------------
-def full_tree(n: int, root: int, tokens: list[int], arity: int = 2) -> TokenTree:
-    """An n-token complete `arity`-ary tree (parents first), root token `root`, other tokens from `tokens`."""
+def full_tree(n: int, root: int, tokens: list[int], arity: int = 2, leaves: int | None = None) -> TokenTree:
+    """An n-token complete `arity`-ary tree (parents first), root token `root`, other tokens from `tokens`; with
+    `leaves`, its first layers only, until they have that many leaves, then each leaf grown into a chain in turn (the
+    same n tokens for a backend whose forwards take no more leaves: llama.cpp's n_seq_max - 1, `branch_limit`; a
+    forward's cost follows its tokens, and the complete trees of a profile's 128 tokens stopped auto from starting on
+    a llama.cpp model loaded with fewer than 64 sequences)."""
     tree = TokenTree.root(root)
+    tips = [0]  # the leaves, in the order they were added
     for i in range(1, n):
-        tree.add((i - 1) // arity, tokens[(i - 1) % len(tokens)])
+        parent = (i - 1) // arity
+        if leaves is not None and parent not in tips and len(tips) >= leaves:  # a new leaf too many: a chain
+            parent = tips[0]
+        if parent in tips:
+            tips.remove(parent)
+        tips.append(tree.add(parent, tokens[(i - 1) % len(tokens)]))
     return tree
 
 
@@ -56,6 +66,7 @@ class TreeTimer:
         self.context = [self.rng.randrange(self.vocab) for _ in range(prefix)]
         role = measured_role(model)
         self.session = new_session(model, role) if new_session else make_session(model, role, ssm_tree=ssm_tree)
+        self.leaves = branch_limit(model)
         self.session.prefill(self.context[:-1])
 
     def round(self, sizes) -> list[float]:
@@ -65,7 +76,8 @@ class TreeTimer:
         times = [0.0] * len(sizes)
         for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
             n = sizes[i]
-            tree = full_tree(n, self.context[-1], [self.rng.randrange(self.vocab) for _ in range(max(n - 1, 1))])
+            tree = full_tree(n, self.context[-1], [self.rng.randrange(self.vocab) for _ in range(max(n - 1, 1))],
+                             leaves=self.leaves)
             start = time.perf_counter()
             self.session.forward(self.context, tree, list(range(len(tree))))
             times[i] = time.perf_counter() - start

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from ...backends.model_info import branch_limit
 from ...core.disk_cache import keep_record, model_fingerprint, read_record
 from ...core.sampling import SamplingConfig
 from ...core.tree import DrawRule, TokenTree
@@ -128,6 +130,7 @@ class AutoPolicy(Policy):
             self.source = {"costs": f"target {t_src}, draft {d_src}",
                            "target_profile": str(forward_costs.profile_path(target)),
                            "draft_profile": str(forward_costs.profile_path(draft))}
+        self._fit_branch_limit(target, draft)
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling, verifier)
             self._load_calibration()
@@ -135,6 +138,14 @@ class AutoPolicy(Policy):
             self.seed_from_agreement(target, draft, tokenizer)
         if tokenizer is not None and not sampling.greedy and self.first_child.trials[0] < MIN_FIRST_EVIDENCE:
             self.seed_from_overlap(target, draft, tokenizer, sampling, draft_sampling)
+
+    def _fit_branch_limit(self, target, draft) -> None:
+        """At most as many drafted nodes as a forward of either model takes leaves (`branch_limit`: a llama.cpp model
+        loaded with a small n_seq_max), so no tree auto drafts stops the generation with an error mid-way."""
+        limits = [n for n in (branch_limit(target), branch_limit(draft)) if n is not None]
+        if limits and min(limits) < self.options.max_nodes:
+            self.options = dataclasses.replace(self.options, max_nodes=min(limits))
+            self.source["max_nodes"] = f"{min(limits)} (the models' sequences: llama.cpp's n_seq_max - 1)"
 
     def seed_from_overlap(self, target, draft, tokenizer, sampling: SamplingConfig,
                           draft_sampling: SamplingConfig) -> None:
