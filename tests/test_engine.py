@@ -152,6 +152,23 @@ def test_stop_strings_and_text(tokenizer):
     assert last.text.endswith(stop) and last.stats.finish_reason == "stop"  # it read "length"
 
 
+def test_a_stop_string_holding_u_fffd_waits_for_a_split_character():
+    """Tokens here are bytes; U+008F is two, c2 8f. After the first the text ended in the U+FFFD of half a character,
+    and a stop string holding U+FFFD ended the generation there. A tail decoded from the middle of a character
+    begins with one too. A byte that stays invalid (ff) still matches, a token later."""
+    from arborspec.engine.generation import Generation
+    from arborspec.engine.stats import GenerationStats
+
+    def cut(tokens: list[int]) -> tuple[list[int], str]:
+        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+        stats = GenerationStats("ar", "greedy", False, 1)
+        return Generation([103], 200, ["\ufffd"], set(), 1000, decode, stats, None, 0.0)._cut(tokens)
+
+    assert cut([103, 0xC2, 0x8F, 104]) == ([103, 0xC2, 0x8F, 104], "")
+    assert cut([65] * 2 + [0xC2, 0x8F] * 40) == ([65] * 2 + [0xC2, 0x8F] * 40, "")  # tails that start at 8f
+    assert cut([103, 0xFF, 104, 105]) == ([103, 0xFF, 104], "stop")
+
+
 def test_a_stream_joins_up_to_the_text_when_the_tokenizer_cleans_up_spaces(tokenizer):
     """With clean_up_tokenization_spaces, decoding " ," gave "," once the comma came, rewriting a space the stream
     had sent: the joined stream kept the space and lost the comma."""

@@ -89,6 +89,27 @@ def test_a_full_scheduler_refuses_at_once():
     assert sched.load() == (0, 2)
 
 
+def test_a_request_finished_mid_round_frees_its_room_at_once():
+    """A job that finished stayed in the round's list until the round ended: its client's next request, sent at once,
+    was refused as "the server is full" while the rest of the round ran (8 clients on a server of 4 + 4)."""
+    gate = threading.Event()
+    sched = Scheduler(max_batch=2, max_queue=0, metrics=Metrics())
+    first, f = job(fake_steps("a", 1, []))
+    slow, s = job(fake_steps("b", 2, [], gate=gate))
+    sched.submit(first)
+    sched.submit(slow)
+    sched.start()
+    assert f.done.wait(TIMEOUT)  # b's step now waits at the gate, in the same round
+    assert sched.load() == (1, 0)
+    again, a = job(fake_steps("c", 1, []))
+    sched.submit(again)
+    slow.cancel()
+    assert sched.load() == (0, 1)  # a client that left frees its room too
+    gate.set()
+    assert a.done.wait(TIMEOUT)
+    sched.stop()
+
+
 def test_streaming_jobs_hear_every_step_others_only_the_last():
     sched = Scheduler(max_batch=2, max_queue=0, metrics=Metrics())
     streaming, s = job(fake_steps("s", 3, []), stream=True)

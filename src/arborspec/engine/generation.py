@@ -132,10 +132,16 @@ class Generation:
 
     def _hits_stop(self, tokens: list[int]) -> bool:
         """Whether a stop string ends in the last token of `tokens`. Only a tail is decoded: enough tokens for the
-        longest stop string and the last token's own text, plus one character (the first token may hold part of a
-        character); a token can decode to nothing (a special token), so the tail grows until its text is that long."""
-        need = max(len(s) for s in self.stop) + len(self.decode(tokens[-1:])) + 1
+        longest stop string and the last token's own text, plus the characters its first token's bytes may be the
+        end of (up to 3 U+FFFD); a token can decode to nothing (a special token), so the tail grows until its text
+        is that long. The U+FFFD of half a character at either end of the tail is not text yet: a stop string
+        holding U+FFFD ended the generation on the first byte of a two-byte character (one that stays invalid
+        matches a token later)."""
+        need = max(len(s) for s in self.stop) + len(self.decode(tokens[-1:])) + 3
         k = 32
         while len(tail := self.decode(tokens[-k:])) < need and k < len(tokens):
             k *= 2
+        tail = tail.rstrip("\ufffd")
+        if k < len(tokens):
+            tail = tail.lstrip("\ufffd")
         return any(s in tail for s in self.stop)

@@ -141,9 +141,13 @@ class Scheduler:
         return self._deadline is not None
 
     def load(self) -> tuple[int, int]:
-        """(requests being generated, requests waiting)."""
+        """(requests being generated, requests waiting): neither finished nor cancelled. A job that finished mid-round
+        stays in the round's list until the round ends, and one whose client left until the next begins; counted,
+        they had a client that sent its next request at once refused as "the server is full" (8 clients, one request
+        each at a time, on a server of 4 + 4: 3-8 of 64 requests refused, an SSM model's rounds)."""
         with self._cond:
-            return len(self._active), len(self._waiting)
+            return (sum(not (job.finished or job.cancelled) for job in self._active),
+                    sum(not job.cancelled for job in self._waiting))
 
     def start(self) -> None:
         self._thread.start()
@@ -160,7 +164,7 @@ class Scheduler:
         with self._cond:
             if self.draining or self._stopped:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._active) + len(self._waiting) >= self.max_batch + self.max_queue:
+            if sum(self.load()) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"the server is full ({self.max_batch} requests running, {self.max_queue} queued); "
                                 "retry later")
 
