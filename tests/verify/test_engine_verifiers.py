@@ -140,6 +140,22 @@ def test_wetap_with_allow_lossy_is_flagged(models):
     assert res.stats.lossy and res.stats.verifier == "wetap" and len(res.token_ids) == 10
     exact = SpeculativeDecoder(target, draft, method="static", temperature=0.8)
     assert not exact.generate([4, 9, 12], max_new_tokens=4, ignore_eos=True, seed=0).stats.lossy
+    # nothing lossy ran: at T = 0 wetap's rule accepts the greedy path; `ar` verifies no tree
+    for method, temperature in (("static", 0.0), ("ar", 0.8)):
+        dec = SpeculativeDecoder(target, draft, method=method, temperature=temperature, verifier="wetap",
+                                 allow_lossy=True)
+        assert not dec.generate([4, 9, 12], max_new_tokens=4, ignore_eos=True, seed=0).stats.lossy
+
+
+def test_a_plain_policy_takes_any_exact_verifier(models):
+    """`ar` drafts no tree, so no verifier can lose exactness on one: sps, asps, block were refused for "trees with
+    several children per node", mbr for children "drawn deterministic". With free branches the trees are checked."""
+    target, draft = models
+    for temperature in (0.0, 0.8):
+        for name in ("sps", "asps", "block", "mbr"):
+            assert SpeculativeDecoder(target, method="ar", temperature=temperature, verifier=name).verifier.name == name
+    with pytest.raises(ValueError, match="not exact for trees"):
+        SpeculativeDecoder(target, method="ar", temperature=0.8, verifier="sps", ngram=2)
 
 
 @pytest.mark.parametrize("method,options,verifier", [("chain", {"k": 4}, "asps"), ("static", {"depth": 2, "branch": 2}, "mbr"),

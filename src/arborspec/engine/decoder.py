@@ -30,7 +30,7 @@ from .prefix_cache import PrefixCache
 from .prompts import decode_text, model_prompt_ids
 from .stats import GenerationResult, GenerationStats, StepStats, tree_record
 from .threads import step_threads, torch_threads
-from .verifier_choice import choose_verifiers, with_free_branches
+from .verifier_choice import changes_outputs, choose_verifiers, with_free_branches
 
 PROMPT_PIECE = 64  # prompt tokens a forward reads when it keeps their logits: (64, vocab) rows, ~39 MB for Qwen2.5
 
@@ -233,7 +233,8 @@ class SpeculativeDecoder:
         ids = self.encode(prompt)
         generator = make_generator(self.sampling.seed if seed is None else seed)
         eos = set() if check_bool(ignore_eos, "ignore_eos") else eos_ids(self.target, self.tokenizer)
-        stats = GenerationStats(self.policy.name, self.verifier_name, not self.verifier.exact, len(ids))
+        lossy = changes_outputs(self.verifier, self.sampling, self.policy, bool(self.free))
+        stats = GenerationStats(self.policy.name, self.verifier_name, lossy, len(ids))
         return Generation(ids, max_new_tokens, stop, eos, context_window(self.target),
                           self._decode if self.tokenizer is not None else None, stats, generator, t_start)
 

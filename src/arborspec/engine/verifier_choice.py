@@ -35,6 +35,14 @@ def choose_verifiers(policy, sampling: SamplingConfig, draft_sampling: SamplingC
     return Verifiers(verifier, VERIFIERS["naive"]() if bare else verifier, bare)
 
 
+def changes_outputs(verifier: Verifier, sampling: SamplingConfig, policy, grafts: bool) -> bool:
+    """Whether a run's outputs may part from the target's distribution (`stats.lossy`): a lossy verifier checking
+    drafted trees at T > 0. Not at T = 0, where a lossy rule's accepted path is the target's greedy one (WETAP's: its
+    path ratios are 1 or 0), nor under a plain policy without free branches, which verifies nothing (`ar` + wetap
+    was flagged lossy)."""
+    return not verifier.exact and not sampling.greedy and not (policy.plain and not grafts)
+
+
 def grafts_bare_trees_only(policy, draft_sampling: SamplingConfig, verifier: Verifier) -> bool:
     """Whether free branches go only onto the trees the policy leaves bare (the root alone), each such step
     verified by naive, and the drafted trees, without them, by the policy's own verifier.
@@ -71,8 +79,11 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
     cls = VERIFIERS[name]
     if not sampling.greedy and name == "greedy":
         raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
+    # a plain policy without free branches drafts nothing: no tree for a verifier to lose exactness on (`ar` + sps
+    # was refused for "trees with several children per node")
+    plain = policy.plain and not free
     # at T=0 every rule is greedy, so only the tree shape matters
-    if not fits(cls, set() if sampling.greedy else rules, chain):
+    if not plain and not fits(cls, set() if sampling.greedy else rules, chain):
         alternatives = sorted(
             n for n, v in VERIFIERS.items()
             if v.exact and (n != "greedy" or sampling.greedy) and fits(v, set() if sampling.greedy else rules, chain)
