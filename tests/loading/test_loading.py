@@ -160,6 +160,20 @@ def test_an_unknown_dtype_is_refused_before_anything_loads_whichever_backend(bac
         load_pair("no-such-model.gguf", "no-such-draft.gguf", dtype="fp8", backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["native", "llamacpp"])
+def test_an_int8_draft_on_a_gguf_backend_is_refused_before_the_models_load(backend, tmp_path, monkeypatch):
+    """int8 / int4 quantize a PyTorch draft; on native or llama.cpp it was refused once both models had loaded (the
+    README's own `dynatree(adapt=false)@32+int8` on the default pair: after ~3 minutes)."""
+    from arborspec.loading import pair as pair_module
+
+    monkeypatch.setattr(pair_module, "load_planned", lambda *a, **k: pytest.fail("the models were loaded"))
+    paths = [tmp_path / "t.gguf", tmp_path / "d.gguf"]
+    for path in paths:
+        path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=f"draft quantization 'int8' applies to PyTorch drafts.*runs on {backend}"):
+        load_pair(str(paths[0]), str(paths[1]), draft_quant="int8", backend=backend)
+
+
 def test_load_local_directory(tmp_path):
     saved = save_tiny_checkpoint(tmp_path)
     ids = [3, 7, 11, 2, 5]

@@ -150,6 +150,11 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     resolve_dtype(dtype)  # before anything loads, whichever backend runs (the GGUF ones ignore a valid name)
     llama = llama or {}
     plan = plan_backends(target, draft, backend, draft_backend, llama, progress)
+    if draft is not None and draft_quant in ("int8", "int4") and plan.draft in ("native", "llamacpp"):
+        raise ValueError(f"draft quantization {draft_quant!r} applies to PyTorch drafts, and the draft runs on "
+                         f"{plan.draft} as GGUF blocks (checked before loading: the models took minutes to load for "
+                         "nothing); use --draft-backend torch for an int8 / int4 draft, or a lean GGUF variant on "
+                         "native (+iq4_nl, +q4_0)")
     lean = cached_lean_draft(target, draft, plan, draft_quant, draft_vocab, progress)
     draft_file = requantized(_spec_gguf(draft, False), lean[0], progress) if lean else None
     target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress, draft_file)
