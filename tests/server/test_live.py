@@ -222,6 +222,7 @@ def test_a_lossy_override_needs_the_requests_consent(client, main_url):
             "arborspec": {"method": "wetap-lossy"}}
     refused = httpx.post(main_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert refused.status_code == 400 and "allow_lossy" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "arborspec"  # the field at fault (was null)
     body["arborspec"]["allow_lossy"] = True
     allowed = httpx.post(main_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert allowed.status_code == 200 and allowed.json()["arborspec"]["lossy"] is True

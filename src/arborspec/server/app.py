@@ -199,6 +199,9 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
     opts = req.arborspec
     try:
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
+    except ValueError as err:  # the request's own method, verifier, budget or consent
+        raise APIError(400, str(err), param="arborspec") from None
+    try:
         sampling = decoders.sampling(req.temperature, req.top_k, req.top_p, req.seed)
         if chat:
             prompt = render_chat(decoders.target.tokenizer, prompt, model_name)
