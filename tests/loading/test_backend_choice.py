@@ -123,6 +123,30 @@ def test_a_candidate_profiled_while_the_machine_was_busy_is_measured_again_befor
     assert measured == {"a": [], "b": []}
 
 
+def test_a_comparison_made_while_the_machine_was_busy_is_used_but_not_cached(tmp_path, monkeypatch):
+    """One candidate's profile came from the cache (live forwards found the machine busy: the cached figure kept),
+    the other's was measured live under the same load, and the cached choice then stood for good."""
+    from arborspec.tuning import costs
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    measured = {"a": figures(0.100, 0.150), "b": figures(0.032, 0.090)}
+    monkeypatch.setattr(backend_choice, "measure", lambda m, d=None: measured[m])
+
+    def remeasured(models, progress=True):
+        costs.busy[0] += models[0] == "b"  # "b"'s live check: busy, its cached figure kept
+        return False
+
+    monkeypatch.setattr(backend_choice, "remeasured", remeasured)
+    loaders = {"a": Loader("a"), "b": Loader("b")}
+    assert choose(path, loaders, threads=2, progress=False).backend == "b"
+    assert read_record("backend-choice", choice_key(path, ["a", "b"], 2)) is None
+    monkeypatch.setattr(backend_choice, "remeasured", lambda models, progress=True: False)
+    choose(path, loaders, threads=2, progress=False)  # compared again at the next start: a quiet one is kept
+    assert [ld.calls for ld in loaders.values()] == [2, 2]
+    assert read_record("backend-choice", choice_key(path, ["a", "b"], 2))["backend"] == "b"
+
+
 def test_a_cached_choice_takes_the_winners_figures_measured_again(tmp_path, monkeypatch):
     """At a later start the winner's curves are checked (profile_model); one measured again replaces its figures in
     the record and the start-up line; figures that hold leave the record alone."""

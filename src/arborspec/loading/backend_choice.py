@@ -21,7 +21,9 @@ checked against live forwards (`costs.profile_model`: a cached curve more than 2
 was taken while something else ran, and is measured again, once, with a note): when the choice is made, every
 candidate again after all were profiled one after another (a first start on a busy machine once timed the draft on
 native at 1064 ms against llama.cpp's 65 ms and kept that choice for good), and at each later start the winner's
-(`recheck`, ~0.5 s for the default pair). A candidate that cannot run the
+(`recheck`, ~0.5 s for the default pair). A comparison during which live forwards found the machine busy (a
+cached figure kept, while another candidate's was measured live under the same load: native timed at 100 ms against
+llama.cpp's cached 32 ms chose llama.cpp, where native decodes faster) is used for that run and not cached. A candidate that cannot run the
 file (the native kernels cannot build, a block type they do not cover, llama-cpp-python not installed) drops out
 before anything is timed.
 """
@@ -39,6 +41,7 @@ from ..core.disk_cache import keep_record, read_record
 from ..core.downloads import say
 from ..core.host import machine_id
 from ..drafting.auto.policy import predicted_rates
+from ..tuning import costs
 from ..tuning.costs import CostCurve, confirm_profile, profile_model
 
 TIE = 0.05  # predicted rates within 5% of the best count as equally fast: the cheaper t(4) wins
@@ -119,7 +122,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     saved = None if refresh else read_record("backend-choice", key)
     if saved and saved.get("backend") in loaders and isinstance(saved.get("figures"), dict):
         return Choice(saved["backend"], None, describe(saved), saved, key)
-    loaded, figures = {}, {}
+    loaded, figures, busy_before = {}, {}, costs.busy[0]
     for name, load in loaders.items():
         models = load()
         if models is None:
@@ -142,7 +145,10 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
         raise ValueError(f"no backend can run {path}")
     name = next(iter(loaded))
     record = {"backend": name, "figures": figures}
-    if len(loaders) > 1:  # also when only one could run the file: the others need not be tried again
+    if costs.busy[0] > busy_before:
+        say("the machine was busy while the backends were compared (a cached figure kept against a live one): this "
+            "choice is not cached, and the next start compares them again", progress)
+    elif len(loaders) > 1:  # also when only one could run the file: the others need not be tried again
         keep_record("backend-choice", key, record)
     why = describe(record)
     if len(figures) > 1:
