@@ -23,9 +23,9 @@ candidate again after all were profiled one after another (a first start on a bu
 native at 1064 ms against llama.cpp's 65 ms and kept that choice for good), and at each later start the winner's
 (`recheck`, ~0.5 s for the default pair). A comparison during which live forwards found the machine busy (a
 cached figure kept, while another candidate's was measured live under the same load: native timed at 100 ms against
-llama.cpp's cached 32 ms chose llama.cpp, where native decodes faster) is used for that run and not cached. A candidate that cannot run the
-file (the native kernels cannot build, a block type they do not cover, llama-cpp-python not installed) drops out
-before anything is timed.
+llama.cpp's cached 32 ms chose llama.cpp, where native decodes faster) is used for that run and not cached. A
+candidate that cannot run the file (the native kernels cannot build, a block type they do not cover,
+llama-cpp-python not installed) drops out before anything is timed.
 """
 from __future__ import annotations
 

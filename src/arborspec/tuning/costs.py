@@ -247,7 +247,7 @@ LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny
 # never drafted, so no live step ever corrected it; Zen 4, 2026-11-26)
 LIVE_SHAPE = 1.3
 _checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
-busy = [0]  # how often live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
+busy = [0]  # times live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
 
 
 def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False) -> bool:
