@@ -33,6 +33,7 @@ def one_error_line(capsys) -> str:
     (["--max-batch", "0"], "--max-batch", "must be at least 1"),
     (["--max-tokens-limit", "0"], "--max-tokens-limit", "must be at least 1"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout", "must be at least 0"),
+    (["--shutdown-timeout", "inf"], "--shutdown-timeout", "must be at most 86400"),  # its wait overflowed
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb", "must be at least 0"),
     (["--prefill-chunk", "-8"], "--prefill-chunk", "must be at least 0"),
     (["--port", "70000"], "--port", "must be at most 65535"),
@@ -61,7 +62,8 @@ def test_a_bad_flag_fails_before_loading_naming_that_flag_only(model_dirs, capsy
     (["--method", "wetap-lossy"], "lossy"),
     (["--method", "hf-assisted"], "is a baseline"),
     (["--method", "nope"], "unknown method"),
-    (["--replicas", "2"], "only make sense with --ray"),
+    (["--replicas", "2", "--autoscale", "1,2"], "only make sense with --ray"),
+    (["--replica-cpus", "-1"], "--replica-cpus only makes sense with --ray"),  # was taken, and ignored
 ])
 def test_bad_server_settings_fail_before_loading_with_one_line(model_dirs, capsys, extra, message):
     assert main(unloadable(model_dirs, *extra)) == 2

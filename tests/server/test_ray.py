@@ -121,8 +121,9 @@ def flags(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--replicas", "2"], "only make sense with --ray"),
+    (["--replicas", "2"], "only makes sense with --ray"),
     (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+    (["--ray", "--autoscale", "\u00b2,3"], "MIN,MAX"),  # a superscript two: int() failed on what isdigit() took
     (["--ray", "--replicas", "2", "--autoscale", "1,2"], "not both"),
     (["--ray", "--autoscale", "3,1"], "MIN,MAX"),
     (["--ray", "--autoscale", "two"], "MIN,MAX"),
@@ -136,7 +137,29 @@ def test_bad_ray_flags_are_refused(argv, message):
 def test_autoscale_flag_is_parsed():
     args = flags("--ray", "--autoscale", "1,3")
     check_ray_flags(args)
-    assert args.autoscale == (1, 3)
+    assert args.autoscale == (1, 3) and args.replica_cpus == 1.0
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once():
+    """Ray's own connect retried for good (480 s and waiting)."""
+    import socket
+    import time
+
+    from arborspec.server.replicas import check_address
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ValueError, match=f"--ray-address {address}: no Ray cluster answers there"):
+            check_address(address)
+    assert time.monotonic() - start < 30
+    with socket.socket() as sock:  # something listening: left to Ray
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        check_address(f"127.0.0.1:{sock.getsockname()[1]}")
+    check_address("auto")
 
 
 def test_merged_metrics_label_each_replica():

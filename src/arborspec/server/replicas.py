@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ BROADCAST_TIMEOUT_S = 10.0  # a replica that does not answer a metrics scrape in
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray's controller notices a dead replica (and starts another)
 CONSTRUCTOR_TRIES = 2  # a replica whose models do not load fails again: give up soon, with its error
 LOCAL_OBJECT_STORE_BYTES = 256 << 20  # replicas pass no tensors through Ray: keep its shared memory small
+ADDRESS_TIMEOUT_S = 5.0  # how long a --ray-address HOST:PORT may take to accept a connection
 DRAIN_SLACK_S = 5.0  # past --shutdown-timeout: the round the grace ended in, and the last events
 
 
@@ -135,11 +137,23 @@ class _Collected:
 # ---- the driver: `arborspec serve --ray` ----------------------------------------------------------------------------
 def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
     """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C."""
+    from .run import warn_open
+
     with listen(args.host, args.port) as sock:  # a taken port fails now, not after Ray has started
         port = sock.getsockname()[1]  # Ray's proxy needs a number: --port 0 means "pick one", as without Ray
+    warn_open(args)
     started = args.ray_address is None  # "local": a new instance, even where a cluster runs or RAY_ADDRESS is set
-    ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=False,
-             **({"object_store_memory": LOCAL_OBJECT_STORE_BYTES} if started else {}))
+    if not started:
+        check_address(args.ray_address)
+    try:
+        ray.init(address=args.ray_address or "local", include_dashboard=False, log_to_driver=False,
+                 **({"object_store_memory": LOCAL_OBJECT_STORE_BYTES} if started else {}))
+    except ConnectionError as err:  # "auto" with no cluster: Ray's message names its own --address flag
+        raise ValueError(f"--ray-address {args.ray_address}: no Ray cluster to join ({str(err).splitlines()[0]}); "
+                         "start one with `ray start --head`, or leave --ray-address out to start one here") from None
+    # Ray's own SIGTERM handler aborts the process with a stack dump; until wait_for_signal takes over (the
+    # replicas' loading: minutes for a real pair), a SIGTERM ends the start as Ctrl-C does, shutting Ray down
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         check_room(args)
         serve.start(http_options={"host": args.host, "port": port})
@@ -189,6 +203,18 @@ def drain(grace: float) -> None:
     does; Serve's shutdown alone cut them at once (the proxy goes first), without a word to the clients."""
     handle = serve.get_deployment_handle("ArborspecReplica", APP_NAME)
     handle.broadcast("drain", grace).results(timeout_s=grace + 2 * DRAIN_SLACK_S, return_exceptions=True)
+
+
+def check_address(address: str) -> None:
+    """ValueError unless something listens at a HOST:PORT (or ray://HOST:PORT) --ray-address: Ray's own connect
+    retried for good there (480 s and still waiting, its Ctrl-C heard ~35 s late). "auto" is Ray's to resolve."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdecimal():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_TIMEOUT_S).close()
+    except OSError as err:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({err.strerror or err})") from None
 
 
 def wait_for_signal() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -26,6 +27,7 @@ from .scheduler import Scheduler
 
 API_KEY_ENV = "ARBORSPEC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+MAX_SHUTDOWN_S = 86400  # --shutdown-timeout's bound: a day (inf overflowed the scheduler's wait)
 
 
 class ServeHelp(argparse.HelpFormatter):
@@ -81,7 +83,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster to join ('auto': the one started on this machine by `ray start`); "
                         "default: start a local Ray instance for this server")
-    r.add_argument("--replica-cpus", type=float, default=1.0,
+    r.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves for each replica; also its torch and llama.cpp threads (default 1)")
 
 
@@ -90,13 +92,11 @@ def run_serve(args: argparse.Namespace) -> int:
     loads)."""
     check_flags(args)
     spec = server_spec(args)
-    if args.api_key is None and not is_loopback(args.host):
-        print(f"[arborspec] warning: listening on {args.host} without an API key: anyone who can reach this port "
-              f"may use the server (set ${API_KEY_ENV} to require one)", file=sys.stderr, flush=True)
     if args.ray:
         from .replicas import run_on_ray
         return run_on_ray(args, spec)
     with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
+        warn_open(args)  # once it listens: a host it cannot listen on is an error, not a server open to anyone
         server = build_server(args, spec)
         host, port = sock.getsockname()[:2]
         print(f"[arborspec] serving {server.limits.model_name!r} on http://{url_host(host)}:{port} "
@@ -134,6 +134,9 @@ def check_flags(args) -> None:
                                ("--prefill-chunk", args.prefill_chunk, 0)):
         if not value >= least:  # `not >=`: a NaN fails too
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if not args.shutdown_timeout <= MAX_SHUTDOWN_S:  # inf passed, and its wait overflowed at the first signal
+        raise ValueError(f"--shutdown-timeout must be at most {MAX_SHUTDOWN_S} seconds (a day), got "
+                         f"{args.shutdown_timeout}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
     llama_options(args)  # (ValueError for a --llama-* value below 1)
@@ -145,6 +148,12 @@ def check_flags(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {problem}")
     args.api_key = api_key(args.api_key)
     check_ray_flags(args)
+
+
+def warn_open(args) -> None:
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"[arborspec] warning: listening on {args.host} without an API key: anyone who can reach this port "
+              f"may use the server (set ${API_KEY_ENV} to require one)", file=sys.stderr, flush=True)
 
 
 def api_key(flag: str | None) -> str | None:
@@ -171,18 +180,22 @@ def is_loopback(host: str) -> bool:
 def check_ray_flags(args) -> None:
     """Ray's flags only with --ray, and sane; --autoscale becomes args.autoscale = (min, max)."""
     given = [f for f, v in (("--replicas", args.replicas), ("--autoscale", args.autoscale),
-                            ("--ray-address", args.ray_address)) if v is not None]
+                            ("--ray-address", args.ray_address), ("--replica-cpus", args.replica_cpus))
+             if v is not None]
     if not args.ray:
         if given:
-            raise ValueError(f"{', '.join(given)} only make sense with --ray")
+            raise ValueError(f"{', '.join(given)} {'only makes' if len(given) == 1 else 'only make'} sense with --ray")
         return
+    if args.replica_cpus is None:
+        args.replica_cpus = 1.0
     if args.replicas is not None and args.autoscale is not None:
         raise ValueError("give --replicas or --autoscale, not both")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.autoscale is not None:
         low, _, high = str(args.autoscale).partition(",")
-        if not (low.strip().isdigit() and high.strip().isdigit()) or not 0 <= int(low) <= int(high) or int(high) < 1:
+        whole = all(re.fullmatch(r"[0-9]+", part.strip()) for part in (low, high))  # isdigit() took "²"
+        if not whole or not 0 <= int(low) <= int(high) or int(high) < 1:
             raise ValueError(f"--autoscale takes MIN,MAX with 0 <= MIN <= MAX and MAX >= 1, got {args.autoscale!r}")
         args.autoscale = (int(low), int(high))
     if not args.replica_cpus > 0:

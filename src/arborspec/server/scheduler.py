@@ -217,7 +217,7 @@ class Scheduler:
     def _wait_time(self) -> float | None:
         """How long an idle worker may sleep: until notified, or until the drain deadline if one is ahead."""
         left = None if self._deadline is None else self._deadline - time.monotonic()
-        return left + 0.01 if left is not None and left > 0 else None
+        return min(left + 0.01, threading.TIMEOUT_MAX) if left is not None and left > 0 else None
 
     def _check_deadline(self) -> None:
         if self._deadline is not None and time.monotonic() >= self._deadline:
