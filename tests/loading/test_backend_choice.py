@@ -87,13 +87,20 @@ def test_choose_measures_every_candidate_once_keeps_the_winner_and_caches_the_ch
     again = choose(path, loaders, threads=2, progress=False)
     assert (again.backend, again.loaded) == ("fast", None)  # cached: nothing loaded
     assert [ld.calls for ld in loaders.values()] == [1, 1]
+    from arborspec.core.disk_cache import write_record
+    for damage in ({"rate": None}, {"target": {"sizes": [1, 4], "times": [0.0, 0.0]}}):  # a KeyError, a ValueError
+        record["figures"]["slow"] = {k: v for k, v in record["figures"]["slow"].items() if k != "rate"} \
+            if damage.get("rate", 0) is None else {**record["figures"]["slow"], **damage}
+        write_record("backend-choice", choice_key(path, ["slow", "fast"], 2), record)
+        assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)  # measured again
+    assert [ld.calls for ld in loaders.values()] == [3, 3]
     assert choose(path, loaders, threads=1, progress=False).loaded == ("fast", None)  # another thread count
     draft = tmp_path / "d.gguf"
     draft.write_bytes(b"d")
     assert choose(path, loaders, draft, threads=2, progress=False).loaded == ("fast", None)  # with a draft: again
     path.write_bytes(b"y" * 11)  # another file at the same path: measured again
     assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)
-    assert loaders["fast"].calls == 4
+    assert loaders["fast"].calls == 6
 
 
 def test_a_backend_that_cannot_run_the_file_drops_out_unmeasured(tmp_path, monkeypatch):

@@ -598,6 +598,26 @@ def test_real_pair_shares_a_tokenizer(real_pair):
     check_tokenizers_compatible(*real_pair)
 
 
+def test_a_gguf_tokenizer_that_cannot_be_saved_costs_a_note(cache, tmp_path, monkeypatch, capsys):
+    """A read-only or full cache failed every load of a GGUF whose tokenizer was not saved yet (a full disk: the
+    tokenizers library's bare Exception, with a traceback, and its temporary directory left behind)."""
+    from transformers import PreTrainedTokenizerBase
+
+    from tests.backends.tiny_gguf import write_tiny_gguf as write_model_gguf
+
+    path = write_model_gguf(tmp_path / "m.gguf")
+
+    def full(self, directory, *args, **kwargs):
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "tokenizer.json").write_text("{")
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    tokenizer = model_loading.gguf_tokenizer(str(path), path)
+    assert tokenizer.encode("ab") and "cannot write to the cache" in capsys.readouterr().err
+    assert not any((cache / "tokenizers").iterdir())  # no directory left half written
+
+
 def test_a_gguf_tokenizer_is_built_once_and_the_saved_one_is_the_same(cache, tmp_path, monkeypatch):
     """transformers builds a GGUF's tokenizer from its vocabulary (~10 s for Qwen2.5); it is saved under the cache
     and later loads read it: the same ids, texts and chat template. A changed file builds it again."""

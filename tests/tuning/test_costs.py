@@ -42,3 +42,12 @@ def test_a_profile_of_small_sizes_is_not_read_for_larger_ones(tmp_path, monkeypa
     full, source = costs.profile_model(model, sizes=(1, 2, 4, 128),
                                        measure=lambda m, sizes, **kw: [0.023, 0.018, 0.02, 0.3])
     assert source == "measured" and full(128) == pytest.approx(0.3)
+
+
+def test_a_profile_without_one_row_is_not_read_for_one(tmp_path, monkeypatch):
+    """A profile of `--sizes 2,...,128` was reused for auto's sizes, its t(1) read as t(2)."""
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    costs.profile_model(model, sizes=(2, 128), measure=lambda m, sizes, **kw: [0.012, 0.3])
+    full, source = costs.profile_model(model, sizes=(1, 2, 128), measure=lambda m, sizes, **kw: [0.011, 0.012, 0.3])
+    assert source == "measured" and full(1) == pytest.approx(0.011)

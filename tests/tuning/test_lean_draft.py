@@ -55,6 +55,24 @@ def test_the_lean_file_is_built_once(files, monkeypatch):
         gguf_requant.requantized(files["draft"], "q3_x")
 
 
+def test_a_cut_short_copy_is_built_again_and_a_file_replaced_within_a_second_gets_its_own(files, tmp_path):
+    """A truncated copy was trusted for good (every load failed, --refresh did not help); a copy was keyed by the
+    source's mtime in whole seconds, so a file replaced within one kept the old file's copy."""
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(files["draft"].read_bytes())
+    second = 1_700_000_000 * 10**9
+    os.utime(draft, ns=(second, second))
+    out = gguf_requant.requantized(draft, "q4_0", progress=False)
+    whole = out.read_bytes()
+    out.write_bytes(whole[: len(whole) // 2])
+    assert gguf_requant.requantized(draft, "q4_0", progress=False) == out and out.read_bytes() == whole
+    size = draft.stat().st_size
+    write_tiny_gguf(draft, dtype="q8_0", noise=0.3)  # another draft, the same size ...
+    os.utime(draft, ns=(second, second + 1000))  # ... replaced within the same second
+    assert draft.stat().st_size == size
+    assert gguf_requant.requantized(draft, "q4_0", progress=False) != out
+
+
 def test_a_new_copy_replaces_the_stale_ones_of_its_variant(files, tmp_path):
     draft, lookalike = tmp_path / "draft.gguf", tmp_path / "draft-q4_0-x.gguf"  # its copies' names start alike
     for path in (draft, lookalike):

@@ -126,9 +126,14 @@ def keep_record(kind: str, key: dict, record: dict) -> Path | None:
     try:
         return write_record(kind, key, record)
     except OSError as err:
-        where = str(cache_dir())
-        if where not in _unwritable:
-            _unwritable.add(where)
-            print(f"[arborspec] note: cannot write to the cache {where} ({err.strerror or err}); what is measured "
-                  "now is not kept", file=sys.stderr, flush=True)
+        note_unwritable(err)
         return None
+
+
+def note_unwritable(err: Exception) -> None:
+    """One note per cache directory that cannot be written (read-only, full): the run goes on without keeping."""
+    where = str(cache_dir())
+    if where not in _unwritable:
+        _unwritable.add(where)
+        print(f"[arborspec] note: cannot write to the cache {where} ({getattr(err, 'strerror', None) or err}); "
+              "what is measured now is not kept", file=sys.stderr, flush=True)

@@ -47,6 +47,10 @@ from ..tuning.costs import CostCurve, confirm_profile, profile_model
 TIE = 0.05  # predicted rates within 5% of the best count as equally fast: the cheaper t(4) wins
 
 
+class NoBackend(ValueError):
+    """No candidate can run the file (the caller falls back to transformers); any other error is the caller's."""
+
+
 @dataclass
 class Choice:
     """The backend chosen, the models the measurement left loaded on it (target, draft or None; None when the choice
@@ -121,7 +125,10 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     key = choice_key(path, list(loaders), threads, draft)
     saved = None if refresh else read_record("backend-choice", key)
     if saved and saved.get("backend") in loaders and isinstance(saved.get("figures"), dict):
-        return Choice(saved["backend"], None, describe(saved), saved, key)
+        try:
+            return Choice(saved["backend"], None, describe(saved), saved, key)
+        except (KeyError, TypeError, ValueError):  # a damaged record (a figure without its rate): measured again
+            pass
     loaded, figures, busy_before = {}, {}, costs.busy[0]
     for name, load in loaders.items():
         models = load()
@@ -142,7 +149,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
                 del loaded[other]
             gc.collect()
     if not loaded:
-        raise ValueError(f"no backend can run {path}")
+        raise NoBackend(f"no backend can run {path}")
     name = next(iter(loaded))
     record = {"backend": name, "figures": figures}
     if costs.busy[0] > busy_before:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..backends import check_session_support, llamacpp, native
 from ..backends.model_info import check_pair, pair_names
-from ..core.disk_cache import cache_dir, sha256_key
+from ..core.disk_cache import cache_dir, note_unwritable, sha256_key
 from ..core.downloads import ModelLoadError, say
 from .aliases import ALIASES, _dense_gguf, alias_gguf, alias_path, fetch_alias, is_fetched
 
@@ -164,8 +164,13 @@ def gguf_tokenizer(spec: str, path: Path, like: PreTrainedTokenizerBase | None =
             pass
     tokenizer = llamacpp.gguf_tokenizer(path)
     tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
-    tokenizer.save_pretrained(tmp)
-    (tmp / _SAVED).write_text(str(path) + "\n")  # written last: a directory without it is not used
+    try:
+        tokenizer.save_pretrained(tmp)
+        (tmp / _SAVED).write_text(str(path) + "\n")  # written last: a directory without it is not used
+    except Exception as err:  # a read-only or full cache (the tokenizers library raises a bare Exception): a note
+        shutil.rmtree(tmp, ignore_errors=True)
+        note_unwritable(err)
+        return tokenizer
     shutil.rmtree(saved, ignore_errors=True)
     try:
         tmp.rename(saved)

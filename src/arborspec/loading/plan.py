@@ -109,7 +109,7 @@ def choose_gguf_backend(target: str, draft: str | None, progress: bool, llama: d
         loaders["llamacpp"] = on(lambda spec, like: load_llamacpp_model(spec, progress, like, **llama))
     try:
         return backend_choice.choose(path, loaders, draft_path, threads=llama.get("n_threads"), progress=progress)
-    except ValueError:  # no GGUF backend can run it
+    except backend_choice.NoBackend:  # no GGUF backend can run it (any other ValueError is the run's error)
         return backend_choice.Choice("torch")
 
 

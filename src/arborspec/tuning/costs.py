@@ -181,8 +181,10 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
             curve = CostCurve.from_measurements(cached["sizes"], cached["raw_times"])
         except (KeyError, TypeError, ValueError):
             curve = None
-        if curve is not None and max(sizes) > max(curve.sizes):  # `profile --sizes 1,2` left a curve auto read flat
-            curve = None  # past t(2) for every tree: a profile is reused only for the sizes it measured
+        if curve is not None and not min(curve.sizes) <= min(sizes) <= max(sizes) <= max(curve.sizes):
+            # `profile --sizes 1,2` left a curve auto read flat past t(2) for every tree, `--sizes 2,...` one whose
+            # t(1) was t(2): a profile is reused only for the sizes it measured
+            curve = None
         if curve is not None and (measure is not None or live_agrees(model, curve, key, progress)):
             return curve, "cache"
     if progress:

@@ -96,13 +96,15 @@ def available_variants(native: bool = False) -> list[str]:
     return list(QUANT_MODES)
 
 
-def measure_variants(target, draft, progress: bool = True, refresh: bool = False, **profile_kw) -> dict:
+def measure_variants(target, draft, progress: bool = True, **profile_kw) -> dict:
     """Measure every available variant of `draft` (LoadedModel, left unchanged) against `target`; the record.
     All variants' cost curves are measured in the same rounds (`costs.profile_together`), so the choice compares
     figures taken in one machine state. `profile_kw` (sizes, prefix, repeats) goes to `costs.profile_model` /
-    `profile_together`."""
+    `profile_together`. The target's curve is read as cached (measured if absent), also for a refresh:
+    `arborspec profile --pair --refresh` has just measured it, and measuring it twice printed one curve and kept
+    another."""
     native = is_native(draft.model)
-    t_curve, _ = profile_model(target.model, refresh=refresh, progress=progress, **profile_kw)
+    t_curve, _ = profile_model(target.model, progress=progress, **profile_kw)
     texts = fitting(reference_ids(target.tokenizer), target.model, draft.model)
     with torch.inference_mode():
         choices = target_choices(target.model, texts)
@@ -172,7 +174,7 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
     record = None if refresh else read_record("draft-quant", key)
     if record is not None and record.get("choice") in record.get("variants", {}):
         return record["choice"], record, "cache"
-    record = measure_variants(target, draft, progress=progress, refresh=refresh, **profile_kw)
+    record = measure_variants(target, draft, progress=progress, **profile_kw)
     keep_record("draft-quant", key, record)
     return record["choice"], record, "measured"
 

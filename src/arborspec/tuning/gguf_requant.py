@@ -21,6 +21,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as QT
 
+from ..backends.gguf_file import read_gguf
 from ..backends.llamacpp import bindings, llama_error
 from ..core.disk_cache import cache_dir, sha256_key
 from ..core.downloads import file_lock, say
@@ -39,7 +40,9 @@ def lean_types() -> tuple[str, ...]:
 def requantized_path(source: Path, kind: str, llama_version: str) -> Path:
     """Where the `kind` copy of `source`, made by llama.cpp `llama_version`, is cached (it may not exist yet)."""
     stat = source.stat()
-    key = dict(path=str(source.resolve()), size=stat.st_size, mtime=int(stat.st_mtime), kind=kind, pure=True,
+    # mtime in nanoseconds: a file replaced within the same second (a requantized download of the same size) kept
+    # the old file's copy
+    key = dict(path=str(source.resolve()), size=stat.st_size, mtime_ns=stat.st_mtime_ns, kind=kind, pure=True,
                llama_cpp=llama_version)
     return cache_dir() / "drafts" / f"{variant_prefix(source, kind)}{sha256_key(key)}.gguf"
 
@@ -59,11 +62,12 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
     llama_cpp = bindings()  # ValueError naming the package where it is missing; llama.cpp's log kept quiet
     source = Path(source)
     out = requantized_path(source, kind, llama_cpp.__version__)
-    if out.exists():
+    if _whole(out):
         return out
     with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
-        if out.exists():
+        if _whole(out):
             return out
+        out.unlink(missing_ok=True)  # cut short (a full disk, a copy): every later load failed, and no --refresh helped
         for stale in out.parent.glob(f"{out.name}.*.tmp"):  # a killed build's (up to ~430 MB): the lock is ours
             stale.unlink(missing_ok=True)
         say(f"requantizing the draft {source.name} to {kind} (once; cached in {out.parent})", progress)
@@ -82,6 +86,17 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
         tmp.replace(out)
         drop_stale(out, [variant_prefix(source, kind), f"{source.stem}-{kind}-"], progress)  # and pre-path names
     return out
+
+
+def _whole(path: Path) -> bool:
+    """Whether a GGUF is at `path` with every tensor inside the file (its header read, no data)."""
+    if not path.is_file():
+        return False
+    try:
+        read_gguf(path)
+    except Exception:
+        return False
+    return True
 
 
 def drop_stale(kept: Path, prefixes: list[str], progress: bool = True) -> None:
