@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from arborspec.core.downloads import file_lock
 from arborspec.kernels.build import build_dir, library, prune_builds
 
@@ -68,3 +70,26 @@ def test_a_damaged_library_is_built_again_not_loaded(tmp_path, monkeypatch):
     library.write_bytes(library.read_bytes()[:100])  # a disk that filled up, a copy cut short
     compile_extension("probe", tmp_path, [])
     assert builds == ["probe", "probe"] and library.stat().st_size == 4004
+
+
+def test_a_whole_build_in_a_read_only_cache_is_loaded_without_the_lock(tmp_path, monkeypatch):
+    """A read-only cache (a shared image) held a whole build, and every start failed opening `build.lock` for
+    writing: "could not build arborspec's kernels", and every model fell back to llama.cpp."""
+    from pathlib import Path
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from arborspec.kernels import build
+
+    def ninja(name, sources, build_directory, **kwargs):
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF" + b"x" * 4000)
+
+    monkeypatch.setattr(cpp_extension, "load", ninja)
+    build.compile_extension("probe", tmp_path, [])
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(build.os, "access", lambda path, mode: False)  # as on a read-only file system
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built or locked"))
+    build.compile_extension("probe", tmp_path, [])
+    assert loaded == [str(tmp_path / "probe.so")]

@@ -14,6 +14,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import os
 import re
 import shutil
 import warnings
@@ -99,9 +100,12 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
     from ..core.disk_cache import atomic_write
     from ..core.downloads import file_lock
     directory.mkdir(parents=True, exist_ok=True)
+    library, marker = directory / f"{name}.so", directory / f"{name}.built.json"
+    if not os.access(directory, os.W_OK) and library.exists() and _read(marker) == _fingerprint(library):
+        torch.ops.load_library(str(library))  # a read-only cache with a whole build (the lock file cannot be opened)
+        return
     with file_lock(directory / "build.lock"):
         (directory / "lock").unlink(missing_ok=True)
-        library, marker = directory / f"{name}.so", directory / f"{name}.built.json"
         if library.exists() and _read(marker) != _fingerprint(library):
             library.unlink()  # damaged, or left by a build that did not finish: ninja builds it again
         cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
