@@ -209,6 +209,10 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("calibrate", ["--max-new-tokens", "0"], "--max-new-tokens and --ranks must be at least 1"),
     ("profile", ["--sizes", "1,100000"], "--sizes must each be between 1 and 1024"),
     ("profile", ["--pair", "--model", "x"], "--pair profiles --target and --draft"),
+    # these were refused after the measuring
+    ("profile", ["--pair", "--sizes", "1,1,4"], "--sizes lists a size twice"),
+    ("profile", ["--pair", "--out", "/tmp/pair.xyz"], "a picture is written as one of"),
+    ("trees", ["--out", "/tmp/trees.xyz"], "not .xyz"),
     ("generate", ["--draft-vocab", "-5"], "the draft vocabulary must be 0 (off) or more"),
     ("generate", ["--ngram", "3", "--ngram-len", "0"], "an n-gram branch needs at least 1 token"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),

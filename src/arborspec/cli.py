@@ -245,6 +245,18 @@ def _check_out_file(path: str, flag: str = "--out") -> None:
         raise CliError(f"{flag} {path!r} cannot be written: {parent} is not a writable directory")
 
 
+def _check_plot_file(path: str, flag: str = "--out") -> None:
+    """`_check_out_file`, and a suffix matplotlib writes (none: ".png"): `profile --out x.xyz` failed only after
+    minutes of measuring, its draft variants' figures lost."""
+    _check_out_file(path, flag)
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in kinds:
+            raise CliError(f"{flag} {path!r}: a picture is written as one of {', '.join(sorted(kinds))}, not .{suffix}")
+
+
 def _read_prompt_file(path: str) -> str:
     """A prompt file's text; CliError naming the file when it cannot be read or is not UTF-8."""
     try:
@@ -377,7 +389,7 @@ def cmd_trees(args) -> int:
     if args.num_trees < 1 or args.max_new_tokens < 1:
         raise CliError("--num-trees and --max-new-tokens must be at least 1")
     _check_sampling(args)
-    _check_out_file(args.out)
+    _check_plot_file(args.out)
     prompt = _read_prompt(args)
     spec = run_spec(args)
     target, draft = load_pair_for(args, spec)
@@ -422,8 +434,10 @@ def cmd_profile(args) -> int:
         raise CliError(f"--sizes must each be between 1 and {MAX_TREE_NODES} (the largest tree a policy drafts)")
     if args.pair and args.model:
         raise CliError("--pair profiles --target and --draft; --model is for one model without --pair")
+    if len(set(sizes)) != len(sizes):  # a cost curve needs distinct sizes: refused after the measuring before
+        raise CliError(f"--sizes lists a size twice: {args.sizes}")
     if args.out:
-        _check_out_file(args.out)
+        _check_plot_file(args.out)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.pair:
         return _profile_pair(args, sizes)
