@@ -302,7 +302,8 @@ def test_bad_input_is_refused_before_the_operator_and_by_it(native):
         args.update(change)
         with pytest.raises(RuntimeError, match=message):
             step.cpp.forward(*args.values())
-    assert torch.equal(session.keys, before)  # refused before anything was written
+    assert torch.equal(session.keys.view(torch.int32), before.view(torch.int32))  # refused before any write (bits:
+    # the cache's unwritten slots may hold NaN)
 
 
 # ------------------------------------------------------------------------------------------ a pruned draft head

@@ -135,13 +135,12 @@ class _Collected:
 
 
 # ---- the driver: `arborspec serve --ray` ----------------------------------------------------------------------------
-def run_on_ray(args: argparse.Namespace, spec: RunSpec) -> int:
-    """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C."""
-    from .run import warn_open
-
+def run_on_ray(args: argparse.Namespace, spec: RunSpec, listening=lambda: None) -> int:
+    """Start (or join) Ray, deploy the replicas behind Ray's proxy on --host/--port, serve until SIGTERM / Ctrl-C.
+    `listening()` once the port is known to take connections (run.py: the open-host warning)."""
     with listen(args.host, args.port) as sock:  # a taken port fails now, not after Ray has started
         port = sock.getsockname()[1]  # Ray's proxy needs a number: --port 0 means "pick one", as without Ray
-    warn_open(args)
+    listening()
     started = args.ray_address is None  # "local": a new instance, even where a cluster runs or RAY_ADDRESS is set
     if not started:
         check_address(args.ray_address)

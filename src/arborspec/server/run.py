@@ -94,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = server_spec(args)
     if args.ray:
         from .replicas import run_on_ray
-        return run_on_ray(args, spec)
+        return run_on_ray(args, spec, listening=lambda: warn_open(args))
     with listen(args.host, args.port) as sock:  # before loading: a taken port fails in a second, not after a minute
         warn_open(args)  # once it listens: a host it cannot listen on is an error, not a server open to anyone
         server = build_server(args, spec)
