@@ -35,12 +35,17 @@ def choose_verifiers(policy, sampling: SamplingConfig, draft_sampling: SamplingC
     return Verifiers(verifier, VERIFIERS["naive"]() if bare else verifier, bare)
 
 
+def drafts_no_tree(policy, grafts: bool) -> bool:
+    """A plain policy without free branches: every step's tree is the bare root, so no verifier checks a drafted
+    token (`ar` + sps was refused for "trees with several children per node", `ar` + wetap flagged lossy)."""
+    return policy.plain and not grafts
+
+
 def changes_outputs(verifier: Verifier, sampling: SamplingConfig, policy, grafts: bool) -> bool:
     """Whether a run's outputs may part from the target's distribution (`stats.lossy`): a lossy verifier checking
     drafted trees at T > 0. Not at T = 0, where a lossy rule's accepted path is the target's greedy one (WETAP's: its
-    path ratios are 1 or 0), nor under a plain policy without free branches, which verifies nothing (`ar` + wetap
-    was flagged lossy)."""
-    return not verifier.exact and not sampling.greedy and not (policy.plain and not grafts)
+    path ratios are 1 or 0), nor where no tree is drafted (`drafts_no_tree`)."""
+    return not verifier.exact and not sampling.greedy and not drafts_no_tree(policy, grafts)
 
 
 def grafts_bare_trees_only(policy, draft_sampling: SamplingConfig, verifier: Verifier) -> bool:
@@ -79,11 +84,8 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
     cls = VERIFIERS[name]
     if not sampling.greedy and name == "greedy":
         raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
-    # a plain policy without free branches drafts nothing: no tree for a verifier to lose exactness on (`ar` + sps
-    # was refused for "trees with several children per node")
-    plain = policy.plain and not free
-    # at T=0 every rule is greedy, so only the tree shape matters
-    if not plain and not fits(cls, set() if sampling.greedy else rules, chain):
+    # at T=0 every rule is greedy, so only the tree shape matters; with no tree drafted there is none to fit
+    if not drafts_no_tree(policy, free) and not fits(cls, set() if sampling.greedy else rules, chain):
         alternatives = sorted(
             n for n, v in VERIFIERS.items()
             if v.exact and (n != "greedy" or sampling.greedy) and fits(v, set() if sampling.greedy else rules, chain)

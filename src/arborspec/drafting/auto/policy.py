@@ -142,10 +142,10 @@ class AutoPolicy(Policy):
     def _fit_branch_limit(self, target, draft) -> None:
         """At most as many drafted nodes as a forward of either model takes leaves (`branch_limit`: a llama.cpp model
         loaded with a small n_seq_max), so no tree auto drafts stops the generation with an error mid-way."""
-        limits = [n for n in (branch_limit(target), branch_limit(draft)) if n is not None]
-        if limits and min(limits) < self.options.max_nodes:
-            self.options = dataclasses.replace(self.options, max_nodes=min(limits))
-            self.source["max_nodes"] = f"{min(limits)} (the models' sequences: llama.cpp's n_seq_max - 1)"
+        limit = min((n for n in (branch_limit(target), branch_limit(draft)) if n is not None), default=None)
+        if limit is not None and limit < self.options.max_nodes:
+            self.options = dataclasses.replace(self.options, max_nodes=limit)
+            self.source["max_nodes"] = f"{limit} (the models' sequences: llama.cpp's n_seq_max - 1)"
 
     def seed_from_overlap(self, target, draft, tokenizer, sampling: SamplingConfig,
                           draft_sampling: SamplingConfig) -> None:
