@@ -319,13 +319,52 @@ def test_scarce_sequences_evict_dead_branches_and_restore_them(gguf_dir, target,
     reference = small.new_session()
     reference.prefill(session.cached)
     assert_clean(session, reference)
-    wide = TokenTree.from_parents([4, 1, 2, 3, 4, 6], [-1, 0, 0, 0, 0, 0])  # 5 branches in one call
-    if n_seq_max == 4:
-        with pytest.raises(ValueError, match="one forward needs more than 3 branches"):
-            small.new_session().forward([4], wide, list(range(6)))
+
+
+@needs_llama
+def test_one_branch_sequence_refuses_a_fork_below_a_branch_clearly(gguf_dir):
+    """At n_seq_max 2 a fork under a node that the only branch sequence holds has nowhere to go: a clear error."""
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_seq_max=2, kv_type="f32")
+    fork = TokenTree.from_parents([4, 1, 2, 3, 5], [-1, 0, 0, 2, 2])  # root -> a, root -> c -> (e, f)
+    with pytest.raises(ValueError, match="one forward needs more than 1 branches.*--llama-seq"):
+        small.new_session().forward([4], fork, list(range(5)))
 
 
 # --------------------------------------------------------------------------------------- (d) numerics vs torch
+
+
+@needs_llama
+@pytest.mark.parametrize("n_seq_max", [3, 4, 9])
+def test_a_forward_wider_than_the_sequences_runs_in_pieces(gguf_dir, target, n_seq_max):
+    """One forward of a tree with more leaves than branch sequences (a target verifying dyspec's 64 tokens at
+    --llama-seq 8) stopped the generation; it now runs in pieces with exact logits, an accepted path that a later
+    piece evicted is committed up to the cut, and the next forward carries the rest: the cache stays exact."""
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_seq_max=n_seq_max, kv_type="f32")
+    rng = random.Random(7)
+    context = [rng.randrange(VOCAB) for _ in range(9)]
+    session = small.new_session()
+    session.prefill(context[:-1])
+    cut = 0
+    for _ in range(4):
+        tree = random_tree(rng, context[-1], 60, max_children=4)
+        torch.testing.assert_close(session.forward(context, tree, list(range(len(tree)))),
+                                   full_forward(target, context, tree), atol=ATOL, rtol=0)
+        path = tree.path(max(range(len(tree)), key=lambda n: (tree.depths[n], n)))  # forwarded early, evicted
+        cut += not all(session.has(n) for n in path)
+        session.commit(path)
+        context += [tree.tokens[n] for n in path[1:]] + [rng.randrange(VOCAB)]
+        probe = random_tree(rng, context[-1], 6)
+        torch.testing.assert_close(session.forward(context, probe, list(range(6))),
+                                   full_forward(target, context, probe), atol=ATOL, rtol=0)
+        session.commit([0])
+        context.append(rng.randrange(VOCAB))
+    assert cut  # some accepted path was cut by an eviction
+
+
+def full_forward(model, context: list[int], tree: TokenTree) -> torch.Tensor:
+    session = model.new_session()
+    session.prefill(context[:-1])
+    return session.forward(context, tree, list(range(len(tree))))
 
 
 @needs_llama
@@ -366,6 +405,21 @@ def test_greedy_speculative_output_equals_plain_decoding(gguf_dir, method, optio
     assert spec.token_ids == ar.token_ids and spec.text == ar.text
     assert spec.stats.n_steps < ar.stats.n_steps  # the noisy draft is accepted sometimes
     assert len(set(ar.token_ids)) > 3  # not a degenerate repeat of one token
+
+
+@needs_llama
+@pytest.mark.parametrize("method", ["dyspec", "wetap"])
+def test_wide_trees_on_few_sequences_equal_plain_decoding(gguf_dir, method):
+    """dyspec's 64 tokens (and WETAP's wider unpruned layers) at n_seq_max 4: stopped at the first step before;
+    now token-identical to plain greedy decoding."""
+    from arborspec.engine import SpeculativeDecoder
+
+    target = load_llamacpp_pair(gguf_dir / "target.gguf", n_threads=1, n_seq_max=4)
+    draft = load_llamacpp_pair(gguf_dir / "draft.gguf", n_threads=1, n_seq_max=4)
+    ar = SpeculativeDecoder(target, method="ar").generate("def fib(n):", max_new_tokens=40, ignore_eos=True)
+    spec = SpeculativeDecoder(target, draft, method=method).generate("def fib(n):", max_new_tokens=40,
+                                                                     ignore_eos=True)
+    assert spec.token_ids == ar.token_ids and max(s.tree_size for s in spec.stats.steps) > 3
 
 
 @needs_llama

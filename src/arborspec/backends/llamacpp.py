@@ -331,7 +331,9 @@ class LlamaCppSession(TreeRegion):
     sequence; the others, dead-end nodes, leave the region (`has` turns false) and their cells are freed. A sequence
     is only evicted if this call's nodes and their ancestors all stay. If a later forward needs an evicted node as an
     ancestor, it is forwarded again in front of that batch (no logits). So wide layer-by-layer drafts (WETAP's
-    unpruned tree) run on few sequences; one forward call still needs a sequence per branch among its own nodes.
+    unpruned tree) run on few sequences, and so do wide forwards: a call whose nodes have more leaves than there are
+    branch sequences runs in pieces (`_runs`), and an accepted path an eviction cut short is committed up to the cut,
+    its remaining tokens carried in front of the next forward as committed ones.
     """
 
     def __init__(self, model: LlamaCppModel, role: str = "target"):
@@ -344,6 +346,7 @@ class LlamaCppSession(TreeRegion):
         self.slot: dict[int, int] = {}  # forwarded tree node -> its own sequence id
         self.forwards = 0  # llama_decode calls, for statistics
         self._free = self._all_sequences()  # branch sequence ids not in use this step
+        self.evicted: set[int] = set()  # nodes forwarded this step whose cells an eviction freed
 
     def prefill(self, ids: list[int]) -> None:
         """Put committed tokens into the cache (sequence 0), no logits."""
@@ -360,6 +363,33 @@ class LlamaCppSession(TreeRegion):
     def forward(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         """Logits (len(nodes), vocab), float32, for `nodes` of `tree` (parents first), whose root is context[-1]."""
         self._check_open()
+        runs = self._runs(tree, nodes)
+        if len(runs) == 1:
+            return self._forward_run(context, tree, nodes)
+        return torch.cat([self._forward_run(context, tree, run) for run in runs])
+
+    def _runs(self, tree: TokenTree, nodes: list[int]) -> list[list[int]]:
+        """`nodes` (parents first) in runs that one call each can take. A call needs a sequence per leaf of its nodes'
+        forest, and the sequences that hold its ancestors forwarded earlier (at most one a leaf) stay: so one run
+        when the region is empty and there are at most n_seq_max - 1 leaves, else runs of at most half as many leaves
+        each. A run's logits are read before a later run evicts its branches. Before, a forward wider than that
+        (dyspec's 64 tokens at --llama-seq 8) stopped the generation at its first step."""
+        limit = self.model.n_seq_max - 1
+        cap = max(1, limit // 2)
+        if len(nodes) - len({tree.parents[n] for n in nodes} & set(nodes)) <= (cap if self.slot else limit):
+            return [nodes]
+        runs, run, tips = [], [], set()  # tips: the leaves of the current run's forest
+        for n in nodes:
+            if tree.parents[n] in tips:  # n extends a leaf: as many leaves as before
+                tips.remove(tree.parents[n])
+            elif len(tips) >= cap:
+                runs.append(run)
+                run, tips = [], set()
+            run.append(n)
+            tips.add(n)
+        return runs + [run]
+
+    def _forward_run(self, context: list[int], tree: TokenTree, nodes: list[int]) -> torch.Tensor:
         pending = begin_forward(self, context, tree, nodes)
         root_pos = len(context) - 1
         wanted = set(nodes)
@@ -382,6 +412,9 @@ class LlamaCppSession(TreeRegion):
     def commit(self, path: list[int]) -> None:
         """Keep the committed prefix plus `path` (root first, a chain of forwarded nodes); drop the rest."""
         self._check_open()
+        gone = next((i for i, n in enumerate(path) if n not in self.slot and n in self.evicted), None)
+        if gone is not None:  # a wide forward evicted the rest: its tokens ride in front of the next forward
+            path = path[:gone]
         check_path(self, path)
         if path:
             seq, last = self.slot[path[-1]], len(self.cached) + self.tree.depths[path[-1]]
@@ -394,7 +427,11 @@ class LlamaCppSession(TreeRegion):
             lib.llama_memory_seq_cp(mem, seq, 0, -1, -1)
             lib.llama_memory_seq_rm(mem, seq, -1, -1)
         self.cached.extend(self.tree.tokens[n] for n in path)
-        self.slot, self.tree, self._free = {}, None, self._all_sequences()
+        self.slot, self.tree, self._free, self.evicted = {}, None, self._all_sequences(), set()
+
+    def renumber(self, kept: list[int]) -> None:
+        super().renumber(kept)
+        self.evicted = {new for new, old in enumerate(kept) if old in self.evicted}
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _all_sequences(self) -> list[int]:
@@ -451,7 +488,8 @@ class LlamaCppSession(TreeRegion):
         for seq in sorted(set(members) - busy - {0}):
             if len(freed) == max(1, (self.model.n_seq_max - 1) // 4):
                 break
-            alive = {n: [t for t in holders.get(n, ()) if t not in freed] for n in members[seq]}
+            # (a node moved here from a sequence freed before lists this one among its holders: not alive)
+            alive = {n: [t for t in holders.get(n, ()) if t not in freed and t != seq] for n in members[seq]}
             if not all(alive[n] for n in members[seq] if n in lineage):
                 continue  # it holds one of this call's nodes or ancestors, and no other sequence does
             self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
@@ -461,6 +499,7 @@ class LlamaCppSession(TreeRegion):
                     members[others[0]].append(n)
                 else:
                     del self.slot[n]
+                    self.evicted.add(n)
             freed.append(seq)
         if not freed:
             raise ValueError(f"one forward needs more than {self.model.n_seq_max - 1} branches; load the model "

@@ -141,7 +141,8 @@ class AutoPolicy(Policy):
 
     def _fit_branch_limit(self, target, draft) -> None:
         """At most as many drafted nodes as a forward of either model takes leaves (`branch_limit`: a llama.cpp model
-        loaded with a small n_seq_max), so no tree auto drafts stops the generation with an error mid-way."""
+        loaded with a small n_seq_max): its costs were measured on trees of at most that many leaves (tuning/costs.py),
+        and a wider forward runs in pieces (backends/llamacpp.py), dearer than the curve says."""
         limit = min((n for n in (branch_limit(target), branch_limit(draft)) if n is not None), default=None)
         if limit is not None and limit < self.options.max_nodes:
             self.options = dataclasses.replace(self.options, max_nodes=limit)
