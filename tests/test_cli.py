@@ -212,6 +212,13 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     # these were refused after the measuring
     ("profile", ["--pair", "--sizes", "1,1,4"], "--sizes lists a size twice"),
     ("profile", ["--pair", "--out", "/tmp/pair.xyz"], "a picture is written as one of"),
+    ("profile", ["--model", "/nonexistent/model", "--sizes", "4"], "a linear fit needs at least 2 distinct sizes"),
+    # these ran as if not given: the default prompt, the default verifier
+    ("generate", ["--prompt-file", ""], "--prompt-file is empty"),
+    ("generate", ["--verifier", ""], "--verifier is empty"),
+    ("calibrate", ["--out", ""], "--out is empty"),
+    ("profile", ["--model", "/nonexistent/model", "--sizes", "1,4", "--kind", "quadratic"],
+     "a quadratic fit needs at least 3"),
     ("trees", ["--out", "/tmp/trees.xyz"], "not .xyz"),
     ("generate", ["--draft-vocab", "-5"], "the draft vocabulary must be 0 (off) or more"),
     ("generate", ["--ngram", "3", "--ngram-len", "0"], "an n-gram branch needs at least 1 token"),

@@ -87,3 +87,17 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly():
     done = subprocess.run(f"{sys.executable} -c \"{code}\" | head -c 5", shell=True, capture_output=True, text=True,
                           timeout=120, executable="/bin/bash")
     assert done.stdout == "xxxxx" and "error" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_while_the_full_cli_imports_is_one_line(monkeypatch, capsys):
+    """Ctrl-C during the seconds `arborspec generate` spends importing torch printed a 60-line traceback."""
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name == "arborspec.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "arborspec.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    assert console_script.main(["generate", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == "arborspec: interrupted\n"

@@ -220,7 +220,7 @@ def test_context_window_is_respected():
         (dict(method="static", draft_temperature=-2.0), "draft_temperature must be"),  # at T = 0 as well
         (dict(method="static", temperature=0.5, seed=2**70), "seed must be an integer in"),
         # a tree past MAX_TREE_NODES (1024): these ran until memory ran out, on a server at one client's request
-        (dict(method="static", depth=100, branch=100), "at most 1024"),
+        (dict(method="static", depth=100, branch=100), "has more than a billion drafted nodes; .* at most 1024$"),
         (dict(method="static", widths="600,600"), "at most 1024"),
         (dict(method="dyspec", budget=100_000), "at most 1024"),
         (dict(method="beam", beams=200_000), "at most"),
@@ -244,6 +244,24 @@ def test_bad_prompts_are_refused():
             dec.generate([3], max_new_tokens=budget)
     with pytest.raises(ValueError, match="seed"):
         dec.generate([3], max_new_tokens=2, seed=1.5)
+    with pytest.raises(ValueError, match="prompt_logprobs must be true or false"):  # "no" was true
+        dec.generate([3, 4], max_new_tokens=0, logprobs=1, prompt_logprobs="no")
+
+
+@pytest.mark.parametrize("call", ["generate", "stream", "steps", "generate_batch"])
+def test_settings_passed_per_call_name_the_constructor(call):
+    """transformers users pass temperature (or do_sample, min_p) to each generate call: Python's bare "unexpected
+    keyword argument" named neither where it goes nor why; the refusal comes at the call, before any step."""
+    dec = SpeculativeDecoder(tiny_model("llama"), method="ar")
+    prompt = [[3]] if call == "generate_batch" else [3]
+    with pytest.raises(TypeError, match=r"temperature is a setting of SpeculativeDecoder\(\.\.\., temperature="):
+        getattr(dec, call)(prompt, max_new_tokens=2, temperature=0.7)
+    with pytest.raises(TypeError, match="min_p is not an argument of .*: arborspec samples with temperature"):
+        getattr(dec, call)(prompt, max_new_tokens=2, min_p=0.1)
+    with pytest.raises(TypeError, match="do_sample is not an argument"):
+        getattr(dec, call)(prompt, max_new_tokens=2, do_sample=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        getattr(dec, call)(prompt, max_new_tokens=2, bogus=1)
 
 
 def test_nan_logits_are_refused():

@@ -57,6 +57,7 @@ def test_a_name_carries_options_budget_and_levers():
     ("static+int8+int4", "+int8 and +int4 set the same thing"), ("chain+ngram3+ngram5", "set the same thing"),
     ("chain+suffix4+suffix8", "set the same thing"), ("static(widths=3,,3)", "comma-separated list of integers"),
     ("static(widths=3,3,)", "comma-separated list of integers"),
+    ("chain\n", "does not read"), ("chain@\u0663", "does not read"),  # "$" took a final newline, "\d" any digit
 ])
 def test_bad_names_say_what_is_wrong(name, words):
     with pytest.raises(ValueError) as err:

@@ -10,8 +10,12 @@ from .console import COMMAND_HELP, LIGHT, add_models_arguments, cmd_models, run_
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMAND_HELP and argv[0] not in LIGHT:
-        from .cli import main as full_main  # torch, transformers, the policies: 4-5 s
-        return full_main(argv)
+        try:  # Ctrl-C in the seconds of importing printed a 60-line traceback; it is an interruption like any other
+            from .cli import main as full_main  # torch, transformers, the policies: 4-5 s
+            return full_main(argv)
+        except KeyboardInterrupt:
+            print("arborspec: interrupted", file=sys.stderr)
+            return 130
     parser, commands = top_parser()
     add_models_arguments(commands["models"])
     args = parser.parse_args(argv)  # anything but `models` has exited here: help, version or a usage error

@@ -67,7 +67,7 @@ from .runspec import (
 from .server import add_serve_arguments, run_serve
 from .tuning.costs import fitting_prefix, measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path
 from .tuning.draft_choice import choose_draft_quant, describe, plot_variants
-from .tuning.runtime_model import default_kind, fit_runtime, required_tau_ratio
+from .tuning.runtime_model import check_fit_sizes, default_kind, fit_runtime, required_tau_ratio
 from .verify import VERIFIERS
 from .viz.trees import draw_trees
 
@@ -443,8 +443,10 @@ def cmd_profile(args) -> int:
         return _profile_pair(args, sizes)
     if not args.model:
         raise CliError("`arborspec profile` needs --model SPEC, or --pair (with --target/--draft)")
+    check_fit_sizes(sizes, args.kind or "linear")  # before loading and measuring: minutes on a real model
     model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend, llama=llama_options(args)).model
     kind = args.kind or default_kind(model)
+    check_fit_sizes(sizes, kind)
     prefix = fitting_prefix(model, args.prefix, sizes, args.repeats)  # native refused a prefix past its window
     if prefix < args.prefix:
         print(f"[arborspec] --prefix {args.prefix} cut to {prefix}: the model's context window holds no more beside "
@@ -526,7 +528,16 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "k
 def main(argv: list[str] | None = None) -> int:
     """Every command, parsed in full (the console script calls this for all but the light ones, console.py)."""
     args = build_parser().parse_args(argv)
-    return run_command(COMMANDS[args.command], args)
+    return run_command(lambda a: COMMANDS[a.command](_refuse_empty(a)), args)
+
+
+def _refuse_empty(args):
+    """`args`, unless a path or name flag is the empty string: read as not given, `--prompt-file ''` ran the default
+    prompt, `--verifier ''` the default verifier and `--target ''` the current directory, each without a word."""
+    for name in ("target", "draft", "model", "prompt_file", "verifier", "out", "method"):
+        if getattr(args, name, None) == "":
+            raise CliError(f"--{name.replace('_', '-')} is empty")
+    return args
 
 
 if __name__ == "__main__":

@@ -149,8 +149,8 @@ METHODS: dict[str, RunSpec] = {m.name: m for m in [
 
 
 # ---- parsing -----------------------------------------------------------------------------------------------------
-_NAME = re.compile(r"^(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(?P<budget>\d+))?"
-                   r"(?P<levers>(?:\+[a-z0-9_]+)*)$")
+_NAME = re.compile(r"(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(?P<budget>[0-9]+))?"
+                   r"(?P<levers>(?:\+[a-z0-9_]+)*)")  # fullmatch: "$" let a final newline into the name
 
 
 def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool = False) -> RunSpec:
@@ -160,7 +160,7 @@ def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool =
     lever, and whether lossy verifiers may run."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
-    m = _NAME.match(name)
+    m = _NAME.fullmatch(name)
     if m is None:
         raise ValueError(f"method {name!r} does not read as {GRAMMAR}")
     spec = replace(_base(m["base"]), name=name, quant=draft_quant, allow_lossy=allow_lossy)

@@ -44,8 +44,9 @@ class StaticOptions:
             check_int(getattr(self, name), name, high=MAX_TREE_NODES)
         self.width_list = parse_int_list(self.widths, "widths") if self.widths else ()
         nodes = sum(self.width_list) or sum(self.branch ** i for i in range(1, self.depth + 1))
-        if nodes > MAX_TREE_NODES:
-            raise ValueError(f"this tree has {nodes} drafted nodes; a step's tree may hold at most {MAX_TREE_NODES}")
+        if nodes > MAX_TREE_NODES:  # depth=1000,branch=1000 has a 3001-digit count: not printed
+            count = nodes if nodes < 10 ** 9 else "more than a billion"
+            raise ValueError(f"this tree has {count} drafted nodes; a step's tree may hold at most {MAX_TREE_NODES}")
         check_draw(self.draw)
         if self.width_list and self.draw != "sample":
             raise ValueError("draw applies to k-ary trees (depth, branch); a widths tree picks its tokens "

@@ -8,6 +8,8 @@ flags, each request's sampling on top) and `fork()` (engine/many_prompts.py) pas
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field, fields, replace
 
 from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
@@ -96,3 +98,24 @@ class DecoderConfig:
         """The draft-free branches these settings ask for (ValueError for numbers out of range)."""
         return FreeBranches(self.method, self.ngram, self.ngram_len, self.suffix, self.suffix_store, self.lookahead,
                             self.lookahead_ngram, self.lookahead_guesses)
+
+
+def per_call(method):
+    """SpeculativeDecoder's per-call methods (generate, stream, ...) with the constructor's settings refused by name:
+    transformers users pass temperature / top_k / do_sample to each generate call, and got Python's bare "unexpected
+    keyword argument" (the settings belong to SpeculativeDecoder(...): its sessions, policy and verifier follow
+    them)."""
+    takes = set(inspect.signature(method).parameters)
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        own = {f.name for f in fields(DecoderConfig)}
+        for key in set(kwargs) - takes:
+            if key in SAMPLING_KEYWORDS or key in own:
+                raise TypeError(f"{key} is a setting of SpeculativeDecoder(..., {key}=...), not an argument of "
+                                f"{method.__name__}()")
+            if key in NOT_SUPPORTED or key == "do_sample":
+                raise TypeError(f"{key} is not an argument of {method.__name__}(): "
+                                f"{NOT_SUPPORTED.get(key, 'temperature > 0 samples (set on SpeculativeDecoder)')}")
+        return method(self, *args, **kwargs)
+    return call

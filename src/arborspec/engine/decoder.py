@@ -23,7 +23,7 @@ from ..core.tree import ORDERS, TokenTree
 from ..drafting import POLICIES, DraftContext
 from ..drafting.budget_tuner import make_policy
 from ..verify.base import draw, root_optimum, target_probs
-from .config import DecoderConfig
+from .config import DecoderConfig, per_call
 from .generation import Generation, check_budget
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
@@ -95,6 +95,7 @@ class SpeculativeDecoder:
         """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
         return model_prompt_ids(self.tokenizer, prompt, self.target, self.draft)
 
+    @per_call
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
                  prompt_logprobs: bool = False) -> GenerationResult:
@@ -111,6 +112,7 @@ class SpeculativeDecoder:
             pass
         return result
 
+    @per_call
     def generate_batch(self, prompts: list, max_new_tokens: int = 128, stop: list[str] | None = None,
                        seeds: list[int | None] | None = None, ignore_eos: bool = False,
                        concurrency: int | None = None) -> list[GenerationResult]:
@@ -128,6 +130,7 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(self.target, self.draft, self.config, tokenizer=self.tokenizer,
                                   prefix_cache=self.prefix_cache)
 
+    @per_call
     def stream(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
                ignore_eos: bool = False) -> Iterator[str]:
         """Yield the generated text incrementally, one chunk per step."""
@@ -141,6 +144,7 @@ class SpeculativeDecoder:
                 shown = result.text
 
     # ---- the loop --------------------------------------------------------------------------------------------
+    @per_call
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
               ignore_eos: bool = False, prefill_chunk: int = 0, logprobs: int | None = None,
               prompt_logprobs: bool = False) -> Iterator[GenerationResult | None]:
@@ -155,6 +159,7 @@ class SpeculativeDecoder:
         tokens are the same: only sessions whose rows are computed alone (`rows_alone`: the native backend's) read
         in pieces, so a cached key is the same bits however the prompt was cut; other sessions read it at once."""
         check_int(prefill_chunk, "prefill_chunk", 0)
+        prompt_logprobs = check_bool(prompt_logprobs, "prompt_logprobs")  # the text "no" is true to Python
         if logprobs is not None:
             check_int(logprobs, "logprobs", 0)
         elif prompt_logprobs:
@@ -262,17 +267,8 @@ class SpeculativeDecoder:
         if self.config.record_trees:
             step.tree = tree_record(tree, verdict.path, verdict.bonus)
         if self.config.measure_optimum and not self.sampling.greedy:
-            step.root_optimum = self._root_optimum(tree, logits, run.stats)
+            step.root_optimum = run.stats.measure(lambda: root_optimum(tree, logits[0], self.sampling))
         return step
-
-    def _root_optimum(self, tree, logits: torch.Tensor, stats: GenerationStats) -> float | None:
-        """verify.base.root_optimum of this step's tree, from the target's logits at its root (row 0); the time it
-        takes goes to stats.t_measure, so that measuring it does not slow the timings it is compared with."""
-        t = time.perf_counter()
-        try:
-            return root_optimum(tree, logits[0], self.sampling)
-        finally:
-            stats.t_measure += time.perf_counter() - t
 
     def _plain_steps(self, run: Generation, target) -> Iterator[GenerationResult]:
         """Plain decoding, one target token a step: what `steps` runs when no step would draft anything (method `ar`,

@@ -2,9 +2,13 @@
 (GenerationStats: the papers' tokens per step, acceptance by depth, throughput, TTFT), and the result around them."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable, TypeVar
 
 from .logprobs import TokenLogprob
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -117,6 +121,15 @@ class GenerationStats:
                 for key, n in counts.items():
                     total[key] = total.get(key, 0) + n
         return out
+
+    def measure(self, work: Callable[[], T]) -> T:
+        """`work()`, its time added to t_measure: a statistic (measure_optimum's) whose time must not slow the step
+        timings it is compared with."""
+        t = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.t_measure += time.perf_counter() - t
 
     @property
     def tokens_per_s(self) -> float:

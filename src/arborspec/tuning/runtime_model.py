@@ -38,15 +38,23 @@ class RuntimeModel:
         return f"t(N) = {text} {suffix}"
 
 
+def check_fit_sizes(sizes, kind: str) -> int:
+    """The fit's degree; ValueError unless `sizes` has enough distinct sizes for it (the CLI asks before measuring)."""
+    degree = 1 if kind == "linear" else 2
+    if len(set(sizes)) < degree + 1:
+        raise ValueError(f"a {kind} fit needs at least {degree + 1} distinct sizes with one time each")
+    return degree
+
+
 def fit_runtime(sizes, times, kind: str = "linear") -> RuntimeModel:
     """Least-squares fit of measured forward times (seconds) against tree sizes."""
     if kind not in KINDS:
         raise ValueError(f"unknown runtime model {kind!r}; choose one of: {', '.join(KINDS)}")
     n = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
-    degree = 1 if kind == "linear" else 2
-    if n.shape != t.shape or len(set(n.tolist())) < degree + 1:
-        raise ValueError(f"a {kind} fit needs at least {degree + 1} distinct sizes with one time each")
+    degree = check_fit_sizes(sizes, kind)
+    if n.shape != t.shape:
+        raise ValueError(f"a {kind} fit needs one time for each size")
     design = np.vander(n, degree + 1)  # columns N^degree ... N^0
     coeffs, *_ = np.linalg.lstsq(design, t, rcond=None)
     return RuntimeModel(kind, tuple(float(c) for c in coeffs))
