@@ -147,6 +147,8 @@ def test_stop_strings_and_text(tokenizer):
     for bad in ([""], [stop, ""], [None]):
         with pytest.raises(ValueError, match="non-empty strings"):
             dec.generate("def f(x):", max_new_tokens=4, stop=bad)
+    with pytest.raises(ValueError, match="a stop string is not valid Unicode text"):  # it could never match
+        dec.generate("def f(x):", max_new_tokens=4, stop=["x\ud800"])
     at_budget = full.text.index(stop) + len(stop)  # the stop string completed by the budget's last token
     last = dec.generate("def f(x):", max_new_tokens=at_budget, ignore_eos=True, stop=[stop])
     assert last.text.endswith(stop) and last.stats.finish_reason == "stop"  # it read "length"

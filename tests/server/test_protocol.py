@@ -55,6 +55,7 @@ def test_a_plain_request_parses_with_the_servers_defaults_filled_in_later():
     ({"model": "t", "prompt": "x", "max_tokens": 101}, "max_tokens"),
     ({"model": "t", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "t", "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": "t", "prompt": "x", "stop": ["a\ud800"]}, "stop"),
     ({"model": "t", "prompt": []}, "prompt"),
     ({"model": "t", "prompt": "x", "n": 3}, "n"),
     ({"model": "t", "prompt": "x", "echo": "yes"}, "echo"),

@@ -11,6 +11,7 @@ import torch
 from ..backends.model_info import context_window
 from ..core.options import is_whole
 from .logprobs import TokenLogprob, token_logprobs
+from .prompts import unicode_text
 from .stats import GenerationResult, GenerationStats, StepStats
 
 
@@ -23,6 +24,8 @@ def stop_strings(stop: str | list[str] | None) -> list[str] | None:
     if stop is not None and not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings (an empty one would end every generation at its "
                          f"first token), got {list(stop)!r}")
+    for s in stop or ():  # a lone surrogate ("\ud800" from JSON) can never appear in decoded text: it never stopped
+        unicode_text(s, "a stop string")
     return stop
 
 

@@ -22,7 +22,7 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None =
     if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
     if isinstance(prompt, str):
-        ids = tokenizer(_text(prompt), add_special_tokens=True)["input_ids"]
+        ids = tokenizer(unicode_text(prompt), add_special_tokens=True)["input_ids"]
     elif is_conversation(prompt):
         ids = conversation_ids(tokenizer, prompt)
     else:
@@ -44,7 +44,7 @@ def model_prompt_ids(tokenizer, prompt, target, draft=None) -> list[int]:
     return prompt_ids(tokenizer, prompt, vocab_size(target, draft), context_window(target))
 
 
-def _text(text: str, what: str = "the prompt") -> str:
+def unicode_text(text: str, what: str = "the prompt") -> str:
     """`text`, if it can be written as UTF-8. A lone surrogate cannot: Python makes one of each byte of a command-line
     argument or file that is not UTF-8 ("caf\\xe9"), and JSON can escape one ("\\ud800"); the tokenizer then failed
     with a type error naming none of this."""
@@ -109,7 +109,7 @@ def conversation_text(tokenizer, messages: list[dict]) -> str:
         raise ValueError("chat messages need a tokenizer with a chat template; this target's tokenizer has none")
     for m in messages:
         if isinstance(m.get("content"), str):
-            _text(m["content"], f"a {m['role']} message")
+            unicode_text(m["content"], f"a {m['role']} message")
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 

@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..core.sampling import SEED_RANGE, TEMPERATURE_RULE, valid_temperature
+from ..engine.generation import stop_strings as stop_texts
 from .logprobs import MAX_CHAT_TOP, MAX_COMPLETION_TOP
 
 
@@ -235,6 +236,10 @@ def stop_strings(req: _Generation) -> list[str]:
     if len(stop) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(400, f"stop takes up to 4 non-empty strings of at most {MAX_STOP_CHARS} characters",
                        param="stop")
+    try:
+        stop_texts(stop)  # a lone surrogate ("\ud800" in JSON) could never match decoded text
+    except ValueError as err:
+        raise APIError(400, str(err), param="stop") from None
     return stop
 
 
