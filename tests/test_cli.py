@@ -207,6 +207,7 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("calibrate", ["--temperature", "-0.5"], "temperature must be 0 (greedy) or a finite number"),
     ("calibrate", ["--out", "/etc"], "'/etc' is a directory"),
     ("calibrate", ["--max-new-tokens", "0"], "--max-new-tokens and --ranks must be at least 1"),
+    ("calibrate", ["--ranks", "1000000000"], "--ranks must be at most 1024"),
     ("profile", ["--sizes", "1,100000"], "--sizes must each be between 1 and 1024"),
     ("profile", ["--pair", "--model", "x"], "--pair profiles --target and --draft"),
     # these were refused after the measuring

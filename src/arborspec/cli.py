@@ -414,6 +414,8 @@ def cmd_calibrate(args) -> int:
     _check_sampling(args)
     if args.max_new_tokens < 1 or args.ranks < 1:
         raise CliError("--max-new-tokens and --ranks must be at least 1")
+    if args.ranks > MAX_TREE_NODES:  # a node has no more children than a tree has nodes; 10**9 took the memory
+        raise CliError(f"--ranks must be at most {MAX_TREE_NODES} (the most nodes a step's tree holds)")
     _check_out_file(args.out)
     target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype, backend=args.backend,
                               draft_backend=args.draft_backend, llama=llama_options(args))
