@@ -74,7 +74,8 @@ def test_bad_bodies_are_400s_naming_the_field(body, param):
 
 def test_neutral_values_of_unsupported_fields_pass():
     parse({"model": "t", "prompt": "x", "n": 1, "echo": False, "logprobs": None, "presence_penalty": 0.0,
-           "logit_bias": {}, "best_of": 1, "repetition_penalty": 1.0, "min_p": 0})
+           "logit_bias": {}, "best_of": 1, "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0,
+           "stop_token_ids": [], "include_stop_str_in_output": False, "guided_json": None})
     parse({"model": "t", "messages": [{"role": "user", "content": "a"}], "tool_choice": "auto", "modalities": ["text"],
            "function_call": "none"}, ChatRequest)
 
@@ -91,7 +92,10 @@ def test_null_means_the_default_as_openai_clients_send_it():
                                           ("tool_choice", {"type": "function", "function": {"name": "f"}}),
                                           ("function_call", {"name": "f"}), ("modalities", ["text", "audio"]),
                                           ("audio", {"voice": "alloy", "format": "wav"}),
-                                          ("repetition_penalty", 1.2), ("min_p", 0.05)])  # vLLM's: were dropped
+                                          ("repetition_penalty", 1.2), ("min_p", 0.05),  # vLLM's: were dropped
+                                          ("min_tokens", 50), ("stop_token_ids", [42]), ("guided_choice", ["a"]),
+                                          ("include_stop_str_in_output", True), ("typical_p", 0.2),
+                                          ("grammar", "root ::= \"a\""), ("repeat_penalty", 1.5)])  # answered 200
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, value):
     err = refused({"model": "t", "messages": [{"role": "user", "content": "a"}], field: value}, ChatRequest)
     assert err.status == 400 and err.param == field

@@ -144,6 +144,14 @@ NEUTRAL = {
     "response_format": (None, {"type": "text"}), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "audio": (None,),
     "repetition_penalty": (None, 1), "min_p": (None, 0),  # vLLM's, as top_k and ignore_eos are: never dropped unread
+    # vLLM's and llama.cpp server's other extensions that change the output (clients send them through extra_body;
+    # each was answered 200 with its setting unread): sampling, stopping and constrained decoding
+    "typical_p": (None, 1), "min_tokens": (None, 0), "stop_token_ids": (None, []), "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,), "length_penalty": (None, 1),
+    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "repeat_penalty": (None, 1), "n_predict": (None,), "grammar": (None, ""),
+    "json_schema": (None,), "mirostat": (None, 0), "tfs_z": (None, 1), "dry_multiplier": (None, 0),
+    "xtc_probability": (None, 0),
 }
 
 _TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location
