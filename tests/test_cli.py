@@ -1,4 +1,5 @@
 """The command line on tiny local models: --json is consistent, and bad input exits non-zero with one clear line."""
+import io
 import json
 import subprocess
 import sys
@@ -81,13 +82,12 @@ def test_trees_draws_the_drafted_steps_not_the_prompts(model_dirs, capsys, monke
 
 
 def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, capsys, monkeypatch):
-    import io
 
     base = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32",
             "--method", "chain", "--max-new-tokens", "8", "--ignore-eos", "--json"]
     outputs = []
     for how in (["--prompt", "def g(y):"], ["def g(y):"], ["--prompt-file", "-"]):
-        monkeypatch.setattr("sys.stdin", io.StringIO("def g(y):"))
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"def g(y):")))
         code, out, _ = run_cli(capsys, *base, *how)
         assert code == 0
         outputs.append(json.loads(out)["token_ids"])
@@ -239,6 +239,12 @@ def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     # the target does not exist: an error about it would mean the models were being loaded first
     code, _, err = run_cli(capsys, command, "--target", "/nonexistent/model", *args)
     assert code == 2 and message in err and "not found" not in err and "Traceback" not in err
+
+
+def test_standard_input_that_is_not_utf8_is_refused_before_loading(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait")))
+    code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--prompt-file", "-")
+    assert code == 2 and "standard input is not UTF-8 text (invalid continuation byte at byte 3)" in err
 
 
 def test_torch_deprecation_noise_is_hidden_in_the_cli_only(monkeypatch):

@@ -270,8 +270,14 @@ def _read_prompt_file(path: str) -> str:
 
 def _read_prompt(args) -> str:
     """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT."""
-    if args.prompt_file == "-":
-        return sys.stdin.read()
+    if args.prompt_file == "-":  # bytes, decoded here: text that is not UTF-8 was refused only after the loading
+        if not hasattr(sys.stdin, "buffer"):  # already text (a StringIO)
+            return sys.stdin.read()
+        raw = sys.stdin.buffer.read()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise CliError(f"standard input is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if args.prompt_file:
         return _read_prompt_file(args.prompt_file)
     text = getattr(args, "text", None)
