@@ -317,6 +317,17 @@ def test_bad_requests_get_an_openai_error_object_never_a_500(main_url, name, bod
     assert message in error["message"] and error["type"]
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [3, 99999], "max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "arborspec": {"method": "chain", "budget": 100000}}, "arborspec"),
+    ({"prompt": "x", "temperature": 1.0, "arborspec": {"verifier": "greedy"}}, "arborspec"),
+])
+def test_errors_found_while_the_request_is_built_name_its_field(main_url, body, param):
+    """These 400s came with "param": null: they are raised while the request's decoder is built, not parsed."""
+    r = httpx.post(main_url + "/v1/completions", json={"model": MODEL, **body}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_metrics_are_prometheus_text_with_latencies_and_speculation(client, main_url):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **ext())
     httpx.post(main_url + "/v1/completions", json={"model": MODEL, "prompt": ""}, headers=AUTH, timeout=30)

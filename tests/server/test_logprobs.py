@@ -101,7 +101,7 @@ def test_each_tokens_text_length_is_the_one_its_whole_prefix_decodes_to(tokenize
             length, start = 0, 0
             for i in range(len(ids)):
                 before = tokenizer.decode(ids[:i], skip_special_tokens=skip)
-                length, start = grown(tokenizer, ids, i, length, start, skip)
+                length, start = grown(tokenizer, ids, i, length, skip)
                 text = tokenizer.decode(ids[:i + 1], skip_special_tokens=skip)
                 assert length == len(text)
                 if case % 2 == 0:  # a token starts after the whole characters before it
@@ -118,6 +118,27 @@ def test_a_token_after_bytes_that_stay_invalid_starts_after_their_replacement_ch
     one character early (Qwen, T = 1: an invalid two-byte run, then a whole character)."""
     out = Logprobs(tokenizer, chat=False).take(result(tokenizer, ids), tokenizer.decode(ids))
     assert out["text_offset"] == starts
+
+
+class Pieces:
+    """A tokenizer whose tokens are any byte strings (as byte-level BPE merges them), decoded as HF decodes bytes."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_token_continuing_a_character_starts_where_the_character_does():
+    """Qwen writes " 🍉" as " \xf0\x9f", "\x8d", "\x89": the middle token was given the offset of the space (where
+    the token before it started), not of the emoji it continues."""
+    tok = Pieces([b"a", b" \xf0\x9f", b"\x8d", b"\x89", b"b"])
+    length, starts = 0, []
+    for i in range(5):
+        length, start = grown(tok, [0, 1, 2, 3, 4], i, length)
+        starts.append(start)
+    assert starts == [0, 1, 2, 2, 3] and length == len("a 🍉b")
 
 
 def test_chat_leaves_out_every_token_the_content_skips_and_an_empty_answer_has_empty_lists(tokenizer):

@@ -201,12 +201,15 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         spec = decoders.spec_for(opts.method, opts.verifier, opts.budget, opts.allow_lossy) if opts else decoders.spec
     except ValueError as err:  # the request's own method, verifier, budget or consent
         raise APIError(400, str(err), param="arborspec") from None
+    param = None  # the field a ValueError is about, named in the 400 (clients show it beside the field)
     try:
         sampling = decoders.sampling(req.temperature, req.top_k, req.top_p, req.seed)
+        param = "messages" if chat else "prompt"
         if chat:
             prompt = render_chat(decoders.target.tokenizer, prompt, model_name)
         ids = decoders.encode(prompt)  # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...
         check_context(ids, n, req, decoders.context_window, chat)
+        param = "arborspec" if opts else None  # the request's method or verifier with its sampling: a budget too big
         with models:
             decoder = decoders.build(spec, sampling)
         # the engine's per-step loop: each request owns one, and the scheduler advances them in turn
@@ -216,7 +219,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         if "context window" in str(err):
             raise APIError(400, str(err), param="messages" if chat else "prompt",
                            code="context_length_exceeded") from None
-        raise APIError(400, str(err)) from None
+        raise APIError(400, str(err), param=param) from None
 
 
 def check_context(ids: list[int], n: int, req, window: int, chat: bool) -> None:

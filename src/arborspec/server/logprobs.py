@@ -35,22 +35,23 @@ MAX_COMPLETION_TOP, MAX_CHAT_TOP = 5, 20  # OpenAI's limits on completions' logp
 WINDOW = 8
 
 
-def grown(tokenizer, ids: list[int], i: int, length: int, start: int,
-          skip_special_tokens: bool = False) -> tuple[int, int]:
-    """(len(decode(ids[:i + 1])), where token i starts in that text), given `length` = len(decode(ids[:i])) and
-    `start`, where token i - 1 starts; decoding at most WINDOW + 1 tokens.
+def grown(tokenizer, ids: list[int], i: int, length: int, skip_special_tokens: bool = False) -> tuple[int, int]:
+    """(len(decode(ids[:i + 1])), where token i starts in that text), given `length` = len(decode(ids[:i])); decoding
+    at most WINDOW + 1 tokens.
 
     A token starts at the first character its decoding changes: where a half character it completes starts, or
     after a U+FFFD that stays one (invalid bytes: taking every trailing U+FFFD for a half character put the next
-    token one character early). A token that changes nothing shown continues the half character token i - 1 began,
-    or has no text (a special token skipped), and then starts at the end."""
+    token one character early). A token that changes nothing shown continues the half character shown last (one
+    U+FFFD), and starts where it does: token i - 1 may hold whole characters before it (Qwen's " \xf0\x9f" of
+    " 🍉", whose next token was given the space's offset); or it has no text (a special token skipped), and then
+    starts at the end."""
     lo = max(0, i - WINDOW)
     before = decode_text(tokenizer, ids[lo:i], skip_special_tokens)
     after = decode_text(tokenizer, ids[lo:i + 1], skip_special_tokens)
     at = length - len(before)  # where the window's text starts
     if after == before:
         own = decode_text(tokenizer, ids[i:i + 1], skip_special_tokens)
-        return length, start if own and after.endswith("\ufffd") else length
+        return length, at + len(after) - 1 if own and after.endswith("\ufffd") else length
     return at + len(after), at + len(os.path.commonprefix([before, after]))
 
 
@@ -61,7 +62,6 @@ class Logprobs:
         self.tokenizer, self.chat, self.base = tokenizer, chat, base  # base: an echoed prompt's characters
         self.sent = 0  # tokens whose entries have gone out
         self.length = 0  # len(decode(the tokens sent)), special tokens skipped
-        self.start = 0  # where the last token sent starts in that text
         self.given = False  # some entry has gone out (a response that asked for logprobs and has none gets [])
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel" and bool(_BYTE_OF)
@@ -74,12 +74,12 @@ class Logprobs:
         OpenAI's shape; None when there are none."""
         ids, entries = result.token_ids, []
         while self.sent < len(ids):
-            end, start = grown(self.tokenizer, ids, self.sent, self.length, self.start, skip_special_tokens=True)
+            end, start = grown(self.tokenizer, ids, self.sent, self.length, skip_special_tokens=True)
             if end > len(shown):
                 break
             if ids[self.sent] not in self.skip:
                 entries.append((result.logprobs[self.sent], self.base + start))
-            self.sent, self.length, self.start = self.sent + 1, end, start
+            self.sent, self.length = self.sent + 1, end
         return self._shape(entries) if entries else None
 
     def empty(self) -> dict:
@@ -96,9 +96,9 @@ class Logprobs:
         Offsets index `text`, the echoed prompt: a token the tokenizer put in front of it (a BOS token, whose text
         `<s>` the client never sees) starts at 0 and moves no later token."""
         ids = [lp.token for lp in result.prompt_logprobs]
-        length, start, starts = 0, 0, []  # starts[i]: where token i starts in decode(ids)
+        length, starts = 0, []  # starts[i]: where token i starts in decode(ids)
         for i in range(len(ids)):
-            length, start = grown(self.tokenizer, ids, i, length, start)
+            length, start = grown(self.tokenizer, ids, i, length)
             starts.append(start)
         self.given = True
         if decode_text(self.tokenizer, ids, False).endswith(text):
