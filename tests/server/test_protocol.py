@@ -95,7 +95,9 @@ def test_null_means_the_default_as_openai_clients_send_it():
                                           ("repetition_penalty", 1.2), ("min_p", 0.05),  # vLLM's: were dropped
                                           ("min_tokens", 50), ("stop_token_ids", [42]), ("guided_choice", ["a"]),
                                           ("include_stop_str_in_output", True), ("typical_p", 0.2),
-                                          ("grammar", "root ::= \"a\""), ("repeat_penalty", 1.5)])  # answered 200
+                                          ("grammar", "root ::= \"a\""), ("repeat_penalty", 1.5),  # answered 200
+                                          ("structured_outputs", {"choice": ["a"]}), ("top_n_sigma", 1.0),
+                                          ("continue_final_message", True), ("chat_template", "{{ x }}")])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(field, value):
     err = refused({"model": "t", "messages": [{"role": "user", "content": "a"}], field: value}, ChatRequest)
     assert err.status == 400 and err.param == field
@@ -205,3 +207,10 @@ def test_streamed_visible_text_only_grows():
         assert now.startswith(shown)
         shown = now
     assert shown == "a < b <e <en and then "
+
+
+def test_a_text_part_without_text_is_named_not_the_string_branch():
+    """content: str | list of parts: the first error was the str branch's ("should be a valid string")."""
+    err = refused({"model": "t", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, ChatRequest)
+    assert err.status == 400 and "messages.0.content.0.text" in err.body()["error"]["message"]
+    assert "Field required" in err.body()["error"]["message"]

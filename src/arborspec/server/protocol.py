@@ -151,7 +151,11 @@ NEUTRAL = {
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "repeat_penalty": (None, 1), "n_predict": (None,), "grammar": (None, ""),
     "json_schema": (None,), "mirostat": (None, 0), "tfs_z": (None, 1), "dry_multiplier": (None, 0),
-    "xtc_probability": (None, 0),
+    "xtc_probability": (None, 0), "top_n_sigma": (None, -1), "dynatemp_range": (None, 0), "samplers": (None,),
+    "typ_p": (None, 1), "n_probs": (None, 0), "structured_outputs": (None,), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
 }
 
 _TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location
@@ -173,7 +177,9 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
     try:
         req = model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
+        # the deepest error: of a union (content: str | list of parts) the branch that got furthest says what is
+        # wrong ("messages.0.content.0.text: Field required", not "content: Input should be a valid string")
+        first = max(err.errors(), key=lambda e: len(e["loc"]))
         # a union's errors name the member type tried ('str', 'list[int]'): the client wants the field's path
         where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in _TYPES or "[" in p)))
         param = str(first["loc"][0]) if first["loc"] else None
