@@ -100,6 +100,9 @@ def test_a_second_run_into_the_same_folder_stops_before_it_writes(tmp_path, caps
     assert (tmp_path / records.NAME).read_text() == '{"first": "run"}'  # the first run's record untouched
     with records.writing(tmp_path):  # free again once the first run ends
         pass
+    # and then a plain rerun is refused, before any model loads: it replaced the record (and left its plots)
+    assert main(["bench", "--out", str(tmp_path), "--target", "/nonexistent/model"]) == 2
+    assert "holds a benchmark already (results.json); add --resume" in capsys.readouterr().err
 
 
 def test_bad_outputs_and_records_are_one_line_errors(tmp_path, capsys):

@@ -112,7 +112,10 @@ def test_resume_carries_an_interrupted_run_on_and_refuses_a_different_one(loaded
 
     with pytest.raises(ValueError, match="other settings .*max_new_tokens"):
         run_bench(BenchSettings(out=out, resume=True, **{**settings, "max_new_tokens": 7}), models=loaded_pair)
-    done = records.read(run_bench(BenchSettings(out=out, resume=True, **settings), models=loaded_pair))
+    with pytest.raises(ValueError, match="holds a benchmark already .*--resume"):  # a plain rerun replaced it
+        run_bench(BenchSettings(out=out, **settings), models=loaded_pair)
+    # the same folder written otherwise ("cut/" for "cut") was "other settings (out)"
+    done = records.read(run_bench(BenchSettings(out=out + "/", resume=True, **settings), models=loaded_pair))
     assert done["finished"] and done["resumed"][0]["prompts_done"] == 2
     from arborspec.bench.report import render
 

@@ -296,7 +296,8 @@ def load_models(settings: BenchSettings, configs: list) -> tuple:
     variant is prepared from it), both on the run's backends."""
     need_draft = any(c.spec.needs_draft for c in configs)
     return load_pair(settings.target, settings.draft if need_draft else None, draft_quant="none", dtype=settings.dtype,
-                     backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama)
+                     backend=settings.backend, draft_backend=settings.draft_backend, llama=settings.llama,
+                     progress=settings.progress)
 
 
 def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
@@ -393,6 +394,10 @@ def run_bench(settings: BenchSettings, models=None) -> Path:
 
 def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings: list[str]) -> Path:
     out_dir = Path(settings.out)
+    found = records.find(out_dir) if out_dir.is_dir() else None  # under the lock: another run may be writing it
+    if found is not None and not settings.resume:  # a plain rerun replaced it, its plots left beside the new record
+        raise ValueError(f"--out {settings.out} holds a benchmark already ({found.name}); add --resume to carry it "
+                         "on, or choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     need_draft = any(c.spec.needs_draft for c in configs)
     # the draft as loaded: each variant a method asks for is prepared from it (Bench.draft_for)
@@ -462,7 +467,7 @@ def _resumable(path: Path, fresh: dict) -> dict:
         raise ValueError(f"--resume: cannot read {path}: {err}") from None
     before = old.get("settings", {})
     differ = sorted(k for k in set(fresh["settings"]) | set(before)
-                    if k != "prompts" and fresh["settings"].get(k) != before.get(k))
+                    if k not in ("prompts", "out") and fresh["settings"].get(k) != before.get(k))  # results/ = results
     if differ:
         raise ValueError(f"--resume: {path} was run with other settings ({', '.join(differ)}); "
                          "resume with the same command, or use another --out")
