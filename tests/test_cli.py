@@ -230,6 +230,7 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--llama-seq", "0"], "--llama-seq must be at least 1"),
     ("generate", ["--per-step"], "--per-step adds every step's statistics to --json's output"),
     ("bench", ["--methods", ""], "--methods names no method"),
+    ("bench", ["--prompt-file", "/nonexistent/p.jsonl"], "cannot read prompt file '/nonexistent/p.jsonl'"),
     # these ran: the bad draft temperature skipped every method but hf-assisted, exit 0; -5 tokens cut texts' ends
     ("bench", ["--draft-temperature", "-1"], "--draft-temperature must be 0 (greedy) or a finite number"),
     ("bench", ["--text-tokens", "-5"], "--text-tokens must be at least 1"),

@@ -333,6 +333,8 @@ def check_settings(settings: BenchSettings) -> None:
     """The datasets' names and the sampling values, checked as the run would check them later."""
     for name in settings.datasets:
         check_dataset(name)
+    if settings.prompt_file and not Path(settings.prompt_file).is_file():  # was found after the models loaded
+        raise ValueError(f"cannot read prompt file {settings.prompt_file!r}: there is no such file")
     for t in settings.temperatures:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
     if settings.draft_temperature is not None and not valid_temperature(settings.draft_temperature):
