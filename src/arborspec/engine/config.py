@@ -106,12 +106,12 @@ def per_call(method):
     keyword argument" (the settings belong to SpeculativeDecoder(...): its sessions, policy and verifier follow
     them)."""
     takes = set(inspect.signature(method).parameters)
+    settings = (set(SAMPLING_KEYWORDS) | {f.name for f in fields(DecoderConfig)}) - takes  # once, not every call
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        own = {f.name for f in fields(DecoderConfig)}
         for key in set(kwargs) - takes:
-            if key in SAMPLING_KEYWORDS or key in own:
+            if key in settings:
                 raise TypeError(f"{key} is a setting of SpeculativeDecoder(..., {key}=...), not an argument of "
                                 f"{method.__name__}()")
             if key in NOT_SUPPORTED or key == "do_sample":
