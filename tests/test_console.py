@@ -48,10 +48,30 @@ def test_what_needs_no_model_imports_no_torch(args):
         assert result["code"] == 2 and "unknown alias 'nope'" in err and "Traceback" not in err
 
 
-def test_a_model_command_is_handed_to_the_full_cli():
+def test_a_model_command_is_handed_to_the_full_cli(tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
     result, out, _ = probe("generate", "--help")
     assert result["code"] in (0, None) and "arborspec.cli" in result["heavy"]
     assert "--max-new-tokens" in out and "--draft-vocab" in out
+    # the second time the kept text answers, without the 4-5 s import, and says the same
+    again, out_again, _ = probe("generate", "--help")
+    assert again == {"code": 0, "heavy": []} and out_again == out
+    # any other argument goes to the full CLI as before: `-h` beside a bad flag is still the full parser's answer
+    other, _, err = probe("generate", "--max-new-tokens", "0")
+    assert other["code"] == 2 and "arborspec.cli" in other["heavy"] and "--max-new-tokens must be at least 1" in err
+
+
+def test_kept_help_is_named_after_the_sources_and_the_width(monkeypatch):
+    from arborspec import console
+    first = console.help_path("generate")
+    assert console.help_path("generate") == first and console.help_path("bench") != first
+    monkeypatch.setenv("COLUMNS", "57")  # argparse wraps to the terminal: another width, another text
+    assert console.help_path("generate") != first
+    monkeypatch.delenv("COLUMNS")
+    real_stat = console.Path.stat
+    monkeypatch.setattr(console.Path, "stat", lambda self, **kw: real_stat(self, **kw) if self.name != "cli.py"
+                        else type("S", (), {"st_mtime_ns": 1, "st_size": real_stat(self).st_size})())
+    assert console.help_path("generate") != first  # an edited source file: the kept text is made again
 
 
 def test_the_full_parser_lists_the_same_commands():

@@ -4,16 +4,21 @@ command's errors are reported, and `arborspec models`. None of it imports torch.
 Importing the full CLI (cli.py) imports torch, transformers' modeling code and every policy: 4-5 s on a 2-core Zen 4
 host before anything is printed. `arborspec`, `arborspec --help`, `--version`, a mistyped command and `arborspec
 models` need none of it, so the console script (__main__.py) answers them from here in 0.03-0.2 s and hands every
-other command to cli.main. The command list and its one-line helps live only here; cli.build_parser adds each
-command's arguments to this same parser.
+other command to cli.main. `arborspec generate --help` needs the full parser (its method options come from the policy
+registry): the first one takes those seconds, and its text is kept in the cache, so later ones take 0.1 s. The
+command list and its one-line helps live only here; cli.build_parser adds each command's arguments to this same parser.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import io
 import os
+import shutil
 import sys
 import warnings
+from pathlib import Path
 
 # name -> the line `arborspec --help` shows for it, in that order
 COMMAND_HELP = {
@@ -75,6 +80,38 @@ def cmd_models(args) -> int:
     else:
         print(aliases.alias_path(args.alias))
     return 0
+
+
+def help_path(command: str) -> Path:
+    """Where `arborspec COMMAND --help`'s text is kept: named after what it depends on (the package's source files,
+    the Python version and the terminal's width, which argparse wraps to), so an edit or an upgrade writes a new one."""
+    from . import __version__
+    from .core.disk_cache import cache_dir
+    package = Path(__file__).parent
+    sources = sorted((str(f.relative_to(package)), f.stat().st_mtime_ns, f.stat().st_size)
+                     for f in package.rglob("*.py"))
+    key = [__version__, sys.version, shutil.get_terminal_size().columns, command, sources]
+    return cache_dir() / "help" / f"{command}-{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.txt"
+
+
+def print_help(argv: list[str], full_main) -> int:
+    """`arborspec COMMAND --help`: the kept text, else the full CLI's (`full_main`, imported by the caller), kept."""
+    path = help_path(argv[0])
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        sys.stdout.write(path.read_text(encoding="utf-8"))
+        return 0
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            code = full_main(argv)
+        except SystemExit as done:
+            code = done.code
+    sys.stdout.write(text.getvalue())
+    if code in (0, None) and text.getvalue():
+        from .core.disk_cache import atomic_write
+        with contextlib.suppress(OSError):  # a read-only cache: the help is printed all the same
+            atomic_write(path, text.getvalue())
+    return code or 0
 
 
 def run_command(command, args) -> int:
