@@ -103,6 +103,16 @@ def test_the_terminal_loop_answers_resets_and_exits(model_dirs, capsys, monkeypa
     assert err.count(" kept from the last turn") == 2 and "[a new conversation]" in err
     code, out, _ = chat_cli(model_dirs, capsys, monkeypatch, "hello\n")  # the input ends: so does the chat
     assert code == 0 and out == f"{want}\n"
+    replies = iter(["hello"])  # then Ctrl-C at the prompt: interrupted, 130 as every other command (it was 0)
+
+    def typed(prompt=""):
+        try:
+            return next(replies)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+    monkeypatch.setattr("builtins.input", typed)
+    code, out, _ = chat_cli(model_dirs, capsys, monkeypatch, "")
+    assert code == 130 and out == f"{want}\n"
 
 
 def test_the_chat_command_refuses_a_target_without_a_chat_template(model_dirs, capsys, monkeypatch):

@@ -90,17 +90,18 @@ def read_message() -> str:
 
 
 def run(conversation: Conversation, banner: str) -> int:
-    """The terminal loop: a line in, the answer streamed out, its figures on stderr. Exit status 0."""
+    """The terminal loop: a line in, the answer streamed out, its figures on stderr. Exit status 0 when the input
+    ends (Ctrl-D, the end of a pipe) or at /exit; 130 at a Ctrl-C at the prompt, as every other command it stops."""
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input())
     print(f"{banner}\n{HELP}", file=sys.stderr)
     while True:
         try:
             text = read_message()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, KeyboardInterrupt) as end:
             if sys.stdin.isatty():  # ends the prompt's line
                 print()
-            return 0
+            return 130 if isinstance(end, KeyboardInterrupt) else 0
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":
