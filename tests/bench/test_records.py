@@ -111,6 +111,10 @@ def test_bad_outputs_and_records_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "afile").write_text("")
     assert main(["bench", "--out", str(tmp_path / "afile"), "--target", "/nonexistent/model"]) == 2
     assert "is a file; bench writes a folder" in capsys.readouterr().err
+    for sweep in ([], ["--concurrency", "1,2"]):  # a folder under a file: the system's words alone named no flag
+        assert main(["bench", "--out", str(tmp_path / "afile" / "sub"), "--target", "/nonexistent/model", *sweep]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {tmp_path / 'afile' / 'sub'} cannot be written: Not a directory" in err, err
     for name, text, message in [("object", "{}", "no list of runs"), ("list", "[]", "no list of runs"),
                                 ("runs", '{"runs": 5}', "no list of runs"),
                                 ("field", '{"runs": [{"label": "ar"}]}', "a run lacks a field")]:

@@ -7,6 +7,7 @@ from arborspec import runspec
 from arborspec.bench import records, runner
 from arborspec.bench.runner import BenchSettings, run_bench
 from arborspec.loading import pair
+from tests.conftest import char_tokenizer
 
 
 def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkeypatch):
@@ -227,8 +228,8 @@ def test_resume_refuses_a_prompt_whose_text_changed(loaded_pair, tmp_path):
 def test_a_prompt_file_takes_its_turn_with_the_datasets_so_a_larger_run_extends_a_smaller(monkeypatch):
     from arborspec.bench.datasets import Prompt
     monkeypatch.setattr(runner, "load_prompts", lambda name, n, *a, **k: [Prompt(name, str(i), "x") for i in range(n)])
-    monkeypatch.setattr(runner, "load_prompt_file", lambda path, tok, n, m: [Prompt("file", str(i), "y")
-                                                                              for i in range(n)])
+    monkeypatch.setattr(runner, "load_prompt_file", lambda path, tok, n, m, skipped: [Prompt("file", str(i), "y")
+                                                                                       for i in range(n)])
 
     def keys(n, warnings):
         settings = BenchSettings(target="t", draft="d", datasets=["humaneval"], prompt_file="p.jsonl", prompts=n)
@@ -238,6 +239,20 @@ def test_a_prompt_file_takes_its_turn_with_the_datasets_so_a_larger_run_extends_
     warnings = []
     monkeypatch.setattr(runner, "load_prompts", lambda *a, **k: [])  # e.g. --text-tokens past every text
     assert keys(2, warnings) == ["file/0", "file/1"] and "humaneval gave 0 of the 2 prompts" in warnings[0]
+
+
+def test_prompts_a_prompt_file_loses_are_counted_in_a_warning(tmp_path, capsys):
+    """An empty prompt and one over --max-prompt-tokens were dropped without a word: 2 of 3 prompts ran."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": ""}\n{"prompt": "' + "z " * 80 + '"}\n')
+    tok, warnings = char_tokenizer(), []
+    settings = dict(target="t", draft="d", datasets=[], prompt_file=str(path), prompts=5)
+    assert [p.id for p in runner._prompts(BenchSettings(**settings, max_prompt_tokens=50), tok, warnings)] == ["0"]
+    assert warnings == [f"{path}: 2 prompt(s) skipped (1 empty, 1 longer than --max-prompt-tokens 50)"]
+    assert warnings[0] in capsys.readouterr().err
+    warnings = []
+    assert len(runner._prompts(BenchSettings(**settings, max_prompt_tokens=1000), tok, warnings)) == 2
+    assert warnings == [f"{path}: 1 prompt(s) skipped (1 empty)"]
 
 
 def test_transformers_baselines_on_a_gguf_target_are_skipped_saying_why(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from ..core.disk_cache import write_json
 from ..core.options import parse_int_list
 from ..runspec import build_decoder
 from ..viz.canvas import grid, save_figure
+from . import records
 from .datasets import prompt_ids
 from .runner import (
     SCHEMA,
@@ -38,6 +39,7 @@ from .runner import (
     Config,
     _configs,
     _prompts,
+    check_settings,
     environment,
     load_models,
     run_from_args,
@@ -47,11 +49,13 @@ from .runner import (
 
 def run_concurrency(settings: BenchSettings, levels: list[int], models=None) -> Path:
     """Run the sweep; returns the path of concurrency.json. `models`: an already loaded (target, draft) pair."""
+    check_settings(settings)  # a typo, a missing --prompt-file or an --out that cannot be made: before the loading
     threads = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        return _run(settings, sorted(set(levels)), models)
+        with records.writing(settings.out):
+            return _run(settings, sorted(set(levels)), models)
     finally:
         torch.set_num_threads(threads)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,8 +174,10 @@ def load_prompts(name: str, n: int, tokenizer, max_prompt_tokens: int = 1024, te
     return _take(prompts, n, tokenizer, max_prompt_tokens)
 
 
-def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prompt_tokens: int = 1024) -> list[Prompt]:
-    """JSONL: one object per line with "prompt" and optional "id", "category", "chat"; the dataset is the file stem."""
+def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prompt_tokens: int = 1024,
+                     skipped: Counter | None = None) -> list[Prompt]:
+    """JSONL: one object per line with "prompt" and optional "id", "category", "chat"; the dataset is the file stem.
+    `skipped` counts the prompts left out ("empty", "too long"), for the bench to say so."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -203,15 +206,21 @@ def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prom
             yield Prompt(path.stem, key, _chat(tokenizer, text) if chat else text,
                          category=rec.get("category"), chat=chat)
 
-    return _take(records(), n, tokenizer, max_prompt_tokens)
+    return _take(records(), n, tokenizer, max_prompt_tokens, skipped)
 
 
-def _take(prompts: Iterable[Prompt], n: int | None, tokenizer, max_prompt_tokens: int) -> list[Prompt]:
-    out = []
+def _take(prompts: Iterable[Prompt], n: int | None, tokenizer, max_prompt_tokens: int,
+          skipped: Counter | None = None) -> list[Prompt]:
+    """The first `n` non-empty prompts of at most `max_prompt_tokens` tokens; `skipped` counts the others seen."""
+    out, skipped = [], Counter() if skipped is None else skipped
     for p in prompts:
         if n is not None and len(out) >= n:
             break
-        if p.text and n_tokens(tokenizer, p) <= max_prompt_tokens:
+        if not p.text:
+            skipped["empty"] += 1
+        elif n_tokens(tokenizer, p) > max_prompt_tokens:
+            skipped["too long"] += 1
+        else:
             out.append(p)
     return out
 

@@ -46,8 +46,12 @@ def writing(directory: str | Path) -> Iterator[None]:
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--out {directory} is a file; bench writes a folder (results.json, report.md, plots)")
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK, "a+") as f:
+    try:  # the system's words alone ("Permission denied: '/x'") did not say which flag to change
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / LOCK, "a+")
+    except OSError as err:
+        raise ValueError(f"--out {directory} cannot be written: {err.strerror}") from None
+    with lock as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -37,6 +37,7 @@ import resource
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from itertools import zip_longest
@@ -363,8 +364,14 @@ def _prompts(settings: BenchSettings, tokenizer, warnings: list[str]) -> list[Pr
     groups = {name: load_prompts(name, settings.prompts, tokenizer, settings.max_prompt_tokens, settings.text_tokens,
                                  progress=settings.progress) for name in settings.datasets}
     if settings.prompt_file:  # one more group: after the datasets, a larger --prompts could not extend a --resume
+        skipped = Counter()
         groups[settings.prompt_file] = load_prompt_file(settings.prompt_file, tokenizer, settings.prompts,
-                                                        settings.max_prompt_tokens)
+                                                        settings.max_prompt_tokens, skipped)
+        if skipped:  # they were dropped without a word
+            why = {"empty": "empty", "too long": f"longer than --max-prompt-tokens {settings.max_prompt_tokens}"}
+            warnings.append(f"{settings.prompt_file}: {sum(skipped.values())} prompt(s) skipped ("
+                            + ", ".join(f"{count} {why[reason]}" for reason, count in skipped.items()) + ")")
+            print(f"[arborspec] {warnings[-1]}", file=sys.stderr)
     for name in settings.datasets:  # a prompt file may hold fewer; a dataset short of them says why
         group = groups[name]
         if len(group) < settings.prompts:  # --text-tokens 0 gave no sharegpt-text prompt, and not a word
