@@ -662,3 +662,20 @@ def test_a_draft_shares_its_targets_tokenizer_only_when_their_vocabulary_files_a
     (draft / "tokenizer.json").write_text(json.dumps(vocab))
     assert not same_vocabulary(target, draft)
     assert not same_vocabulary(None, draft) and not same_vocabulary(llamacpp.gguf_tokenizer(tmp_path / "m.gguf"), draft)
+
+
+def test_a_draft_head_as_large_as_the_vocabulary_is_refused(loaded_pair, monkeypatch):
+    """`chain+vocab99999999999` pruned nothing, said nothing, and still counted the corpus for its head."""
+    from arborspec.loading import pair
+    from arborspec.tuning import draft_levers
+    counted = []
+    monkeypatch.setattr(draft_levers, "corpus_counts", lambda tok, vocab, **kw: counted.append(vocab) or
+                        draft_levers.token_counts(tok, ["def f(x): return x + 1"], vocab))
+    target, draft = loaded_pair
+    rows = draft.model.config.vocab_size
+    for vocab in (rows, 10**11):
+        with pytest.raises(ValueError, match=f"keeps the whole head: this draft has {rows} tokens"):
+            pair.prepare_draft(target, draft, "none", vocab, copy_first=True, progress=False)
+    assert counted == []
+    pruned, _, kept = pair.prepare_draft(target, draft, "none", rows - 1, copy_first=True, progress=False)
+    assert kept == rows - 1 and len(pruned.model.get_output_embeddings().keep) == rows - 1 and counted == [rows]

@@ -101,6 +101,10 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
     its head cut as asked or chosen. `copy_first` leaves `draft` itself untouched (the bench prepares several variants
     of one draft)."""
     quant, vocab = resolve_draft(target, draft, quant, vocab, progress)
+    rows = getattr(getattr(draft.model, "config", None), "vocab_size", None)
+    if vocab and rows and vocab >= rows:  # pruned nothing, said nothing, and still counted the corpus for it
+        raise ValueError(f"a draft head of the {vocab} most frequent tokens (+vocab, --draft-vocab) keeps the whole "
+                         f"head: this draft has {rows} tokens; give fewer, or leave the lever out")
     if quant == "none" and not vocab:
         return draft, quant, vocab
     if is_native(draft.model):  # a native GGUF draft: its lean file, then its head pruned (other weights shared)
