@@ -491,6 +491,35 @@ def test_prompt_logprobs_are_a_full_forwards_and_the_output_stays_the_same(pair)
         dec.generate(prompt, max_new_tokens=0, logprobs=2)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native", "llamacpp"])
+def test_a_prompt_as_long_as_the_window_can_be_scored(backend, tmp_path):
+    """Rolling perplexity (lm-eval's loglikelihood_rolling) sends prompts exactly as long as the window, to be scored
+    alone: they were refused ("no room for a token"). A token more, or a token to generate, still is."""
+    from arborspec.backends.model_info import context_window
+    from arborspec.loading import load_model
+    from tests.backends.tiny_gguf import write_tiny_gguf
+    if backend == "torch":
+        target = tiny_model("llama", seed=0)
+    else:
+        pytest.importorskip("llama_cpp")
+        target = load_model(str(write_tiny_gguf(tmp_path / "t.gguf", dtype="mixed")), backend=backend,
+                            progress=False).model
+    window = context_window(target)
+    ids = [(7 * i + 3) % 50 + 2 for i in range(window)]
+    dec = SpeculativeDecoder(target, method="ar")
+    whole = dec.generate(ids, max_new_tokens=0, logprobs=1, prompt_logprobs=True).prompt_logprobs
+    cut = dec.generate(ids[:-1], max_new_tokens=0, logprobs=1, prompt_logprobs=True).prompt_logprobs
+    assert [lp.token for lp in whole] == ids and whole[:-1] == cut  # causal: the last token changes no earlier row
+    if backend == "torch":
+        with torch.no_grad():
+            full = torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), -1)
+        assert whole[-1].logprob == pytest.approx(float(full[-2, ids[-1]]), abs=1e-4)
+    with pytest.raises(ValueError, match=f"the prompt has {window + 1} tokens; the target's context window is"):
+        dec.generate(ids + [3], max_new_tokens=0, logprobs=1, prompt_logprobs=True)
+    with pytest.raises(ValueError, match=f"the prompt has {window} tokens"):
+        dec.generate(ids, max_new_tokens=1)
+
+
 def test_a_conversation_is_encoded_in_the_chat_template_with_its_own_special_tokens_only():
     """A list of messages is written by the chat template, which writes the BOS token itself: the tokenizer must not
     add a second one (as it does to plain text), and a tokenizer without a template is a clear error."""

@@ -34,7 +34,7 @@ class FakeDecoders:
     def sampling(self, *_):
         return SimpleNamespace(seed=0)
 
-    def encode(self, prompt):
+    def encode(self, prompt, room=1):
         return [1] * PROMPT_IDS
 
     def build(self, spec, sampling):
@@ -89,7 +89,8 @@ def test_a_prompt_past_the_context_window_is_a_400_without_waiting_for_the_runni
 def test_a_prompt_that_fills_the_window_names_the_prompt_as_the_field_at_fault(monkeypatch):
     """Without max_tokens the window check is the encoder's (engine/prompts.py); its 400 had no `param`."""
     from arborspec.engine.prompts import prompt_ids
-    monkeypatch.setattr(FakeDecoders, "encode", lambda self, prompt: prompt_ids(None, [1] * WINDOW, window=WINDOW))
+    monkeypatch.setattr(FakeDecoders, "encode", lambda self, prompt, room=1: prompt_ids(None, [1] * WINDOW,
+                                                                                         window=WINDOW, room=room))
     client, _ = serve(lambda: fake_steps("late", 1, []))
     with client:
         error = client.post("/v1/completions", json={"model": "m", "prompt": "x"}).json()["error"]

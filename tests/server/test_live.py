@@ -160,6 +160,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, pair):
                                                  stream=True, **ext()))[0] == PROMPT
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True)  # scoring needs logprobs
+    # a prompt as long as the window (512 tokens: LONG below) scored alone, as rolling perplexity sends it (was a 400)
+    filled = client.completions.create(model=MODEL, prompt=[5] * 512, max_tokens=0, logprobs=1, echo=True, **ext())
+    assert len(filled.choices[0].logprobs.token_logprobs) == 512 and filled.usage.prompt_tokens == 512
+    with pytest.raises(openai.BadRequestError, match="context window is 512"):
+        client.completions.create(model=MODEL, prompt=[5] * 513, max_tokens=0, logprobs=1, echo=True)
     with pytest.raises(openai.BadRequestError):  # chat has no echo
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                        extra_body={"echo": True})

@@ -91,9 +91,10 @@ class SpeculativeDecoder:
         return context_window(self.target)
 
     # ---- public API ------------------------------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target."""
-        return model_prompt_ids(self.tokenizer, prompt, self.target, self.draft)
+    def encode(self, prompt, room: int = 1) -> list[int]:
+        """A prompt's token ids (text, a conversation or ids: engine/prompts.py), checked to fit the target with
+        `room` tokens after it."""
+        return model_prompt_ids(self.tokenizer, prompt, self.target, self.draft, room)
 
     @per_call
     def generate(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
@@ -235,7 +236,7 @@ class SpeculativeDecoder:
     def _start(self, prompt, max_new_tokens, stop, seed, ignore_eos, scoring: bool = False) -> Generation:
         check_budget(max_new_tokens, scoring)
         t_start = time.perf_counter()
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, room=min(max_new_tokens, 1))  # a prompt scored alone may fill the window
         generator = make_generator(self.sampling.seed if seed is None else seed)
         eos = set() if check_bool(ignore_eos, "ignore_eos") else eos_ids(self.target, self.tokenizer)
         lossy = changes_outputs(self.verifier, self.sampling, self.policy, bool(self.free))

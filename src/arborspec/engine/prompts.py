@@ -14,11 +14,12 @@ from ..backends.model_info import context_window, vocab_size
 from ..core.options import is_whole
 
 
-def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None = None) -> list[int]:
+def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None = None, room: int = 1) -> list[int]:
     """The token ids of `prompt`: text, a conversation, or one sequence of ids (a list, a (N,) or (1, N) tensor or
     array, or a tokenizer's output with "input_ids"). ValueError for an empty prompt, text without a tokenizer, ids
     that are not integers or not below `vocab`, several sequences (generate_batch takes those), a prompt with no
-    room for a token in the context window `window`, or anything else."""
+    room for `room` tokens in the context window `window` (0 for a prompt scored alone: a window-long one is what
+    rolling perplexity sends), or anything else."""
     if (isinstance(prompt, str) or is_conversation(prompt)) and tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or tokenizer=...")
     if isinstance(prompt, str):
@@ -32,16 +33,16 @@ def prompt_ids(tokenizer, prompt, vocab: int | None = None, window: int | None =
     if vocab is not None and not all(0 <= t < vocab for t in ids):
         raise ValueError(f"token id {next(t for t in ids if not 0 <= t < vocab)} is outside the vocabulary "
                          f"[0, {vocab})")
-    if window is not None and len(ids) >= window:
+    if window is not None and len(ids) + room > window:
         raise ValueError(f"the prompt has {len(ids)} tokens; the target's context window is {window}")
     return ids
 
 
-def model_prompt_ids(tokenizer, prompt, target, draft=None) -> list[int]:
-    """`prompt_ids` checked against the models (bare ones): ids every one of them has a row for, and room for a token
-    in the target's context window. What SpeculativeDecoder.encode checks, and the server before it makes the
+def model_prompt_ids(tokenizer, prompt, target, draft=None, room: int = 1) -> list[int]:
+    """`prompt_ids` checked against the models (bare ones): ids every one of them has a row for, and room for `room`
+    tokens in the target's context window. What SpeculativeDecoder.encode checks, and the server before it makes the
     request's decoder."""
-    return prompt_ids(tokenizer, prompt, vocab_size(target, draft), context_window(target))
+    return prompt_ids(tokenizer, prompt, vocab_size(target, draft), context_window(target), room)
 
 
 def unicode_text(text: str, what: str = "the prompt") -> str:

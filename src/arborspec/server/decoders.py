@@ -87,10 +87,11 @@ class Decoders:
     def context_window(self) -> int:
         return context_window(self.target.model)
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, room: int = 1) -> list[int]:
         """A request's prompt ids, checked as its decoder checks them (SpeculativeDecoder.encode), before the decoder
         is made: making one waits for the running round, and a prompt too long for the window is a 400 at once."""
-        return model_prompt_ids(self.target.tokenizer, prompt, self.target.model, getattr(self.draft, "model", None))
+        return model_prompt_ids(self.target.tokenizer, prompt, self.target.model, getattr(self.draft, "model", None),
+                                room)
 
     def build(self, spec: RunSpec, sampling: SamplingConfig) -> SpeculativeDecoder:
         """The decoder for one request (ValueError for settings it cannot run, e.g. top_p 0 or a chain-only
