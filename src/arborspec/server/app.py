@@ -207,7 +207,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
         param = "messages" if chat else "prompt"
         if chat:
             prompt = render_chat(decoders.target.tokenizer, prompt, model_name)
-        # ValueError (a 400) for ids outside the vocabulary, text that is not UTF-8, ...; scored alone, it may fill the window
+        # ValueError (a 400) for ids outside the vocabulary, text not UTF-8, ...; scored alone, it may fill the window
         ids = decoders.encode(prompt, room=min(n, 1))
         check_context(ids, n, req, decoders.context_window, chat)
         param = "arborspec" if opts else None  # the request's method or verifier with its sampling: a budget too big
