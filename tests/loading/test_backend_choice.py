@@ -141,7 +141,7 @@ def test_a_comparison_made_while_the_machine_was_busy_is_used_but_not_cached(tmp
     monkeypatch.setattr(backend_choice, "measure", lambda m, d=None: measured[m])
 
     def remeasured(models, progress=True):
-        costs.busy[0] += models[0] == "b"  # "b"'s live check: busy, its cached figure kept
+        costs.busy += models[0] == "b"  # "b"'s live check: busy, its cached figure kept
         return False
 
     monkeypatch.setattr(backend_choice, "remeasured", remeasured)

@@ -129,7 +129,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
             return Choice(saved["backend"], None, describe(saved), saved, key)
         except (KeyError, TypeError, ValueError):  # a damaged record (a figure without its rate): measured again
             pass
-    loaded, figures, busy_before = {}, {}, costs.busy[0]
+    loaded, figures, busy_before = {}, {}, costs.busy
     for name, load in loaders.items():
         models = load()
         if models is None:
@@ -152,7 +152,7 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
         raise NoBackend(f"no backend can run {path}")
     name = next(iter(loaded))
     record = {"backend": name, "figures": figures}
-    if costs.busy[0] > busy_before:
+    if costs.busy > busy_before:
         say("the machine was busy while the backends were compared (a cached figure kept against a live one): this "
             "choice is not cached, and the next start compares them again", progress)
     elif len(loaders) > 1:  # also when only one could run the file: the others need not be tried again

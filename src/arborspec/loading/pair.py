@@ -41,15 +41,24 @@ def backend_of(model) -> str:
     return "torch" if isinstance(model, torch.nn.Module) else "llamacpp"
 
 
+TORCH_QUANTS = tuple(q for q in draft_levers.QUANT_MODES if q != "none")  # int8, int4: tuning/draft_levers.py
+
+
+def torch_quant_refused(quant: str, backend: str) -> ValueError:
+    """The error for int8 / int4 asked of a draft that runs on `backend` ("native" or "llamacpp") as GGUF blocks."""
+    return ValueError(f"draft quantization {quant!r} applies to PyTorch drafts, and the draft runs on {backend} as "
+                      "GGUF blocks; use --draft-backend torch for an int8 / int4 draft, or a lean GGUF variant on "
+                      f"native ({', '.join('+' + t for t in LEAN_TYPES)})")
+
+
 def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = True) -> tuple[str, int]:
     """(quantization, head size) of the draft a run uses: `quant` and `vocab` as given, or for quant "auto" the
     variant measured fastest for this pair on this machine (tuning/draft_choice.py; measured once, then cached). For
     a native draft that includes its head size unless `vocab` names one. int8 / int4 apply to PyTorch drafts, q4_0 /
     iq4_nl to GGUF drafts on the native backend; a GGUF draft on llama.cpp runs its file as it is ("none")."""
     if is_native(draft.model):
-        if quant in draft_levers.QUANT_MODES and quant != "none":  # int8, int4
-            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on the native "
-                             f"backend takes a lean 4-bit file instead ({', '.join(LEAN_TYPES)}) or runs as it is")
+        if quant in TORCH_QUANTS:
+            raise torch_quant_refused(quant, "native")
     elif quant in LEAN_TYPES:
         raise ValueError(f"draft variant {quant!r} is a requantized GGUF for the native backend; this draft runs on "
                          "another backend (use --backend native, or int8 / int4 for a PyTorch draft)")
@@ -57,8 +66,7 @@ def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = Tr
         if quant in ("auto", "none"):
             return "none", vocab
         if not is_torch_model(draft):
-            raise ValueError(f"draft quantization {quant!r} applies to PyTorch drafts; a GGUF draft on llama.cpp "
-                             "runs its GGUF's own quantization (use --draft-backend torch for an int8/int4 draft)")
+            raise torch_quant_refused(quant, "llamacpp")
     if quant != "auto":
         return quant, vocab
     choice, record, source = choose_draft_quant(target, draft, progress=progress)
@@ -154,11 +162,8 @@ def load_pair(target: str = DEFAULT_TARGET, draft: str | None = DEFAULT_DRAFT, d
     resolve_dtype(dtype)  # before anything loads, whichever backend runs (the GGUF ones ignore a valid name)
     llama = llama or {}
     plan = plan_backends(target, draft, backend, draft_backend, llama, progress)
-    if draft is not None and draft_quant in ("int8", "int4") and plan.draft in ("native", "llamacpp"):
-        raise ValueError(f"draft quantization {draft_quant!r} applies to PyTorch drafts, and the draft runs on "
-                         f"{plan.draft} as GGUF blocks (checked before loading: the models took minutes to load for "
-                         "nothing); use --draft-backend torch for an int8 / int4 draft, or a lean GGUF variant on "
-                         "native (+iq4_nl, +q4_0)")
+    if draft is not None and draft_quant in TORCH_QUANTS and plan.draft in ("native", "llamacpp"):
+        raise torch_quant_refused(draft_quant, plan.draft)  # before loading: the models took minutes for nothing
     lean = cached_lean_draft(target, draft, plan, draft_quant, draft_vocab, progress)
     draft_file = requantized(_spec_gguf(draft, False), lean[0], progress) if lean else None
     target_model, draft_model = load_planned(target, draft, plan, dtype, llama, progress, draft_file)

@@ -249,7 +249,7 @@ LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny
 # never drafted, so no live step ever corrected it; Zen 4, 2026-11-26)
 LIVE_SHAPE = 1.3
 _checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
-busy = [0]  # times live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
+busy = 0  # times live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
 
 
 def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False) -> bool:
@@ -261,6 +261,7 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
     cached figure leave it standing, with a note: load on the machine only ever slows a forward, so the faster of two
     figures is the truer one, and one taken now would be the stale figure of the next start. `force`: check even if
     this process checked (or measured) it already."""
+    global busy
     name = sha256_key(key)
     if name in _checked and not force:
         return True
@@ -280,7 +281,7 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
         if seconds > LIVE_RATIO * cached:
             _note(f"{label} runs slower than its cached cost (t({n}) {seconds * 1e3:.1f} ms now, {cached * 1e3:.1f} "
                   "ms cached): the machine is busy; keeping the cached figure", progress)
-            busy[0] += 1
+            busy += 1
             return True
     return shape_agrees(curve, live, label, progress)
 
