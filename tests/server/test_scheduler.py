@@ -250,7 +250,7 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
     class Decoders:  # the parts of server/decoders.Decoders that start_generation calls
         spec, prefill_chunk, context_window = None, 0, 16
 
-        def encode(self, prompt):
+        def encode(self, prompt, room=1):
             return [1]
 
         def sampling(self, *_):
