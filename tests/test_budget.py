@@ -134,8 +134,8 @@ def counted_measure(monkeypatch, tmp_path):
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def fake(model, sizes, prefix=200, repeats=3, **kw):
-        calls.append((model, tuple(sizes), prefix))
+    def fake(model, sizes, prefix=200, repeats=3, ssm_tree="packed", **kw):
+        calls.append((model, tuple(sizes), prefix, ssm_tree))
         return [0.001 + 1e-4 * n for n in sizes]
 
     monkeypatch.setattr(costs, "measure_forward_cost", fake)
@@ -176,6 +176,23 @@ def test_profiles_are_cached_and_invalidated(counted_measure, monkeypatch, tmp_p
     monkeypatch.setattr(costs, "machine_id", lambda: "another cpu")
     assert source_of(model) == "measured"  # another machine
     assert counted_measure[-1][2] == 200  # the prefix fits the tiny model's 512-token window
+
+
+def test_an_unrolled_tree_scan_is_profiled_as_itself(counted_measure):
+    """auto with `ssm_tree="unrolled"` sized its trees from the packed scan's costs: the profile did not know the scan.
+    A Mamba2 / hybrid model's curve is now measured and kept per scan; every other model's key stays as it was."""
+    from arborspec import SpeculativeDecoder
+    ssm, attention = ssm_model("mamba2", seed=0), tiny_model("llama", seed=0)
+    assert costs.profile_model(ssm)[1] == "measured" and counted_measure[-1][3] == "packed"
+    assert costs.profile_model(ssm, ssm_tree="unrolled")[1] == "measured" and counted_measure[-1][3] == "unrolled"
+    assert costs.profile_model(ssm, ssm_tree="unrolled")[1] == "cache"
+    assert costs.profile_path(ssm, "unrolled") != costs.profile_path(ssm)
+    costs.profile_model(attention)
+    assert costs.profile_path(attention, "unrolled") == costs.profile_path(attention)
+    del counted_measure[:]
+    draft = ssm_model("mamba2", seed=1)
+    SpeculativeDecoder(ssm, draft, method="auto", ssm_tree="unrolled")  # auto profiles the pair as it will run
+    assert [(m, scan) for m, _, _, scan in counted_measure] == [(draft, "unrolled")]  # the target's is kept already
 
 
 def test_profile_measures_a_tiny_model_for_real(tmp_path, monkeypatch):

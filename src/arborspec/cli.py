@@ -484,9 +484,10 @@ def _profile_pair(args, sizes: list[int]) -> int:
     curves = {}
     for role, model in (("target", target_loaded.model), ("draft", draft_loaded.model)):
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
-                                      repeats=args.repeats, progress=True)
+                                      repeats=args.repeats, progress=True, ssm_tree=args.ssm_tree)
         curves[role] = curve
-        print(f"{role}: {getattr(args, role)} ({_computes_in(model, args)}): {source} profile {profile_path(model)}")
+        print(f"{role}: {getattr(args, role)} ({_computes_in(model, args)}): {source} profile "
+              f"{profile_path(model, args.ssm_tree)}")
         if source != "measured" and list(curve.sizes) != sizes:
             print(f"  (the cached profile's sizes {','.join(map(str, curve.sizes))}: --sizes and --repeats apply "
                   "when it is measured again, --refresh)")

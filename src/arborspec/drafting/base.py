@@ -89,11 +89,12 @@ class Policy:
         """Called after each step with its `StepStats`; policies that adapt (DynaTree, auto) override it."""
 
     def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None,
-             verifier: str = "") -> None:
+             verifier: str = "", ssm_tree: str = "packed") -> None:
         """Called once by `SpeculativeDecoder` after construction with its models (bare model objects; `draft` may be
-        None), the target's and the draft's sampling settings, the tokenizer and the name of the verifier that checks
-        the drafted trees: auto profiles the models and loads the calibration it saved for this pair, these settings
-        and (at T > 0) this verifier (or, for a new pair, measures its agreement)."""
+        None), the target's and the draft's sampling settings, the tokenizer, the name of the verifier that checks
+        the drafted trees and the tree scan of Mamba2 / hybrid models: auto profiles the models (with that scan) and
+        loads the calibration it saved for this pair, these settings and (at T > 0) this verifier (or, for a new
+        pair, measures its agreement)."""
 
     def explain(self) -> dict:
         """The policy's account of its choices so far, copied into `GenerationStats.policy` when the generation ends."""

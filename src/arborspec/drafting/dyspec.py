@@ -91,9 +91,9 @@ class DySpecPolicy(Policy):
         return self.auto.max_tree_depth if self.auto else self.options.budget
 
     def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None,
-             verifier: str = "") -> None:
+             verifier: str = "", ssm_tree: str = "packed") -> None:
         if self.auto:
-            self.auto.bind(target, draft, sampling, draft_sampling, tokenizer, verifier)
+            self.auto.bind(target, draft, sampling, draft_sampling, tokenizer, verifier, ssm_tree)
 
     def update(self, step) -> None:
         if self.auto:

@@ -76,7 +76,7 @@ class SpeculativeDecoder:
         self.step_threads = step_threads([self.target] + ([self.draft] if drafts else []))
         # e.g. auto: load or measure the models' cost profiles
         self.policy.bind(self.target, self.draft, self.sampling, self.draft_sampling, self.tokenizer,
-                         self.verifier.name)
+                         self.verifier.name, c.ssm_tree)
         if self.free:  # e.g. ar: measure the target's costs, so the budget keeps only free rows that pay
             self.policy.price_free_branches(self.target)
 

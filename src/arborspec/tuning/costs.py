@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backends import make_session
+from ..backends import is_ssm_model, make_session
 from ..backends.model_info import branch_limit, context_window
 from ..backends.native import file_fingerprint
 from ..core.disk_cache import keep_record, model_fingerprint, read_record, record_path, sha256_key
@@ -156,8 +156,11 @@ def model_threads(model) -> int:
     return getattr(model, "n_threads", None) or torch.get_num_threads()
 
 
-def profile_key(model) -> dict:
-    return _key(model_fingerprint(model), _name(model), model.dtype, model_threads(model))
+def profile_key(model, ssm_tree: str = "packed") -> dict:
+    """What a model's cached curve is measured on. A Mamba2 / hybrid model's tree scan `ssm_tree` "unrolled" costs
+    otherwise than the default "packed", so it is keyed too (only then: the keys of every other model stay)."""
+    key = _key(model_fingerprint(model), _name(model), model.dtype, model_threads(model))
+    return {**key, "ssm_tree": ssm_tree} if ssm_tree != "packed" and is_ssm_model(model) else key
 
 
 def native_profile_key(info) -> dict:
@@ -171,10 +174,11 @@ def _key(fingerprint: str, name: str, dtype, threads: int) -> dict:
 
 
 def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int = 200, repeats: int = 3,
-                  measure=None, progress: bool = False) -> tuple[CostCurve, str]:
+                  measure=None, progress: bool = False, ssm_tree: str = "packed") -> tuple[CostCurve, str]:
     """The model's cost curve t(n) from the cache, or measured now (and cached). Returns (curve, source), source
-    'cache' or 'measured'. `measure` (default `measure_forward_cost`) is replaceable for tests."""
-    key = profile_key(model)
+    'cache' or 'measured'. `measure` (default `measure_forward_cost`) is replaceable for tests. `ssm_tree`: the
+    tree scan a Mamba2 / hybrid model is to run (auto sized unrolled trees by the packed scan's costs)."""
+    key = profile_key(model, ssm_tree)
     cached = None if refresh else read_record("cost", key)
     if cached is not None:
         try:
@@ -185,14 +189,14 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
             # `profile --sizes 1,2` left a curve auto read flat past t(2) for every tree, `--sizes 2,...` one whose
             # t(1) was t(2): a profile is reused only for the sizes it measured
             curve = None
-        if curve is not None and (measure is not None or live_agrees(model, curve, key, progress)):
+        if curve is not None and (measure is not None or live_agrees(model, curve, key, progress, ssm_tree=ssm_tree)):
             return curve, "cache"
     if progress:
         print(f"[arborspec] profiling {key['name'] or type(model).__name__} ({key['dtype']}, {key['threads']} threads)"
               " for tree sizes " + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     prefix = fitting_prefix(model, prefix, sizes, repeats)
-    times = (measure or measure_forward_cost)(model, sizes, prefix=prefix, repeats=repeats)
+    times = (measure or measure_forward_cost)(model, sizes, prefix=prefix, repeats=repeats, ssm_tree=ssm_tree)
     return save_profile(model, key, sizes, times, prefix, repeats, time.perf_counter() - start), "measured"
 
 
@@ -252,7 +256,8 @@ _checked: set[str] = set()  # the profiles checked (or measured) in this process
 busy = 0  # times live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
 
 
-def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False) -> bool:
+def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False,
+                ssm_tree: str = "packed") -> bool:
     """Whether a few live forwards (`LIVE_SIZES`, 2 each after a warm-up, on a 32-token prefix: ~0.2 s for the 1.5B
     target) leave the cached curve standing; checked once per profile and process. False (after a one-line note)
     means the cached figure is more than `LIVE_RATIO` times slower than the live one: it was measured while something
@@ -268,7 +273,7 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
     _checked.add(name)
     window = context_window(model, default=0)
     prefix = 32 if not window else max(2, min(32, window - 3 * len(LIVE_SIZES) - max(LIVE_SIZES) - 2))
-    live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2)
+    live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2, ssm_tree=ssm_tree)
     label = key["name"] or type(model).__name__
     for n, seconds in zip(LIVE_SIZES, live):
         cached = float(curve(n))
@@ -315,9 +320,9 @@ def _note(text: str, progress: bool) -> None:
         print(f"[arborspec] note: {text}", file=sys.stderr, flush=True)
 
 
-def profile_path(model):
+def profile_path(model, ssm_tree: str = "packed"):
     """Where `profile_model` keeps `model`'s curve (it may not exist yet)."""
-    return record_path("cost", profile_key(model))
+    return record_path("cost", profile_key(model, ssm_tree))
 
 
 # ---- pictures -------------------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ class AutoPolicy(Policy):
         return self
 
     def bind(self, target, draft, sampling: SamplingConfig, draft_sampling: SamplingConfig, tokenizer=None,
-             verifier: str = "") -> None:
+             verifier: str = "", ssm_tree: str = "packed") -> None:
         """Profile (or load the cached profiles of) the target and the draft; load the saved calibration, or for a
         pair with none, start the greedy predictor from the pair's measured agreement (`seed_from_agreement`)."""
         self._greedy = sampling.greedy
@@ -124,12 +124,12 @@ class AutoPolicy(Policy):
             return
         if self.costs is None:
             refresh = self.options.reprofile
-            t_curve, t_src = forward_costs.profile_model(target, refresh=refresh, progress=True)
-            d_curve, d_src = forward_costs.profile_model(draft, refresh=refresh, progress=True)
+            t_curve, t_src = forward_costs.profile_model(target, refresh=refresh, progress=True, ssm_tree=ssm_tree)
+            d_curve, d_src = forward_costs.profile_model(draft, refresh=refresh, progress=True, ssm_tree=ssm_tree)
             self.costs = CostModel(t_curve, d_curve)
             self.source = {"costs": f"target {t_src}, draft {d_src}",
-                           "target_profile": str(forward_costs.profile_path(target)),
-                           "draft_profile": str(forward_costs.profile_path(draft))}
+                           "target_profile": str(forward_costs.profile_path(target, ssm_tree)),
+                           "draft_profile": str(forward_costs.profile_path(draft, ssm_tree))}
         self._fit_branch_limit(target, draft)
         if self.options.remember:
             self._calib_key = _calibration_key(target, draft, sampling, draft_sampling, verifier)
