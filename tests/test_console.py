@@ -56,6 +56,10 @@ def test_a_model_command_is_handed_to_the_full_cli(tmp_path, monkeypatch):
     # the second time the kept text answers, without the 4-5 s import, and says the same
     again, out_again, _ = probe("generate", "--help")
     assert again == {"code": 0, "heavy": []} and out_again == out
+    listed, methods, _ = probe("methods")  # `methods` prints what the sources hold: kept the same way
+    listed_again, methods_again, _ = probe("methods")
+    assert "arborspec.cli" in listed["heavy"] and listed_again["heavy"] == [] and methods_again == methods
+    assert "auto:" in methods and "verifiers:" in methods
     # any other argument goes to the full CLI as before: `-h` beside a bad flag is still the full parser's answer
     other, _, err = probe("generate", "--max-new-tokens", "0")
     assert other["code"] == 2 and "arborspec.cli" in other["heavy"] and "--max-new-tokens must be at least 1" in err
@@ -63,15 +67,17 @@ def test_a_model_command_is_handed_to_the_full_cli(tmp_path, monkeypatch):
 
 def test_kept_help_is_named_after_the_sources_and_the_width(monkeypatch):
     from arborspec import console
-    first = console.help_path("generate")
-    assert console.help_path("generate") == first and console.help_path("bench") != first
+    first = console.kept_path(["generate", "--help"])
+    assert console.kept_path(["generate", "--help"]) == first and console.kept_path(["bench", "--help"]) != first
+    assert console.kept_path(["generate", "-h"]) != first and console.is_kept(["methods"])
+    assert not console.is_kept(["methods", "x"]) and not console.is_kept(["generate", "--prompt", "--help"])
     monkeypatch.setenv("COLUMNS", "57")  # argparse wraps to the terminal: another width, another text
-    assert console.help_path("generate") != first
+    assert console.kept_path(["generate", "--help"]) != first
     monkeypatch.delenv("COLUMNS")
     real_stat = console.Path.stat
     monkeypatch.setattr(console.Path, "stat", lambda self, **kw: real_stat(self, **kw) if self.name != "cli.py"
                         else type("S", (), {"st_mtime_ns": 1, "st_size": real_stat(self).st_size})())
-    assert console.help_path("generate") != first  # an edited source file: the kept text is made again
+    assert console.kept_path(["generate", "--help"]) != first  # an edited source file: the kept text is made again
 
 
 def test_the_full_parser_lists_the_same_commands():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .console import COMMAND_HELP, LIGHT, add_models_arguments, cmd_models, print_help, run_command, top_parser
+from .console import COMMAND_HELP, LIGHT, add_models_arguments, cmd_models, is_kept, print_kept, run_command, top_parser
 
 
 def full_main(argv: list[str]) -> int:
@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in COMMAND_HELP and argv[0] not in LIGHT:
         try:  # Ctrl-C in the seconds of importing printed a 60-line traceback; it is an interruption like any other
-            if argv[1:] in (["-h"], ["--help"]):  # kept from the first time (console.py)
-                return print_help(argv, full_main)
+            if is_kept(argv):  # --help, `methods`: kept from the first time (console.py)
+                return print_kept(argv, full_main)
             return full_main(argv)
         except KeyboardInterrupt:
             print("arborspec: interrupted", file=sys.stderr)

@@ -5,8 +5,9 @@ Importing the full CLI (cli.py) imports torch, transformers' modeling code and e
 host before anything is printed. `arborspec`, `arborspec --help`, `--version`, a mistyped command and `arborspec
 models` need none of it, so the console script (__main__.py) answers them from here in 0.03-0.2 s and hands every
 other command to cli.main. `arborspec generate --help` needs the full parser (its method options come from the policy
-registry): the first one takes those seconds, and its text is kept in the cache, so later ones take 0.1 s. The
-command list and its one-line helps live only here; cli.build_parser adds each command's arguments to this same parser.
+registry), as does `arborspec methods`: the first one takes those seconds, and its text is kept in the cache, so
+later ones take 0.1 s (`print_kept`). The command list and its one-line helps live only here; cli.build_parser adds
+each command's arguments to this same parser.
 """
 from __future__ import annotations
 
@@ -82,36 +83,46 @@ def cmd_models(args) -> int:
     return 0
 
 
-def help_path(command: str) -> Path:
-    """Where `arborspec COMMAND --help`'s text is kept: named after what it depends on (the package's source files,
-    the Python version and the terminal's width, which argparse wraps to), so an edit or an upgrade writes a new one."""
+def is_kept(argv: list[str]) -> bool:
+    """Whether the output of `arborspec ARGV` depends on arborspec's sources alone: a command's --help, `methods`."""
+    return argv[1:] in (["-h"], ["--help"]) or argv == ["methods"]
+
+
+def kept_path(argv: list[str]) -> Path:
+    """Where `arborspec ARGV`'s text is kept: named after what it depends on (the package's source files, the Python
+    version and the terminal's width, which argparse wraps to), so an edit or an upgrade writes a new one."""
     from . import __version__
     from .core.disk_cache import cache_dir
     package = Path(__file__).parent
     sources = sorted((str(f.relative_to(package)), f.stat().st_mtime_ns, f.stat().st_size)
                      for f in package.rglob("*.py"))
-    key = [__version__, sys.version, shutil.get_terminal_size().columns, command, sources]
-    return cache_dir() / "help" / f"{command}-{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.txt"
+    key = [__version__, sys.version, shutil.get_terminal_size().columns, argv, sources]
+    return cache_dir() / "help" / f"{argv[0]}-{hashlib.sha256(repr(key).encode()).hexdigest()[:20]}.txt"
 
 
-def print_help(argv: list[str], full_main) -> int:
-    """`arborspec COMMAND --help`: the kept text, else the full CLI's (`full_main`, imported by the caller), kept."""
-    path = help_path(argv[0])
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        sys.stdout.write(path.read_text(encoding="utf-8"))
-        return 0
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        try:
-            code = full_main(argv)
-        except SystemExit as done:
-            code = done.code
-    sys.stdout.write(text.getvalue())
-    if code in (0, None) and text.getvalue():
-        from .core.disk_cache import atomic_write
-        with contextlib.suppress(OSError):  # a read-only cache: the help is printed all the same
-            atomic_write(path, text.getvalue())
-    return code or 0
+def print_kept(argv: list[str], full_main) -> int:
+    """`arborspec ARGV` (`is_kept`): the kept text, else the full CLI's (`full_main`, imported by the caller), kept."""
+    path = kept_path(argv)
+    try:
+        text, code = path.read_text(encoding="utf-8"), 0
+    except (OSError, UnicodeDecodeError):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                code = full_main(argv) or 0
+            except SystemExit as done:
+                code = done.code or 0
+        text = out.getvalue()
+        if code == 0 and text:
+            from .core.disk_cache import atomic_write
+            with contextlib.suppress(OSError):  # a read-only cache: the text is printed all the same
+                atomic_write(path, text)
+
+    def show(_) -> int:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return code
+    return run_command(show, None)  # `| head`: exit status 141, as the full CLI's
 
 
 def run_command(command, args) -> int:
