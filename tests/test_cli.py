@@ -96,6 +96,9 @@ def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, ca
     with pytest.raises(SystemExit) as exc:  # two prompts at once: argparse's usage error
         main([*base, "def g(y):", "--prompt", "x"])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # `trees` too: it drew the file's prompt, the text dropped unsaid
+        main(["trees", "--prompt", "x", "--prompt-file", "-"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -204,6 +207,8 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--top-p", "2"], "top_p must be in (0, 1]"),
     ("trees", ["--top-k", "-1"], "top_k must be an integer"),
     ("trees", ["--out", "/etc/passwd/trees.png"], "/etc/passwd is not a writable directory"),
+    # os.access says yes to root on /proc: the picture failed after the whole generation, in the system's words
+    ("trees", ["--out", "/proc/trees.png"], "'/proc/trees.png' cannot be written"),
     ("calibrate", ["--temperature", "-0.5"], "temperature must be 0 (greedy) or a finite number"),
     ("calibrate", ["--out", "/etc"], "'/etc' is a directory"),
     ("calibrate", ["--max-new-tokens", "0"], "--max-new-tokens and --ranks must be at least 1"),

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -159,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     trees = commands["trees"]
     _add_generation_args(trees)
-    trees.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
-    trees.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    tree_src = trees.add_mutually_exclusive_group()  # both given: the file was read, the text dropped unsaid
+    tree_src.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
+    tree_src.add_argument("--prompt-file", default=None, help="read the prompt from this file ('-': standard input)")
     trees.add_argument("--num-trees", type=int, default=3, help="how many steps to draw")
     trees.add_argument("--max-new-tokens", type=int, default=64)
     trees.add_argument("--out", default="trees.png", help="PNG file to write")
@@ -243,6 +245,10 @@ def _check_out_file(path: str, flag: str = "--out") -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise CliError(f"{flag} {path!r} cannot be written: {parent} is not a writable directory")
+    try:  # os.access says yes to root on /proc and other special file systems: a file made there says for sure
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as err:
+        raise CliError(f"{flag} {path!r} cannot be written: {err.strerror} in {parent}") from None
 
 
 def _check_plot_file(path: str, flag: str = "--out") -> None:
