@@ -97,3 +97,55 @@ def test_a_tensor_table_no_model_can_have_is_a_corrupt_file_for_both_readers(tmp
         with pytest.raises(ValueError, match="corrupt GGUF file"):
             gguf_file._info_by_gguf(path)
     assert read_gguf_info(_write(tmp_path / "good.gguf", plain, block_count=2)).arch == "qwen2"
+
+
+GOOD = {"qwen2.attention.layer_norm_rms_epsilon": 1e-6, "qwen2.embedding_length": 256, "qwen2.attention.head_count": 4,
+        "tokenizer.ggml.tokens": gguf_file.ArrayLength(261), "tokenizer.ggml.eos_token_id": 260}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"qwen2.attention.layer_norm_rms_epsilon": -1.0}, "qwen2.attention.layer_norm_rms_epsilon is -1.0"),
+    ({"qwen2.attention.layer_norm_epsilon": float("nan")}, "qwen2.attention.layer_norm_epsilon is nan"),
+    ({"qwen2.expert_count": 4}, "qwen2.expert_used_count is 0 with qwen2.expert_count 4"),
+    ({"qwen2.expert_used_count": 2}, "qwen2.expert_used_count is 2 with qwen2.expert_count 0"),
+    ({"qwen2.expert_count": 2, "qwen2.expert_used_count": 4}, "qwen2.expert_used_count is 4"),
+    ({"qwen2.attention.key_length": 7}, r"qwen2.attention.key_length 7, qwen2.attention.value_length 64 \(absent\)"),
+    ({"qwen2.rope.dimension_count": 0}, r"qwen2.attention.key_length 64 \(absent\), .*rope.dimension_count 0 differ"),
+    ({"tokenizer.ggml.padding_token_id": 10**6}, "tokenizer.ggml.padding_token_id is 1000000, not a token id of its "
+                                                 "vocabulary of 261"),
+    ({"tokenizer.ggml.eos_token_id": -5}, "tokenizer.ggml.eos_token_id is -5"),
+])
+def test_header_values_llamacpp_aborts_on_are_a_corrupt_file(changes, message):
+    """llama.cpp aborted the process on each (GGML_ASSERT, under --backend auto too); native ignored some and raised
+    an AssertionError traceback on a padding id past the vocabulary."""
+    with pytest.raises(ValueError, match=f"m.gguf is a corrupt GGUF file: {message}"):
+        gguf_file._check_values("m.gguf", "qwen2", {**GOOD, **changes}.get)
+
+
+def test_header_values_of_real_shapes_pass():
+    gguf_file._check_values("m.gguf", "qwen2", GOOD.get)
+    gguf_file._check_values("m.gguf", "qwen2", {**GOOD, "qwen2.expert_count": 8, "qwen2.expert_used_count": 2}.get)
+    nemo = {"llama.embedding_length": 5120, "llama.attention.head_count": 32, "llama.attention.key_length": 128,
+            "llama.attention.value_length": 128, "llama.rope.dimension_count": 128}  # heads narrower than width / heads
+    gguf_file._check_values("m.gguf", "llama", nemo.get)
+
+
+def test_declared_head_sizes_must_be_the_query_rows_and_the_table_whole(tmp_path):
+    """A file that declared 7-wide heads on 64-wide weights ran on native (it ignored the keys); a tensor named twice
+    loaded with the later copy; an alignment of 3 was read as if it were one."""
+    u32 = gguf.GGUFValueType.UINT32
+    narrow = write_tiny_gguf(tmp_path / "narrow.gguf", dtype="mixed", extra={
+        f"qwen2.{key}": (7, u32) for key in ("attention.key_length", "attention.value_length", "rope.dimension_count")})
+    for read in (read_gguf_info, gguf_file._info_by_gguf):
+        with pytest.raises(ValueError, match=r"blk.0.attn_q.weight has \d+ rows, not \d+ heads x a key size of 7"):
+            read(narrow)
+    data = write_tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    twice = tmp_path / "twice.gguf"
+    twice.write_bytes(data.replace(b"blk.1.attn_norm.weight", b"blk.0.attn_norm.weight"))
+    with pytest.raises(ValueError, match="tensor blk.0.attn_norm.weight appears twice"):
+        read_gguf(twice)
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+        read_gguf_info(twice)
+    odd = write_tiny_gguf(tmp_path / "odd.gguf", extra={"general.alignment": (3, u32)})
+    with pytest.raises(ValueError, match="general.alignment 3 is not a power of two"):
+        read_gguf(odd)

@@ -426,3 +426,18 @@ def test_merged_products_keep_every_modules_bias():
         products = merge(linears)
         assert len(products) == len({qtype for qtype, _ in kinds})
         assert torch.equal(run(products, x), want)
+
+
+def test_a_config_transformers_refuses_is_a_one_line_error(tmp_path, monkeypatch):
+    """transformers' own checks of a config (a padding id past the vocabulary: "Padding_idx must be within
+    num_embeddings") raised an AssertionError traceback out of load_native; the header check now refuses that one
+    first, and any other such refusal is a ValueError naming the file."""
+    from arborspec.backends import native
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("Padding_idx must be within num_embeddings")
+    monkeypatch.setattr(native.AutoModelForCausalLM, "from_config", refuses)
+    path = write_tiny_gguf(tmp_path / "m.gguf", dtype="mixed")
+    with pytest.raises(ValueError, match="m.gguf: transformers cannot build the model its header describes "
+                                         r"\(Padding_idx must be within num_embeddings\)"):
+        load_native(path)

@@ -115,7 +115,12 @@ def read_gguf(path: Path) -> GgufFile:
         shape = tuple(reversed(cursor.take(f"<{dims}Q")))  # the file lists the innermost dimension first
         kind, offset = cursor.take("<IQ")
         table.append((name, shape, QT(kind), offset))
+    names = [name for name, *_ in table]
+    if len(set(names)) < len(names):  # the later copy won in silence
+        raise ValueError(f"tensor {next(n for n in names if names.count(n) > 1)} appears twice in the tensor table")
     align = int(metadata.get("general.alignment", 32))
+    if align < 1 or align & (align - 1):
+        raise ValueError(f"general.alignment {align} is not a power of two")
     start = -(-cursor.pos // align) * align  # tensor data begins at the next aligned offset
     tensors = []
     for name, shape, qtype, offset in table:
@@ -159,6 +164,7 @@ def _info(path: Path, field, tensors: list[tuple]) -> GgufInfo:
     if not isinstance(arch, str) or not tensors:
         raise ValueError(f"{path} has no general.architecture or no tensors: not a model GGUF")
     _check_sizes(path, arch, field)
+    _check_values(path, arch, field)
     _check_tensors(path, arch, field, tensors)
     context = field(f"{arch}.context_length")
     return GgufInfo(arch, int(context) if context is not None else None,
@@ -168,14 +174,24 @@ def _info(path: Path, field, tensors: list[tuple]) -> GgufInfo:
 
 def _check_tensors(path: Path, arch: str, field, tensors: list[tuple]) -> None:
     """ValueError for a tensor table no model can have (a corrupt file): rows that are not whole blocks of their
-    type (the size read rounded down in silence, and native failed later naming neither file nor tensor), or more
+    type (the size read rounded down in silence, and native failed later naming neither file nor tensor), more
     layers declared than the file holds tensors for (native built every declared layer first: a block_count of
-    100000 on a 2-layer file ran out of memory loading, ~3.5 ms a layer)."""
+    100000 on a 2-layer file ran out of memory loading, ~3.5 ms a layer), or on qwen2 / llama query rows other than
+    the heads times the key size declared (native ran a file that declared 7-wide heads, ignoring it)."""
     for name, shape, qtype in tensors:
         block = GGML_QUANT_SIZES[qtype][0]
         if shape and shape[-1] % block:
             raise ValueError(f"{path} is a corrupt GGUF file: tensor {name} has rows of {shape[-1]} values, not a "
                              f"multiple of {qtype.name}'s block of {block}")
+    heads, width = field(f"{arch}.attention.head_count"), field(f"{arch}.embedding_length")
+    key_size = field(f"{arch}.attention.key_length")
+    query = next((shape for name, shape, _ in tensors if name == "blk.0.attn_q.weight"), None)
+    if arch in WHOLE_HEADS and query and all(isinstance(v, (int, np.integer)) and not isinstance(v, ArrayLength)
+                                             for v in (heads, width)) and heads > 0:
+        key_size = width // heads if key_size is None else key_size
+        if query[0] != heads * key_size:
+            raise ValueError(f"{path} is a corrupt GGUF file: blk.0.attn_q.weight has {query[0]} rows, not "
+                             f"{heads} heads x a key size of {key_size}")
     layers = field(f"{arch}.block_count")
     held = {int(name.split(".")[1]) for name, _, _ in tensors if re.fullmatch(r"blk\.\d+\..+", name)}
     if isinstance(layers, (int, np.integer)) and held and layers > max(held) + 1:
@@ -203,6 +219,46 @@ def _check_sizes(path: Path, arch: str, field) -> None:
     base = field(f"{arch}.rope.freq_base")
     if base is not None and not (isinstance(base, (int, float, np.number)) and isfinite(base) and base > 0):
         raise ValueError(f"{path} is a corrupt GGUF file: {arch}.rope.freq_base is {base!r}")
+
+
+WHOLE_HEADS = ("qwen2", "llama")  # architectures whose keys, values and rotary span the same head size
+
+
+def _check_values(path: Path, arch: str, field) -> None:
+    """ValueError for header values llama.cpp asserts on (GGML_ASSERT aborted the process, under `--backend auto`
+    too) and native read otherwise or failed on later: a norm epsilon that is not a finite number >= 0, experts
+    counted inconsistently, a key, value or rotary size other than the head's on qwen2 / llama, a special token id
+    outside the vocabulary (native's embedding raised an AssertionError traceback on a padding id past it)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, ArrayLength))
+
+    def corrupt(key: str, value, why: str = "") -> ValueError:
+        return ValueError(f"{path} is a corrupt GGUF file: {key} is {value!r}{why}")
+
+    for key in (f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.attention.layer_norm_epsilon"):
+        eps = field(key)
+        if eps is not None and not (number(eps) and isfinite(eps) and eps >= 0):
+            raise corrupt(key, eps)
+    experts, used = field(f"{arch}.expert_count") or 0, field(f"{arch}.expert_used_count") or 0
+    if number(experts) and number(used) and (used > experts or bool(experts) != bool(used)):  # none of some experts
+        raise corrupt(f"{arch}.expert_used_count", used, f" with {arch}.expert_count {experts!r}")
+    width, heads = field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count")
+    if arch in WHOLE_HEADS and number(width) and number(heads) and heads > 0:
+        given = {key: field(f"{arch}.{key}") for key in ("attention.key_length", "attention.value_length",
+                                                          "rope.dimension_count")}  # absent: the head, width / heads
+        sizes = {key: width // heads if value is None else value for key, value in given.items()}
+        if len(set(sizes.values())) > 1:
+            said = ", ".join(f"{arch}.{key} {size}" + (" (absent)" if given[key] is None else "")
+                             for key, size in sizes.items())
+            raise ValueError(f"{path} is a corrupt GGUF file: {said} differ ({arch} attends and rotates whole heads "
+                             "of one size)")
+    tokens = field("tokenizer.ggml.tokens")
+    vocab = len(tokens) if isinstance(tokens, list) else tokens
+    for name in ("bos", "eos", "padding", "unknown", "separator"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        token = field(key)
+        if vocab and token is not None and not (number(token) and 0 <= token < vocab):
+            raise corrupt(key, token, f", not a token id of its vocabulary of {vocab}")
 
 
 def check_causal(path: Path, info: GgufInfo) -> None:

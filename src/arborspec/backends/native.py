@@ -297,8 +297,12 @@ def load_native(path: str | Path) -> PreTrainedModel:
         config = _config(file, arch)
     except Exception as exc:
         raise NotNative(f"transformers cannot make its config ({str(exc).strip().splitlines()[0]})") from None
-    with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    try:  # transformers' own checks of the config: an AssertionError traceback where the header is off
+        with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    except (AssertionError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: transformers cannot build the model its header describes "
+                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
     for module, tensors in groups.items():
         _fill(model, module, tensors, config, arch)
     if "lm_head" not in groups and config.tie_word_embeddings:
