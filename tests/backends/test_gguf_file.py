@@ -149,3 +149,18 @@ def test_declared_head_sizes_must_be_the_query_rows_and_the_table_whole(tmp_path
     odd = write_tiny_gguf(tmp_path / "odd.gguf", extra={"general.alignment": (3, u32)})
     with pytest.raises(ValueError, match="general.alignment 3 is not a power of two"):
         read_gguf(odd)
+
+
+def test_a_vocabulary_with_a_repeated_token_is_a_corrupt_file_for_both_readers(tmp_path):
+    """llama.cpp aborted the process on it (GGML_ASSERT: id_to_token.size() == token_to_id.size())."""
+    from .tiny_gguf import TOKENS
+    data = write_tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    first, second = [t.encode() for t in TOKENS if len(t.encode()) == 1][:2]
+    vocab = data.index(b"tokenizer.ggml.tokens")
+    at = data.index(len(second).to_bytes(8, "little") + second, vocab) + 8
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:at] + first + data[at + 1:])
+    assert read_gguf(tmp_path / "good.gguf").metadata["tokenizer.ggml.tokens"].repeated is None
+    for read in (read_gguf_info, gguf_file._info_by_gguf):
+        with pytest.raises(ValueError, match=f"its vocabulary holds the token {first.decode()!r} twice"):
+            read(bad)
