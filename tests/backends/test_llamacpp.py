@@ -663,3 +663,15 @@ def test_calibration_ranks_a_llamacpp_draft(gguf_dir):
     assert same["acceptance"][0] == pytest.approx(1.0) and same["positions"] == 16  # the target as its own draft
     other = calibrate(target.model, draft.model, [[5, 6, 7], [9, 3]], max_new_tokens=8, ranks=4)
     assert other["positions"] == 16 and 0 < sum(other["acceptance"]) <= 1
+
+
+def test_a_tokenizer_field_the_file_lacks_is_named(tmp_path, monkeypatch):
+    """A GGUF without merges failed with "could not build a tokenizer from ...: 'scores'" (transformers' KeyError)."""
+    from arborspec.backends import llamacpp
+
+    def lacks(*args, **kwargs):
+        raise KeyError("scores")
+    monkeypatch.setattr(llamacpp.AutoTokenizer, "from_pretrained", lacks)
+    with pytest.raises(ValueError, match=r"m.gguf: its tokenizer metadata is incomplete \(transformers looked for "
+                                         r"tokenizer.ggml.scores\)"):
+        llamacpp.gguf_tokenizer(tmp_path / "m.gguf")

@@ -298,6 +298,8 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, KeyError) and exc.args:  # transformers' lookup of a field the file lacks: "'scores'" alone
+            reason = f"its tokenizer metadata is incomplete (transformers looked for tokenizer.ggml.{exc.args[0]})"
         raise ValueError(f"could not build a tokenizer from {path}: {reason}") from None
 
 
