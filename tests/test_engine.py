@@ -491,6 +491,7 @@ def test_prompt_logprobs_are_a_full_forwards_and_the_output_stays_the_same(pair)
         dec.generate(prompt, max_new_tokens=0, logprobs=2)
 
 
+@pytest.mark.usefixtures("private_cache")  # the GGUF's tokenizer is saved in the cache: not in ~/.cache
 @pytest.mark.parametrize("backend", ["torch", "native", "llamacpp"])
 def test_a_prompt_as_long_as_the_window_can_be_scored(backend, tmp_path):
     """Rolling perplexity (lm-eval's loglikelihood_rolling) sends prompts exactly as long as the window, to be scored

@@ -1,12 +1,16 @@
 """The budget of draft-free branches (drafting/grafts/budget.py): grafted rows are kept only where they pay."""
 from __future__ import annotations
 
+import pytest
+
 from arborspec import SpeculativeDecoder
 from arborspec.core.tree import TokenTree
 from arborspec.drafting.auto.objective import CostModel
 from arborspec.drafting.grafts.budget import WARMUP, GraftBudget
 from arborspec.tuning.costs import CostCurve
 from tests.drafting.equivalence import make_pair
+
+pytestmark = pytest.mark.usefixtures("private_cache")  # auto's profiles and calibrations: not in ~/.cache
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
