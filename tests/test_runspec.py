@@ -161,6 +161,7 @@ def test_auto_grafts_suffix_branches_by_default():
 
 
 # ---- models and decoders -------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("private_cache")  # auto's profiles, agreement and logit table: not in ~/.cache
 def test_build_decoder_runs_the_spec_exactly(models):
     target, draft = models
     prompt = list(range(3, 12))
