@@ -53,8 +53,8 @@ class GgufFile:
 class _Cursor:
     """Reads little-endian GGUF values from a byte buffer, front to back. Through a memoryview: slicing the memmap
     itself made an array object per string, and a Qwen2.5 file's vocabulary and merges hold ~300k strings (0.58 s
-    a file, 0.03 s now; arrays of strings are walked, not decoded, since only their lengths are kept; the vocabulary's
-strings are compared for a repeat, +0.07 s)."""
+    a file, 0.03 s now; arrays of strings are walked, not decoded, since only their lengths are kept; the
+    vocabulary's strings are also compared for a repeat: `_repeated_string`, +0.07 s)."""
 
     def __init__(self, blob: np.ndarray):
         self.blob, self.pos = memoryview(blob), 0
@@ -102,7 +102,7 @@ class ArrayLength(int):
 
 def _repeated_string(blob, pos: int) -> str | None:
     """The first string an array of strings at `pos` (type, count, then length-prefixed strings) holds twice, else
-    None: llama.cpp aborts the process on a vocabulary with a repeated token (~0.03 s for Qwen2.5's 151k tokens)."""
+    None: llama.cpp aborts the process on a vocabulary with a repeated token (0.07 s for Qwen2.5's 151k tokens)."""
     item, count = struct.unpack_from("<IQ", blob, pos)
     if item != _STRING:
         return None
@@ -127,12 +127,11 @@ def read_gguf(path: Path) -> GgufFile:
         raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
     metadata = {}
     for _ in range(n_values):
-        key = cursor.string()
+        key, (kind,) = cursor.string(), cursor.take("<I")
         start = cursor.pos
-        metadata[key] = cursor.value(cursor.take("<I")[0])
+        metadata[key] = cursor.value(kind)
         if key == "tokenizer.ggml.tokens" and isinstance(metadata[key], ArrayLength):
-            metadata[key] = ArrayLength(metadata[key])
-            metadata[key].repeated = _repeated_string(cursor.blob, start + 4)  # past the value type
+            metadata[key].repeated = _repeated_string(cursor.blob, start)
     table = []
     for _ in range(n_tensors):
         name = cursor.string()
@@ -208,12 +207,10 @@ def _check_tensors(path: Path, arch: str, field, tensors: list[tuple]) -> None:
         if shape and shape[-1] % block:
             raise ValueError(f"{path} is a corrupt GGUF file: tensor {name} has rows of {shape[-1]} values, not a "
                              f"multiple of {qtype.name}'s block of {block}")
-    heads, width = field(f"{arch}.attention.head_count"), field(f"{arch}.embedding_length")
-    key_size = field(f"{arch}.attention.key_length")
+    sizes = _head_sizes(arch, field)
     query = next((shape for name, shape, _ in tensors if name == "blk.0.attn_q.weight"), None)
-    if arch in WHOLE_HEADS and query and all(isinstance(v, (int, np.integer)) and not isinstance(v, ArrayLength)
-                                             for v in (heads, width)) and heads > 0:
-        key_size = width // heads if key_size is None else key_size
+    if sizes and query:
+        heads, key_size = field(f"{arch}.attention.head_count"), sizes["attention.key_length"][0]
         if query[0] != heads * key_size:
             raise ValueError(f"{path} is a corrupt GGUF file: blk.0.attn_q.weight has {query[0]} rows, not "
                              f"{heads} heads x a key size of {key_size}")
@@ -249,44 +246,55 @@ def _check_sizes(path: Path, arch: str, field) -> None:
 WHOLE_HEADS = ("qwen2", "llama")  # architectures whose keys, values and rotary span the same head size
 
 
+def _number(value) -> bool:
+    """A scalar number of the header (not a bool, not an array's length)."""
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, ArrayLength))
+
+
+def _head_sizes(arch: str, field) -> dict[str, tuple[int, bool]] | None:
+    """On qwen2 / llama: the key, value and rotary sizes, each (size, whether the header gives it; absent, it is
+    embedding_length / head_count); None for other architectures or without those two sizes."""
+    width, heads = field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count")
+    if arch not in WHOLE_HEADS or not (_number(width) and _number(heads) and heads > 0):
+        return None
+    given = {key: field(f"{arch}.{key}") for key in ("attention.key_length", "attention.value_length",
+                                                      "rope.dimension_count")}
+    return {key: (width // heads if value is None else value, value is not None) for key, value in given.items()}
+
+
 def _check_values(path: Path, arch: str, field) -> None:
     """ValueError for header values llama.cpp asserts on (GGML_ASSERT aborted the process, under `--backend auto`
     too) and native read otherwise or failed on later: a norm epsilon that is not a finite number >= 0, experts
     counted inconsistently, a key, value or rotary size other than the head's on qwen2 / llama, a special token id
     outside the vocabulary (native's embedding raised an AssertionError traceback on a padding id past it)."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, ArrayLength))
-
     def corrupt(key: str, value, why: str = "") -> ValueError:
         return ValueError(f"{path} is a corrupt GGUF file: {key} is {value!r}{why}")
 
     for key in (f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.attention.layer_norm_epsilon"):
         eps = field(key)
-        if eps is not None and not (number(eps) and isfinite(eps) and eps >= 0):
+        if eps is not None and not (_number(eps) and isfinite(eps) and eps >= 0):
             raise corrupt(key, eps)
     experts, used = field(f"{arch}.expert_count") or 0, field(f"{arch}.expert_used_count") or 0
-    if number(experts) and number(used) and (used > experts or bool(experts) != bool(used)):  # none of some experts
+    if _number(experts) and _number(used) and (used > experts or bool(experts) != bool(used)):  # none of some experts
         raise corrupt(f"{arch}.expert_used_count", used, f" with {arch}.expert_count {experts!r}")
-    width, heads = field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count")
-    if arch in WHOLE_HEADS and number(width) and number(heads) and heads > 0:
-        given = {key: field(f"{arch}.{key}") for key in ("attention.key_length", "attention.value_length",
-                                                          "rope.dimension_count")}  # absent: the head, width / heads
-        sizes = {key: width // heads if value is None else value for key, value in given.items()}
-        if len(set(sizes.values())) > 1:
-            said = ", ".join(f"{arch}.{key} {size}" + (" (absent)" if given[key] is None else "")
-                             for key, size in sizes.items())
-            raise ValueError(f"{path} is a corrupt GGUF file: {said} differ ({arch} attends and rotates whole heads "
-                             "of one size)")
+    sizes = _head_sizes(arch, field)
+    if sizes and len({size for size, _ in sizes.values()}) > 1:
+        said = ", ".join(f"{arch}.{key} {size}" + ("" if given else " (absent)")
+                         for key, (size, given) in sizes.items())
+        raise ValueError(f"{path} is a corrupt GGUF file: {said} differ ({arch} attends and rotates whole heads of "
+                         "one size)")
     tokens = field("tokenizer.ggml.tokens")
     vocab = len(tokens) if isinstance(tokens, list) else tokens
-    repeated = getattr(tokens, "repeated", None) if not isinstance(tokens, list) else (
-        next((t for t, n in Counter(tokens).items() if n > 1), None) if len(set(tokens)) < len(tokens) else None)
+    if isinstance(tokens, list):  # gguf's own reader gives the strings
+        repeated = next((t for t, n in Counter(tokens).items() if n > 1), None)
+    else:
+        repeated = getattr(tokens, "repeated", None)
     if repeated is not None:
         raise ValueError(f"{path} is a corrupt GGUF file: its vocabulary holds the token {repeated!r} twice")
     for name in ("bos", "eos", "padding", "unknown", "separator"):
         key = f"tokenizer.ggml.{name}_token_id"
         token = field(key)
-        if vocab and token is not None and not (number(token) and 0 <= token < vocab):
+        if vocab and token is not None and not (_number(token) and 0 <= token < vocab):
             raise corrupt(key, token, f", not a token id of its vocabulary of {vocab}")
 
 

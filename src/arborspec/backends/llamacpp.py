@@ -48,6 +48,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from ..core.disk_cache import sha256_key
+from ..core.downloads import first_line
 from ..core.host import usable_cores
 from ..core.sampling import check_finite
 from ..core.tree import MAX_TREE_NODES, TokenTree
@@ -297,7 +298,7 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         if isinstance(exc, KeyError) and exc.args:  # transformers' lookup of a field the file lacks: "'scores'" alone
             reason = f"its tokenizer metadata is incomplete (transformers looked for tokenizer.ggml.{exc.args[0]})"
         raise ValueError(f"could not build a tokenizer from {path}: {reason}") from None

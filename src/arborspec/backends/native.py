@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
 from ..core.disk_cache import sha256_key
+from ..core.downloads import first_line
 from ..core.sampling import spread
 from ..kernels import QuantMatrix, supported
 from ..kernels.matrix import SUPPORTED_TYPES, VNNI_ROWS
@@ -296,13 +297,13 @@ def load_native(path: str | Path) -> PreTrainedModel:
     try:
         config = _config(file, arch)
     except Exception as exc:
-        raise NotNative(f"transformers cannot make its config ({str(exc).strip().splitlines()[0]})") from None
+        raise NotNative(f"transformers cannot make its config ({first_line(exc)})") from None
     try:  # transformers' own checks of the config: an AssertionError traceback where the header is off
         with torch.device("meta"):  # the skeleton: module structure and shapes, no weight memory
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     except (AssertionError, ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: transformers cannot build the model its header describes "
-                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
+        raise ValueError(f"{path}: transformers cannot build the model its header describes ({first_line(exc)})") \
+            from None
     for module, tensors in groups.items():
         _fill(model, module, tensors, config, arch)
     if "lm_head" not in groups and config.tie_word_embeddings:

@@ -13,6 +13,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 
+def first_line(exc: BaseException) -> str:
+    """The one line a library's error is quoted by in ours: its message's first line, or its type's name when it has
+    no message (`str(exc).splitlines()[0]` raised an IndexError on an empty one)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class ModelLoadError(Exception):
     """A model spec could not be resolved or loaded; the message says why in one line.
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from ..backends import check_session_support, llamacpp, native
 from ..backends.model_info import check_pair, pair_names
 from ..core.disk_cache import cache_dir, note_unwritable, sha256_key
-from ..core.downloads import ModelLoadError, say
+from ..core.downloads import ModelLoadError, first_line, say
 from .aliases import ALIASES, _dense_gguf, alias_gguf, alias_path, fetch_alias, is_fetched
 
 DEFAULT_DTYPE_NAME = "bf16"  # the dtype flags' default; DEFAULT_DTYPE below is the same as a torch.dtype
@@ -265,7 +265,7 @@ def load_torch_model(spec: str, dtype=None, attn_implementation: str = "sdpa", p
         tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}),
                                                   **cache_only)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         if offline:
             raise ModelLoadError(
                 f"could not load {spec!r}: the HuggingFace hub is unreachable from this machine and the model is not "
