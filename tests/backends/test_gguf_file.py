@@ -164,3 +164,13 @@ def test_a_vocabulary_with_a_repeated_token_is_a_corrupt_file_for_both_readers(t
     for read in (read_gguf_info, gguf_file._info_by_gguf):
         with pytest.raises(ValueError, match=f"its vocabulary holds the token {first.decode()!r} twice"):
             read(bad)
+
+
+def test_a_file_is_read_once_per_version(tmp_path):
+    """Loading the default pair read its three files five times; a file written again is read again."""
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    first = read_gguf(path)
+    assert read_gguf(path) is first and read_gguf(tmp_path / "." / "m.gguf") is first
+    write_tiny_gguf(path, layers=3)
+    again = read_gguf(path)
+    assert again is not first and again.metadata["qwen2.block_count"] == 3
