@@ -155,6 +155,30 @@ def test_chat_messages_take_text_parts_and_max_completion_tokens():
                     "messages": [{"role": "user", "content": "x"}]}, ChatRequest).param == "max_completion_tokens"
 
 
+def test_a_completion_reads_max_completion_tokens_too():
+    # it was read on chat only: a completion that sent it got the server's default length unasked
+    assert max_tokens(parse({"model": "t", "prompt": "x", "max_completion_tokens": 7}), LIMITS) == 7
+    assert max_tokens(parse({"model": "t", "prompt": "x", "max_completion_tokens": 7, "max_tokens": 3}), LIMITS) == 7
+    assert refused({"model": "t", "prompt": "x", "max_completion_tokens": 101}).param == "max_completion_tokens"
+    with pytest.raises(APIError, match="context window"):
+        check_context([1] * 95, 7, parse({"model": "t", "prompt": "x", "max_completion_tokens": 7}), 100, chat=False)
+
+
+def test_a_messages_name_reaches_the_chat_template():
+    req = parse({"messages": [{"role": "user", "name": "ada", "content": "x"}, {"role": "user", "content": "y"}]},
+                ChatRequest)
+    assert chat_messages(req) == [{"role": "user", "content": "x", "name": "ada"}, {"role": "user", "content": "y"}]
+    assert refused({"messages": [{"role": "user", "name": 3, "content": "x"}]}, ChatRequest).param == "messages"
+
+
+def test_add_special_tokens_is_refused_unless_it_is_the_endpoints_own_choice():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse({**chat, "add_special_tokens": False}, ChatRequest)
+    assert refused({**chat, "add_special_tokens": True}, ChatRequest).param == "add_special_tokens"
+    assert parse({"prompt": "x", "add_special_tokens": True})
+    assert refused({"prompt": "x", "add_special_tokens": False}).param == "add_special_tokens"
+
+
 def test_only_an_assistants_message_may_leave_content_out():
     req = parse({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}, ChatRequest)
     assert req.model is None and [m.text() for m in req.messages] == ["x", ""]

@@ -226,7 +226,7 @@ def start_generation(decoders: Decoders, model_name: str, req, prompt, chat: boo
 def check_context(ids: list[int], n: int, req, window: int, chat: bool) -> None:
     """A request that names its max_tokens and cannot have them in the target's context window is a 400, as
     OpenAI's (it ran, and ended cut short as "length"). One that names none runs to the window's end."""
-    asked = any(getattr(req, name, None) is not None for name in ("max_completion_tokens", "max_tokens"))
+    asked = req.max_completion_tokens is not None or req.max_tokens is not None
     if asked and len(ids) + n > window:
         where = "messages" if chat else "prompt"
         raise APIError(400, f"this model's context window is {window} tokens, but {len(ids) + n} were asked for "

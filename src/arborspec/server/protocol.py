@@ -67,6 +67,8 @@ class _Generation(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None  # None: the one model this server serves (as llama-server and vLLM take it)
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (chat's; a completion's too, as
+    # a client that sends it to both would otherwise get the default length there unasked)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # an extension (vLLM's name): 0 turns it off
@@ -96,6 +98,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    name: str | None = None  # a participant's name: handed to the chat template, which may write it or not
     content: str | list[TextPart] | None = None  # None only for an assistant's turn (OpenAI: one with tool calls)
     tool_calls: list | None = None  # refused unless empty: this server has no tools, and dropping them would
     function_call: dict | None = None  # show the model a turn other than the one the client sent
@@ -127,7 +130,6 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False  # each token's logprob (server/logprobs.py)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP)  # and this many alternatives
 
@@ -157,6 +159,10 @@ NEUTRAL = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
 }
+# vLLM's `add_special_tokens`, whose neutral value depends on the endpoint: a completion's text is tokenized with the
+# tokenizer's special tokens (a BOS where it adds one), a chat template's text without (the template writes them)
+NEUTRAL_BY_KIND = {CompletionRequest: {"add_special_tokens": (None, True)},
+                   ChatRequest: {"add_special_tokens": (None, False)}}
 
 _TYPES = {"str", "int", "float", "bool"}  # how a union's member types appear in an error's location
 
@@ -190,7 +196,7 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
 
 
 def check_unsupported(data: dict, model: type[BaseModel]) -> None:
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in {**NEUTRAL, **NEUTRAL_BY_KIND.get(model, {})}.items():
         if name in model.model_fields:  # implemented by this kind of request (logprobs)
             continue
         value = data.get(name)
@@ -229,7 +235,7 @@ def check_sampling(req: _Generation) -> None:
 
 
 def max_tokens(req: _Generation, limits: Limits) -> int:
-    value, name = getattr(req, "max_completion_tokens", None), "max_completion_tokens"
+    value, name = req.max_completion_tokens, "max_completion_tokens"
     if value is None:
         value, name = req.max_tokens, "max_tokens"
     if value is None:
@@ -274,7 +280,8 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     """The conversation as a chat template takes it. A `developer` message is OpenAI's newer name for a system
     message; templates know only `system` (Qwen2.5's has no branch for `developer` and put its default system
     prompt in the instructions' place)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             **({"name": m.name} if m.name is not None else {})} for m in req.messages]
 
 
 def check_model(name: str | None, limits: Limits) -> None:
