@@ -174,3 +174,17 @@ def test_a_file_is_read_once_per_version(tmp_path):
     write_tiny_gguf(path, layers=3)
     again = read_gguf(path)
     assert again is not first and again.metadata["qwen2.block_count"] == 3
+
+
+@pytest.mark.parametrize("name,value", [("blk.0.attn_norm.weight", np.nan), ("blk.1.attn_q.bias", np.inf)])
+def test_a_nan_or_inf_in_a_float_vector_is_a_corrupt_file(tmp_path, name, value):
+    """llama.cpp ran such a file and wrote garbage: its 8-bit activations turn NaN into finite numbers."""
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    tensor = next(t for t in read_gguf(path).tensors if t.name == name)
+    assert tensor.qtype == gguf.GGMLQuantizationType.F32 and len(tensor.shape) == 1
+    read_gguf_info(path)  # the file as written passes
+    data = bytearray(path.read_bytes())
+    data[tensor.offset + 4:tensor.offset + 8] = np.float32(value).tobytes()  # its second value
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"corrupt GGUF file: tensor {name} holds a NaN or inf"):
+        read_gguf_info(path)
