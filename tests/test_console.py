@@ -80,6 +80,21 @@ def test_kept_help_is_named_after_the_sources_and_the_width(monkeypatch):
     assert console.kept_path(["generate", "--help"]) != first  # an edited source file: the kept text is made again
 
 
+def test_only_the_newest_kept_texts_stay(tmp_path):
+    """Each source edit or upgrade writes a new set of kept texts; the old ones were never read again."""
+    import os
+
+    from arborspec import console
+    for i in range(console.KEPT_FILES + 3):
+        (tmp_path / f"generate-{i}.txt").write_text("x")
+        os.utime(tmp_path / f"generate-{i}.txt", ns=(i * 10**9, i * 10**9))
+    (tmp_path / "other.json").write_text("{}")
+    console.prune_kept(tmp_path)
+    left = {f.name for f in tmp_path.glob("*.txt")}
+    assert left == {f"generate-{i}.txt" for i in range(3, console.KEPT_FILES + 3)}
+    assert (tmp_path / "other.json").exists()
+
+
 def test_the_full_parser_lists_the_same_commands():
     assert cli.build_parser().format_help() == top_parser()[0].format_help()
     assert set(cli.COMMANDS) == set(COMMAND_HELP)

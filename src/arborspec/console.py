@@ -117,12 +117,24 @@ def print_kept(argv: list[str], full_main) -> int:
             from .core.disk_cache import atomic_write
             with contextlib.suppress(OSError):  # a read-only cache: the text is printed all the same
                 atomic_write(path, text)
+                prune_kept(path.parent)
 
     def show(_) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
         return code
     return run_command(show, None)  # `| head`: exit status 141, as the full CLI's
+
+
+KEPT_FILES = 64  # a version's 13 commands' help and `methods` at ~4 widths or source versions
+
+
+def prune_kept(folder: Path, keep: int = KEPT_FILES) -> None:
+    """Remove all but the `keep` newest kept texts: each source edit or upgrade writes a new set, and the old ones
+    were never read again."""
+    files = sorted(folder.glob("*.txt"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    for old in files[keep:]:
+        old.unlink(missing_ok=True)
 
 
 def run_command(command, args) -> int:
