@@ -228,12 +228,25 @@ def test_context_window_is_respected():
         (dict(method="beam", beams=200_000), "at most"),
         (dict(method="chain", k=5000), "at most 1024"),
         (dict(method="auto", max_nodes=5000), "at most 1024"),
+        # used by truthiness: allow_lossy="no" ran a lossy verifier
+        (dict(method="static", temperature=1.0, verifier="wetap", allow_lossy="no"), "allow_lossy must be true or"),
+        (dict(method="static", record_trees="yes"), "record_trees must be true or false"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs, match):
     target = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         SpeculativeDecoder(target, noisy_copy(target, 0.1), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampling=0.7), "sampling must be a SamplingConfig, got float"),
+    (dict(method_options=None), "method_options must be a dict"),
+])
+def test_config_fields_of_the_wrong_type_are_named(kwargs, match):
+    target = tiny_model("llama")
+    with pytest.raises(TypeError, match=match):
+        SpeculativeDecoder(target, noisy_copy(target, 0.1), method="static", **kwargs)
 
 
 def test_bad_prompts_are_refused():

@@ -12,6 +12,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field, fields, replace
 
+from ..core.options import check_bool
 from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
 from ..core.tree import ORDERS
 from ..drafting import POLICIES
@@ -56,6 +57,11 @@ class DecoderConfig:
     method_options: dict = field(default_factory=dict)  # the policy's options, e.g. {"k": 4} for chain
 
     def __post_init__(self):
+        for name in ("allow_lossy", "record_trees", "measure_optimum"):  # allow_lossy="no" ran a lossy verifier
+            object.__setattr__(self, name, check_bool(getattr(self, name), name))
+        if not isinstance(self.sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}; pass "
+                            "temperature / top_k / top_p / seed as keywords instead")
         if self.token_order not in ORDERS:
             raise ValueError(f"unknown token order {self.token_order!r}; choose one of: {', '.join(ORDERS)}")
         if self.ssm_tree not in ("packed", "unrolled"):
@@ -83,7 +89,10 @@ class DecoderConfig:
             raise ValueError("do_sample: arborspec samples when temperature > 0; temperature 0 (the default) is greedy")
         if warp:
             settings["sampling"] = replace(settings.get("sampling", base.sampling), **warp)
-        settings["method_options"] = {**base.method_options, **settings.get("method_options", {}), **options}
+        given = settings.get("method_options", {})
+        if not isinstance(given, dict):
+            raise TypeError(f"method_options must be a dict of the method's options, got {type(given).__name__}")
+        settings["method_options"] = {**base.method_options, **given, **options}
         return replace(base, **settings)
 
     @property
