@@ -240,6 +240,10 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("bench", ["--draft-temperature", "-1"], "--draft-temperature must be 0 (greedy) or a finite number"),
     ("bench", ["--text-tokens", "-5"], "--text-tokens must be at least 1"),
     ("bench", ["--max-prompt-tokens", "0"], "--max-prompt-tokens must be at least 1"),
+    # each run failed in turn after the models loaded, exit 0; prompt i runs with seed + i, 32-bit on llama.cpp
+    ("bench", ["--seed", str(2**64)], "--seed must be an integer in [0, 4294967275]"),  # 20 prompts of 1 dataset
+    ("bench", ["--seed", str(2**32 - 20)], "--seed must be an integer in [0, 4294967275]"),
+    ("bench", ["--seed", "-1"], "--seed must be an integer in"),
 ])
 def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     # the target does not exist: an error about it would mean the models were being loaded first

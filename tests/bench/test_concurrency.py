@@ -35,6 +35,10 @@ def test_a_sweep_records_throughput_and_latency_per_level(loaded_pair, tmp_path,
     assert (tmp_path / "out" / "concurrency.png").stat().st_size > 0
     table = capsys.readouterr().out
     assert table.count("| static |") == 4 and "| ar | 0 | 2 |" in table
+    # a second sweep into the same --out replaced the first, exit 0: refused before it loads or runs anything
+    with pytest.raises(ValueError, match="holds a concurrency sweep already"):
+        run_concurrency(settings, [1], models=None)
+    assert json.loads(path.read_text()) == results
 
 
 def test_different_tokens_at_another_concurrency_are_flagged():

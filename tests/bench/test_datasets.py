@@ -241,6 +241,14 @@ def test_the_real_sets_have_the_documented_counts(tok):
 @pytest.mark.parametrize("lines, message", [
     (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "id 'a' is used on line 1 too"),
     (['{"prompt": 123}'], '"prompt" must be text'),
+    # a line without an id takes its index: the clash named a line that had none
+    (['{"id": 1, "prompt": "x"}', '{"prompt": "y"}'], r"p.jsonl:2: id '1' \(the line has no \"id\", so it takes its "
+                                                      r"index 1\) is used on line 1 too"),
+    # bool("false") is True: a completion prompt went through the chat template
+    (['{"prompt": "x", "chat": "false"}'], r'p.jsonl:1: "chat" must be true or false, got \'false\''),
+    # the report grouped and sorted by it after the whole benchmark ran: a traceback, no report.md
+    (['{"prompt": "x", "category": ["a"]}'], r'"category" must be text, got \[\'a\'\]'),
+    (['{"prompt": "x", "category": "a"}', '{"prompt": "y", "category": 1}'], r'p.jsonl:2: "category" must be text'),
 ])
 def test_a_prompt_file_with_a_repeated_id_or_a_prompt_that_is_not_text_is_refused(tmp_path, tok, lines, message):
     """Runs are paired by prompt id: two prompts under one id were compared with each other (a false MISMATCH)."""

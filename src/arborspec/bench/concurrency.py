@@ -61,6 +61,10 @@ def run_concurrency(settings: BenchSettings, levels: list[int], models=None) -> 
 
 
 def _run(settings: BenchSettings, levels: list[int], models) -> Path:
+    path = Path(settings.out) / "concurrency.json"
+    if path.exists():  # under the lock; a second sweep into the same --out replaced the first, exit 0
+        raise ValueError(f"--out {settings.out} holds a concurrency sweep already ({path.name}); choose another --out "
+                         "or remove it")
     warnings: list[str] = []
     configs = []
     for cfg in _configs(settings, warnings):
@@ -77,7 +81,6 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
     ids = [prompt_ids(bench.tokenizer, p) for p in prompts]
     out_dir = Path(settings.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "concurrency.json"
     env = environment(settings, getattr(pair, "backends", ()))
     results = dict(schema=SCHEMA, command=settings.command, argv=list(sys.argv), env=env,
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED}, levels=levels,

@@ -194,17 +194,21 @@ def load_prompt_file(path: str | Path, tokenizer, n: int | None = None, max_prom
                 text = rec["prompt"]
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" field") from None
-            chat = bool(rec.get("chat", False))
+            chat, category = rec.get("chat", False), rec.get("category")
+            if not isinstance(chat, bool):  # bool("false") is True: a completion prompt wrapped in the template
+                raise ValueError(f"{path}:{i + 1}: \"chat\" must be true or false, got {chat!r}")
+            if category is not None and not isinstance(category, str):  # the report sorts and groups by it
+                raise ValueError(f"{path}:{i + 1}: \"category\" must be text, got {category!r}")
             if not (isinstance(text, list) and chat) and not isinstance(text, str):
                 raise ValueError(f"{path}:{i + 1}: \"prompt\" must be text (or, with \"chat\": true, a list of "
                                  f"messages), got {type(text).__name__}")
             key = str(rec.get("id", i))
             if key in seen:
-                raise ValueError(f"{path}:{i + 1}: id {key!r} is used on line {seen[key]} too; every prompt needs "
-                                 "its own (runs are paired by it)")
+                whose = "" if "id" in rec else f" (the line has no \"id\", so it takes its index {i})"
+                raise ValueError(f"{path}:{i + 1}: id {key!r}{whose} is used on line {seen[key]} too; every prompt "
+                                 "needs its own (runs are paired by it)")
             seen[key] = i + 1
-            yield Prompt(path.stem, key, _chat(tokenizer, text) if chat else text,
-                         category=rec.get("category"), chat=chat)
+            yield Prompt(path.stem, key, _chat(tokenizer, text) if chat else text, category=category, chat=chat)
 
     return _take(records(), n, tokenizer, max_prompt_tokens, skipped)
 

@@ -330,6 +330,9 @@ def _configs(settings: BenchSettings, warnings: list[str]) -> list[Config]:
     return list(unique.values())
 
 
+SEED_LIMIT = 2**32 - 2  # the largest seed a run may get: llama.cpp reads 2**32 - 1 as "seed at random"
+
+
 def check_settings(settings: BenchSettings) -> None:
     """The datasets' names and the sampling values, checked as the run would check them later."""
     for name in settings.datasets:
@@ -340,6 +343,12 @@ def check_settings(settings: BenchSettings) -> None:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
     if settings.draft_temperature is not None and not valid_temperature(settings.draft_temperature):
         raise ValueError(f"--draft-temperature must be {TEMPERATURE_RULE}, got {settings.draft_temperature}")
+    # prompt i runs with seed + i, on every method: llama.cpp's baselines take 32-bit seeds, 2**32 - 1 meaning "a
+    # random one" (an out-of-range seed failed each run in turn, after the models loaded, and exited 0)
+    most = SEED_LIMIT - settings.prompts * (len(settings.datasets) + bool(settings.prompt_file)) + 1
+    if not 0 <= settings.seed <= most:
+        raise ValueError(f"--seed must be an integer in [0, {max(most, 0)}] (prompt i runs with --seed + i, and "
+                         f"llama.cpp's seeds are 32-bit), got {settings.seed}")
 
 
 def _fitting(prompts: list[Prompt], bench, settings: BenchSettings,
