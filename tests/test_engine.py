@@ -261,6 +261,9 @@ def test_bad_prompts_are_refused():
         dec.generate([3], max_new_tokens=2, seed=1.5)
     with pytest.raises(ValueError, match="prompt_logprobs must be true or false"):  # "no" was true
         dec.generate([3, 4], max_new_tokens=0, logprobs=1, prompt_logprobs="no")
+    for messages, n in (([{"role": "user", "content": "a"}, {"content": "b"}], 1), ([{"content": "hi"}], 0)):
+        with pytest.raises(ValueError, match=f"chat message {n} has no 'role'"):  # was "token ids must be integers"
+            dec.generate(messages, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("call", ["generate", "stream", "steps", "generate_batch"])
@@ -387,6 +390,11 @@ def test_a_config_runs_what_the_same_keywords_run():
     for models in (("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), (target, "some/dir"), (None, draft)):
         with pytest.raises(TypeError, match="expected a loaded model.*arborspec.load_model"):  # not deep inside
             SpeculativeDecoder(*models, method="chain")
+    for tokenizer in ("gpt2", 5):  # accepted, then "'str' object is not callable" at the first generate
+        with pytest.raises(TypeError, match="tokenizer must be a loaded tokenizer"):
+            SpeculativeDecoder(target, draft, tokenizer=tokenizer, method="chain")
+    with pytest.raises(ValueError, match="ngram_len must be"):  # 0 drafted no n-gram branch and said nothing
+        SpeculativeDecoder(target, method="ar", ngram=3, ngram_len=0)
     with pytest.raises(ValueError, match="unknown token order"):
         DecoderConfig(token_order="random")
 

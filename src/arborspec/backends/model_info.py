@@ -31,6 +31,10 @@ def model_and_tokenizer(model_or_loaded, tokenizer=None) -> tuple:
         raise TypeError(f"expected a loaded model (arborspec.load_model / load_pair, a transformers model, or a "
                         f"(model, tokenizer) pair), got {type(model).__name__}{shown[:80]}; a name or path loads "
                         "with arborspec.load_model(name)")
+    if tokenizer is not None and (isinstance(tokenizer, (str, bytes)) or not callable(tokenizer)):
+        shown = f" {tokenizer!r}"[:80] if isinstance(tokenizer, (str, bytes)) else ""  # failed at the first generate
+        raise TypeError(f"tokenizer must be a loaded tokenizer (transformers.AutoTokenizer.from_pretrained(name)), "
+                        f"got {type(tokenizer).__name__}{shown}")
     return model, tokenizer
 
 

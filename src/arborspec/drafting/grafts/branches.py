@@ -44,6 +44,8 @@ class FreeBranches:
         for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
                             ("suffix_store", suffix_store)):
             check_int(value, name, 0)
+        if ngram:  # 0 drafted no n-gram branch and said nothing
+            check_int(ngram_len, "ngram_len", 1)
         self.ngram, self.ngram_len = int(ngram), int(ngram_len)  # prompt-lookup branches (ngram.py)
         # suffix branches (suffix.py): up to `suffix` nodes a step, as deep as that (a copied span is a chain)
         self.suffix = int(suffix)
