@@ -174,6 +174,21 @@ def test_an_int8_draft_on_a_gguf_backend_is_refused_before_the_models_load(backe
         load_pair(str(paths[0]), str(paths[1]), draft_quant="int8", backend=backend)
 
 
+def test_a_lean_variant_or_pruned_head_on_a_llamacpp_draft_says_why_it_runs_there():
+    """With --backend native, a draft of weight types native has no kernel for runs on llama.cpp (a loading note says
+    so); the refusal then said "use --backend native" to a user who had."""
+    from arborspec.loading.model import LoadedModel
+    from arborspec.loading.pair import prepare_draft, resolve_draft
+
+    on_llamacpp = LoadedModel(object(), None, "d.gguf", "memory")  # neither torch nor native: a llama.cpp model
+    for refuse in (lambda: resolve_draft(on_llamacpp, on_llamacpp, "iq4_nl"),
+                   lambda: prepare_draft(on_llamacpp, on_llamacpp, "none", vocab=32, progress=False)):
+        with pytest.raises(ValueError, match=r"runs on llama.cpp \(--backend llamacpp, or weight types native has no "
+                                             r"kernel for") as info:
+            refuse()
+        assert "use --backend native" not in str(info.value)
+
+
 def test_load_local_directory(tmp_path):
     saved = save_tiny_checkpoint(tmp_path)
     ids = [3, 7, 11, 2, 5]

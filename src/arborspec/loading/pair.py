@@ -51,6 +51,12 @@ def torch_quant_refused(quant: str, backend: str) -> ValueError:
                       f"native ({', '.join('+' + t for t in LEAN_TYPES)})")
 
 
+# why a GGUF draft is on llama.cpp: asked for, or (with --backend native) a weight type native has no kernel for,
+# which the loading note names; "use --backend native" read as nonsense to a user who had
+ON_LLAMACPP = ("llama.cpp (--backend llamacpp, or weight types native has no kernel for: the loading note names "
+               "them)")
+
+
 def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = True) -> tuple[str, int]:
     """(quantization, head size) of the draft a run uses: `quant` and `vocab` as given, or for quant "auto" the
     variant measured fastest for this pair on this machine (tuning/draft_choice.py; measured once, then cached). For
@@ -61,7 +67,7 @@ def resolve_draft(target, draft, quant: str, vocab: int = 0, progress: bool = Tr
             raise torch_quant_refused(quant, "native")
     elif quant in LEAN_TYPES:
         raise ValueError(f"draft variant {quant!r} is a requantized GGUF for the native backend; this draft runs on "
-                         "another backend (use --backend native, or int8 / int4 for a PyTorch draft)")
+                         + (ON_LLAMACPP if not is_torch_model(draft) else "PyTorch (use int8 / int4 there)"))
     elif not is_torch_model(draft) or not is_torch_model(target):
         if quant in ("auto", "none"):
             return "none", vocab
@@ -121,8 +127,8 @@ def prepare_draft(target, draft, quant: str = DEFAULT_DRAFT_QUANT, vocab: int = 
                   file=sys.stderr)
         return variant(draft, quant, vocab, progress=progress), quant, vocab
     if not is_torch_model(draft):
-        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts, "
-                         "not to GGUF drafts on llama.cpp")
+        raise ValueError("a pruned draft vocabulary (+vocabK, --draft-vocab) applies to PyTorch and native drafts; "
+                         "this draft runs on " + ON_LLAMACPP)
     if progress:
         print(f"[arborspec] preparing the draft (quantization {quant}, vocabulary {vocab or 'full'}) ...",
               file=sys.stderr)
