@@ -51,12 +51,17 @@ def test_readers_take_the_gzipped_form_and_report_the_same(tmp_path):
     assert "| T=0 | 64 | 8.00 |" in reproduction.render(tmp_path / "packed")  # the gzipped grid was read
 
 
-def test_recompress_rewrites_every_record_in_the_form_write_picks(tmp_path):
+def test_recompress_rewrites_every_record_in_the_form_write_picks(tmp_path, capsys):
     for name, data in (("a", big(4)), ("b", big(400))):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     assert records.recompress(tmp_path) == [tmp_path / "a" / "results.json", tmp_path / "b" / "results.json.gz"]
     assert records.read(tmp_path / "b") == big(400) and not (tmp_path / "b" / "results.json").exists()
+    # the command: a folder that is missing or holds no record is an error (a typo exited 0 in silence)
+    assert records.main([str(tmp_path)]) == 0 and "b/results.json.gz" in capsys.readouterr().out
+    for root in (tmp_path / "missing", tmp_path / "a" / "results.json", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        assert records.main([str(root)]) == 2 and "no benchmark record" in capsys.readouterr().err
 
 
 def test_missing_or_broken_records_give_one_line_errors(tmp_path):

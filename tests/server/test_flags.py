@@ -64,6 +64,8 @@ def test_a_bad_flag_fails_before_loading_naming_that_flag_only(model_dirs, capsy
     (["--method", "nope"], "unknown method"),
     (["--replicas", "2", "--autoscale", "1,2"], "only make sense with --ray"),
     (["--replica-cpus", "-1"], "--replica-cpus only makes sense with --ray"),  # was taken, and ignored
+    # a request without max_tokens got the limit's 100 in silence
+    (["--max-tokens-limit", "100", "--default-max-tokens", "200"], "--default-max-tokens 200 is over --max-tokens"),
 ])
 def test_bad_server_settings_fail_before_loading_with_one_line(model_dirs, capsys, extra, message):
     assert main(unloadable(model_dirs, *extra)) == 2
@@ -118,6 +120,15 @@ def serve_help() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     parser = sub.choices["serve"]
     entries = re.split(r"\n  (?=-)", parser.format_help())
     return parser, {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries[1:]}
+
+
+def test_the_default_max_tokens_follows_a_lower_limit_unless_given():
+    from arborspec.server.run import check_flags
+    parser = serve_help()[0]
+    for argv, want in (([], 128), (["--max-tokens-limit", "64"], 64), (["--default-max-tokens", "7"], 7)):
+        args = parser.parse_args(["--target", "t", *argv])
+        check_flags(args)
+        assert args.default_max_tokens == want
 
 
 def test_serve_help_explains_every_flag_and_shows_every_default():

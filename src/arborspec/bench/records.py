@@ -136,7 +136,17 @@ def recompress(root: str | Path) -> list[Path]:
     return [write(p, read(p)) for p in sorted({find(f.parent) for f in Path(root).rglob(f"{NAME}*")} - {None})]
 
 
+def main(roots: list[str]) -> int:
+    """`python -m arborspec.bench.records [DIR ...]` (default: results/): a DIR that is missing or holds no record
+    is an error (it exited 0 in silence, so a typo read as done)."""
+    for root in roots or ["results"]:
+        files = recompress(root) if Path(root).is_dir() else []
+        if not files:
+            print(f"{root}: no benchmark record ({NAME} or {NAME}{GZ}) in or under it", file=sys.stderr)
+            return 2
+        print("\n".join(map(str, files)))
+    return 0
+
+
 if __name__ == "__main__":
-    for root in sys.argv[1:] or ["results"]:
-        for file in recompress(root):
-            print(file)
+    sys.exit(main(sys.argv[1:]))

@@ -28,6 +28,7 @@ from .scheduler import Scheduler
 API_KEY_ENV = "ARBORSPEC_API_KEY"  # the key without putting it on the command line, where `ps` shows it
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 MAX_SHUTDOWN_S = 86400  # --shutdown-timeout's bound: a day (inf overflowed the scheduler's wait)
+DEFAULT_MAX_TOKENS = 128  # a request without max_tokens: generate's --max-new-tokens default
 
 
 class ServeHelp(argparse.HelpFormatter):
@@ -62,7 +63,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--max-batch", type=int, default=8, help="requests generated at once (one step each per round)")
     h.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond that: 429")
     h.add_argument("--max-tokens-limit", type=int, default=4096, help="the most tokens one request may ask for")
-    h.add_argument("--default-max-tokens", type=int, default=128, help="for a request that names no max_tokens")
+    h.add_argument("--default-max-tokens", type=int, default=None,
+                   help=f"for a request that names no max_tokens (default: {DEFAULT_MAX_TOKENS}, or --max-tokens-limit "
+                        "if lower)")
     h.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     h.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="finished requests' KV caches kept for requests that begin the same way (a chat's next turn "
@@ -125,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 def check_flags(args) -> None:
     """Every flag a value of which is wrong whatever the models (ValueError naming the flag); sets args.api_key to
     the key from --api-key or $ARBORSPEC_API_KEY, or None."""
+    asked = args.default_max_tokens is not None
+    if not asked:
+        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, max(args.max_tokens_limit, 1))
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--max-tokens-limit", args.max_tokens_limit, 1),
                                ("--default-max-tokens", args.default_max_tokens, 1),
@@ -134,6 +140,9 @@ def check_flags(args) -> None:
                                ("--prefill-chunk", args.prefill_chunk, 0)):
         if not value >= least:  # `not >=`: a NaN fails too
             raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if asked and args.default_max_tokens > args.max_tokens_limit:  # was capped at the limit in silence
+        raise ValueError(f"--default-max-tokens {args.default_max_tokens} is over --max-tokens-limit "
+                         f"{args.max_tokens_limit}")
     if not args.shutdown_timeout <= MAX_SHUTDOWN_S:  # inf passed, and its wait overflowed at the first signal
         raise ValueError(f"--shutdown-timeout must be at most {MAX_SHUTDOWN_S} seconds (a day), got "
                          f"{args.shutdown_timeout}")
