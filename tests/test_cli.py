@@ -251,6 +251,15 @@ def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     assert code == 2 and message in err and "not found" not in err and "Traceback" not in err
 
 
+def test_a_prompt_file_named_like_a_dataset_beside_it_is_refused(capsys, tmp_path):
+    """A prompt named humaneval/HumanEval/0 in both: the runs of two prompts were paired (speed-ups, a false
+    MISMATCH in --check-equal)."""
+    (tmp_path / "humaneval.jsonl").write_text('{"id": "HumanEval/0", "prompt": "x"}\n')
+    code, _, err = run_cli(capsys, "bench", "--target", "/nonexistent/model", "--dataset", "humaneval",
+                           "--prompt-file", str(tmp_path / "humaneval.jsonl"))
+    assert code == 2 and "names its prompts humaneval/<id>, as --dataset humaneval does" in err
+
+
 def test_standard_input_that_is_not_utf8_is_refused_before_loading(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait")))
     code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--prompt-file", "-")

@@ -339,6 +339,10 @@ def check_settings(settings: BenchSettings) -> None:
         check_dataset(name)
     if settings.prompt_file and not Path(settings.prompt_file).is_file():  # was found after the models loaded
         raise ValueError(f"cannot read prompt file {settings.prompt_file!r}: there is no such file")
+    if settings.prompt_file and Path(settings.prompt_file).stem in settings.datasets:  # runs are paired by name
+        stem = Path(settings.prompt_file).stem
+        raise ValueError(f"--prompt-file {settings.prompt_file!r} names its prompts {stem}/<id>, as --dataset {stem} "
+                         "does: two prompts could share a name, and their runs be compared; rename the file")
     for t in settings.temperatures:
         SamplingConfig(temperature=t, top_k=settings.top_k, top_p=settings.top_p)
     if settings.draft_temperature is not None and not valid_temperature(settings.draft_temperature):
