@@ -42,6 +42,26 @@ def test_failures_are_recorded_and_the_run_goes_on(loaded_pair, tmp_path, monkey
     assert "static broke" in render(results, [])
 
 
+def test_a_benchmark_whose_every_run_failed_exits_non_zero(loaded_pair, tmp_path, monkeypatch, capsys):
+    """Each run failed with a warning (an out-of-range seed, with --no-warmup) and the command exited 0."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+
+    def broken(self, cfg, ids, max_new_tokens, seed):
+        raise RuntimeError("broke")
+
+    settings = BenchSettings(target="t", draft="d", dtype="fp32", datasets=[], prompt_file=str(prompts),
+                             methods=["ar", "chain"], max_new_tokens=4, out=str(tmp_path / "out"), progress=False,
+                             threads=1, draft_quant="none", warmup=False)
+    monkeypatch.setattr(runner, "settings_from_args", lambda args: settings)
+    monkeypatch.setattr(runner, "run_bench", lambda s: run_bench(s, models=loaded_pair))
+    assert runner.run_from_args(None) == 0  # runs that work
+    monkeypatch.setattr(runner.Bench, "generate", broken)
+    settings.out = str(tmp_path / "out2")
+    assert runner.run_from_args(None) == 1
+    assert "every run failed (the first: RuntimeError: broke)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, message", [("future", "not registered"), ("chian", "unknown method"),
                                           ("chain+fp8", "unknown lever"), ("wetap-lossy@64", "--allow-lossy")])
 def test_a_bad_method_name_is_an_error_before_anything_runs(monkeypatch, tmp_path, bad, message):

@@ -585,4 +585,8 @@ def run_from_args(args) -> int:
     print(f"results: {path}")
     for f in files:
         print(f"report: {f}")
+    runs = records.read(path.parent).get("runs") or []
+    if runs and all(r.get("error") for r in runs):  # each failed with a warning, and the command exited 0
+        print(f"arborspec: error: every run failed (the first: {runs[0]['error']})", file=sys.stderr)
+        return 1
     return 0
