@@ -260,7 +260,8 @@ def test_a_round_holds_the_models_and_a_decoder_being_made_waits_for_it(batch):
             built.set()
             return SimpleNamespace(steps=lambda *a: iter(()))
 
-    req = SimpleNamespace(arborspec=None, temperature=None, top_k=None, top_p=None, seed=None, ignore_eos=False)
+    req = SimpleNamespace(arborspec=None, temperature=None, top_k=None, top_p=None, seed=None, ignore_eos=False,
+                          max_tokens=None, max_completion_tokens=None)
     maker = threading.Thread(target=start_generation, args=(Decoders(), "m", req, "x", False, 4, [], sched.models))
     assert entered.wait(TIMEOUT)  # a round is in its step
     maker.start()
