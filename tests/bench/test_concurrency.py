@@ -1,6 +1,7 @@
 """`arborspec bench --concurrency` (bench/concurrency.py) on tiny models: every level's fields, the same tokens at
 every concurrency, the table and the plot; bad flags are one-line errors before anything loads."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,21 @@ def test_a_sweep_records_throughput_and_latency_per_level(loaded_pair, tmp_path,
     assert (tmp_path / "out" / "concurrency.png").stat().st_size > 0
     table = capsys.readouterr().out
     assert table.count("| static |") == 4 and "| ar | 0 | 2 |" in table
+    # a configuration that fails its warm-up is left out with a warning; the sweep goes on
+    from arborspec.bench import concurrency
+    real = concurrency.decoder
+
+    def failing(bench, cfg):
+        if cfg.method == "static":
+            raise RuntimeError("static broke")
+        return real(bench, cfg)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(concurrency, "decoder", failing)
+        other = json.loads(run_concurrency(replace(settings, out=str(tmp_path / "out2"), temperatures=[0.0]), [1],
+                                           models=loaded_pair).read_text())
+    assert [lv["label"] for lv in other["levels_run"]] == ["ar"]
+    assert any("skipping static at T=0.0: RuntimeError: static broke" in w for w in other["warnings"])
     # a second sweep into the same --out replaced the first, exit 0: refused before it loads or runs anything
     with pytest.raises(ValueError, match="holds a concurrency sweep already"):
         run_concurrency(settings, [1], models=None)
