@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType as QT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.blocks: random GGUF blocks
 
+from arborspec.console import run_command
 from arborspec.core.host import this_cpu  # noqa: E402
 from arborspec.kernels import QuantMatrix, matrix as matrix_module  # noqa: E402
 from arborspec.kernels.build import HERE, Kernels, build_dir, compile_extension  # noqa: E402
@@ -238,4 +239,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from arborspec.backends.hf import TreeSession
+from arborspec.console import run_command
 from arborspec.core.host import this_cpu
 from arborspec.kernels.build import library
 from arborspec.loading import load_model
@@ -129,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

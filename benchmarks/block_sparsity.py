@@ -21,10 +21,13 @@ import hashlib
 import json
 import random
 import statistics
+import sys
 import time
 
 import torch
 
+from arborspec.console import run_command
+from arborspec.core.options import parse_int_list
 from arborspec.core.sampling import SamplingConfig
 from arborspec.core.tree import ORDERS, TokenTree, block_count
 from arborspec.drafting import POLICIES, DraftContext
@@ -76,9 +79,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the rows here (read by `arborspec report --reproduction`)")
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",")]
-    blocks = [int(x) for x in args.blocks.split(",")]
-    prefixes = [int(x) for x in args.prefixes.split(",")]
+    sizes, blocks = parse_int_list(args.sizes, "--sizes"), parse_int_list(args.blocks, "--blocks")
+    prefixes = [int(x) for x in args.prefixes.split(",") if x.strip().isdigit()]  # 0 is a prefix too
+    if len(prefixes) != len(args.prefixes.split(",")):
+        raise ValueError(f"--prefixes must be a comma-separated list of integers >= 0, got {args.prefixes!r}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     orders = {"original": original_order, **ORDERS}
     t0 = time.time()
     rows = []
@@ -103,4 +109,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

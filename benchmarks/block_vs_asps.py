@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from arborspec.console import run_command
 from arborspec.verify.rules import (
     asps_expected_tokens_by_prefix,
     block_expected_tokens_by_prefix,
@@ -220,4 +221,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

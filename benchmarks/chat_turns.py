@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from arborspec.chat import Conversation
+from arborspec.console import run_command
 from arborspec.core.disk_cache import write_json
 from arborspec.core.host import machine_id
 from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
@@ -34,6 +35,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="conversations each way, alternating")
     p.add_argument("--out", default="results/chat/turns.json")
     args = p.parse_args()
+    for flag, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # found after the pair's minute of loading
+            p.error(f"{flag} must be at least 1, got {value}")
     target, draft = load_pair(args.target, args.draft)
     run = {"command": "python " + shlex.join(sys.argv), "machine": machine_id(), "rows": []}
     for repeat in range(args.repeats):
@@ -60,4 +64,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 
 import torch
+import sys
 
+from arborspec.console import run_command
 from arborspec.core.host import this_cpu
 from arborspec.loading import load_model
 from arborspec.tuning.agreement import agreement_with, fitting, reference_ids, target_choices
@@ -93,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +30,7 @@ import gguf
 import numpy as np
 import torch
 
+from arborspec.console import run_command
 from arborspec.core.host import this_cpu
 from arborspec.kernels import QuantMatrix, supported
 from arborspec.kernels.build import library
@@ -201,4 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -20,9 +20,11 @@ import argparse
 import random
 import statistics
 import subprocess
+import sys
 import time
 
 from arborspec.backends import make_session, native_step
+from arborspec.console import run_command
 from arborspec.core.disk_cache import cache_dir
 from arborspec.core.host import this_cpu
 from arborspec.kernels.build import HERE, SOURCES, compile_extension, prune_builds
@@ -110,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

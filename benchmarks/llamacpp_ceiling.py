@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
+from arborspec.console import run_command
 from arborspec.loading import load_model
 from arborspec.tuning.costs import full_tree
 from arborspec.viz.canvas import pyplot, save_figure
@@ -95,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

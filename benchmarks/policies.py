@@ -16,8 +16,10 @@ import statistics
 import time
 
 import torch
+import sys
 
 from arborspec import SpeculativeDecoder
+from arborspec.console import run_command
 from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_TARGET, load_pair
 from arborspec.runspec import build_decoder, parse, split_methods
 
@@ -43,11 +45,13 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.prompts < 1:  # checked, as the methods are, before the pair's minute of loading
+        raise ValueError(f"--prompts must be at least 1, got {args.prompts}")
+    methods = [parse(name, draft_quant="none") for name in split_methods(args.methods)]
     if args.threads:
         torch.set_num_threads(args.threads)
     target, draft = load_pair(args.target, args.draft, draft_quant="none", dtype=args.dtype)
     prompts = PROMPTS[: args.prompts]
-    methods = [parse(name, draft_quant="none") for name in split_methods(args.methods)]
     # warm-up (first calls allocate)
     SpeculativeDecoder(target, draft, method="chain", k=2).generate(prompts[0], max_new_tokens=4)
     reference: dict[int, list[int]] = {}
@@ -93,5 +97,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     t0 = time.time()
-    main()
+    code = run_command(lambda _: main(), None)  # a bad value: one line and exit 2, as arborspec's own commands
     print(f"({time.time() - t0:.0f}s)")
+    sys.exit(code)

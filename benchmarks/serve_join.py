@@ -31,6 +31,7 @@ import httpx
 from serve_load import Launched  # this directory's: the server in its own process group
 
 from arborspec.bench.datasets import DATASETS, fetch
+from arborspec.console import run_command
 from arborspec.core.disk_cache import write_json
 from arborspec.core.host import machine_id
 
@@ -104,4 +105,4 @@ def stream(url: str, prompt: str, max_tokens: int, stamps: list[float] | None = 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from arborspec.bench.datasets import DATASETS, fetch
+from arborspec.console import run_command
 from arborspec.core.disk_cache import write_json
 from arborspec.core.host import machine_id
 
@@ -194,4 +195,4 @@ def plot(runs: list[dict], figure: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -29,6 +29,7 @@ import torch
 from arborspec.backends.hf import TreeSession
 from arborspec.bench.datasets import load_prompts as bench_prompts
 from arborspec.bench.datasets import prompt_ids
+from arborspec.console import run_command
 from arborspec.core.sampling import SamplingConfig, make_generator
 from arborspec.drafting import DraftContext
 from arborspec.drafting.chain import ChainPolicy
@@ -85,7 +86,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (on a busy 2-core machine 1 is far faster: no thread hand-offs)")
     p.add_argument("--json", default=None, help="write the per-n results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--prompts", args.prompts), ("--k", args.k), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # found after the pair's minute of loading
+            p.error(f"{flag} must be at least 1, got {value}")
+    return args
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
@@ -237,4 +242,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, BambaConfig, PreTrainedTokenizerF
 
 from arborspec.bench.report import write_report
 from arborspec.bench.runner import BenchSettings, run_bench
+from arborspec.console import run_command
 from arborspec.loading import load_model
 
 CHARS = string.ascii_lowercase + string.digits + " .,:;()[]=+-*/_\n"
@@ -109,4 +110,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
 
 from arborspec.backends.ssm import SSMTreeSession
+from arborspec.console import run_command
 from arborspec.core.tree import TokenTree
 from arborspec.tuning.costs import full_tree, measure_forward_cost
 from arborspec.tuning.runtime_model import fit_runtime, required_tau_ratio
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     configs = ["130m"] if args.quick else args.configs.split(",")
+    if unknown := [c for c in configs if c not in CONFIGS]:  # was a KeyError after the first config's minutes
+        raise ValueError(f"--configs: unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
     repeats = 1 if args.quick else args.repeats
     trees = {f"binary depth {d}": full_tree(2**d - 1, 0, list(range(7, 50007))) for d in (4, 5, 6)}
     beams = [(2, 4), (5, 4), (2, 16), (5, 16)] if args.quick else [(m, n) for n in (4, 8, 16) for m in (2, 3, 4, 5)]
@@ -222,4 +225,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

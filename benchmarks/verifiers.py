@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 from arborspec.bench import records
 from arborspec.bench.reproduction import VERIFIER_METHODS as METHODS
 from arborspec.bench.reproduction import paired_differences, pooled_verifier_tables
 from arborspec.cli import main as arborspec_main
+from arborspec.console import run_command
 from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
@@ -98,4 +100,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from arborspec import SpeculativeDecoder
 from arborspec.bench.datasets import load_prompts, prompt_ids
+from arborspec.console import run_command
 from arborspec.engine.verifier_choice import pick_verifier
 from arborspec.loading.pair import DEFAULT_DRAFT, DEFAULT_TARGET, load_pair
 from arborspec.verify import VERIFIERS
@@ -125,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/verifiers-same-trees")
     args = ap.parse_args(argv)
+    for flag, value in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:  # --prompts -1 ran no prompt and exited 0
+            ap.error(f"{flag} must be at least 1, got {value}")
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
@@ -152,4 +156,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command(lambda _: main(), None))  # a bad value: one line and exit 2, as arborspec's own commands
