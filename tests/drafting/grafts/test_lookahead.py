@@ -9,6 +9,8 @@ from arborspec.drafting.grafts.lookahead import Lookahead
 from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import greedy_results, repetitive_prompts
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # ar prices free branches by a profile: not in ~/.cache
+
 
 def logits_for(tree: TokenTree, argmax: dict[int, int], vocab: int = 64) -> torch.Tensor:
     """(len(tree), vocab) logits whose row of node i peaks at argmax[i] (token 0 elsewhere)."""

@@ -8,6 +8,8 @@ from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.drafting.grafts.ngram import graft, lookup
 from tests.conftest import noisy_copy, tiny_model
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # ar prices free branches by a profile: not in ~/.cache
+
 
 def test_lookup_finds_the_most_recent_continuation():
     ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]

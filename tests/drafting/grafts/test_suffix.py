@@ -13,6 +13,8 @@ from arborspec.drafting.grafts.suffix_index import CountTrie, OutputStore, Suffi
 from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import greedy_results, repetitive_prompts
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # ar prices free branches by a profile: not in ~/.cache
+
 
 # ---- brute-force reference ---------------------------------------------------------------------------------------
 def occurrences(seqs, string) -> int:
