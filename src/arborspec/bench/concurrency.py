@@ -44,6 +44,7 @@ from .runner import (
     load_models,
     run_from_args,
     settings_from_args,
+    warm_up,
 )
 
 
@@ -86,15 +87,10 @@ def _run(settings: BenchSettings, levels: list[int], models) -> Path:
                    settings={k: v for k, v in asdict(settings).items() if k not in UNRECORDED}, levels=levels,
                    batched=can_batch(target.model), warnings=warnings,
                    prompts=[f"{p.dataset}/{p.id}" for p in prompts], levels_run=[])
-    if settings.warmup:  # the first forwards of each configuration pay one-time set-up
-        for cfg in list(configs):
-            try:  # one that fails is left out, as the comparison does (it ended the whole sweep, nothing measured)
-                decoder(bench, cfg).generate_batch(ids[:2], min(WARMUP_TOKENS, settings.max_new_tokens),
-                                                   concurrency=2)
-            except Exception as err:
-                configs.remove(cfg)
-                warnings.append(f"skipping {cfg.label} at T={cfg.temperature}: {type(err).__name__}: {err}")
-                print(f"[arborspec] {warnings[-1]}", file=sys.stderr)
+    if settings.warmup:  # one that fails is left out, as the comparison does (it ended the sweep, nothing measured)
+        warm = min(WARMUP_TOKENS, settings.max_new_tokens)
+        for cfg, err in warm_up(configs, lambda cfg: decoder(bench, cfg).generate_batch(ids[:2], warm, concurrency=2)):
+            warnings.append(f"skipping {cfg.label} at T={cfg.temperature}: {type(err).__name__}: {err}")
         if not configs:
             raise ValueError("every method failed its warm-up: " + "; ".join(warnings))
     seeds = [settings.seed + i for i in range(len(ids))]  # prompt i's seed, as in the bench's other runs

@@ -339,8 +339,8 @@ def check_settings(settings: BenchSettings) -> None:
         check_dataset(name)
     if settings.prompt_file and not Path(settings.prompt_file).is_file():  # was found after the models loaded
         raise ValueError(f"cannot read prompt file {settings.prompt_file!r}: there is no such file")
-    if settings.prompt_file and Path(settings.prompt_file).stem in settings.datasets:  # runs are paired by name
-        stem = Path(settings.prompt_file).stem
+    stem = Path(settings.prompt_file).stem if settings.prompt_file else None
+    if stem in settings.datasets:  # runs are paired by prompt name, dataset/id
         raise ValueError(f"--prompt-file {settings.prompt_file!r} names its prompts {stem}/<id>, as --dataset {stem} "
                          "does: two prompts could share a name, and their runs be compared; rename the file")
     for t in settings.temperatures:
@@ -414,6 +414,21 @@ def run_bench(settings: BenchSettings, models=None) -> Path:
         torch.set_num_threads(threads)
 
 
+def warm_up(configs: list[Config], run) -> list[tuple[Config, Exception]]:
+    """`run(cfg)` once per configuration, untimed (the first forwards pay one-time set-up); a configuration that
+    fails is removed from `configs`, said on stderr and returned with its error: one method failing must not end the
+    benchmark."""
+    failed = []
+    for cfg in list(configs):
+        try:
+            run(cfg)
+        except Exception as err:
+            configs.remove(cfg)
+            failed.append((cfg, err))
+            print(f"[arborspec] skipping {cfg.label} at T={cfg.temperature}: {err}", file=sys.stderr)
+    return failed
+
+
 def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings: list[str]) -> Path:
     out_dir = Path(settings.out)
     found = records.find(out_dir) if out_dir.is_dir() else None  # under the lock: another run may be writing it
@@ -444,14 +459,10 @@ def _run_bench(settings: BenchSettings, models, configs: list[Config], warnings:
 
     if settings.warmup:  # one short generation per configuration, not timed, not recorded
         shortest = min(ids_of, key=len)  # (a long first prompt made every method fail its warm-up)
-        for cfg in list(configs):
-            try:
-                bench.generate(cfg, shortest, min(WARMUP_TOKENS, settings.max_new_tokens), settings.seed)
-            except Exception as err:
-                configs.remove(cfg)
-                results["skipped"].append(dict(label=cfg.label, method=cfg.method, budget=cfg.budget,
-                                               temperature=cfg.temperature, reason=f"{type(err).__name__}: {err}"))
-                print(f"[arborspec] skipping {cfg.label} at T={cfg.temperature}: {err}", file=sys.stderr)
+        warm = min(WARMUP_TOKENS, settings.max_new_tokens)
+        for cfg, err in warm_up(configs, lambda cfg: bench.generate(cfg, shortest, warm, settings.seed)):
+            results["skipped"].append(dict(label=cfg.label, method=cfg.method, budget=cfg.budget,
+                                           temperature=cfg.temperature, reason=f"{type(err).__name__}: {err}"))
     if not configs:
         if old is not None:
             raise ValueError(f"every method failed its warm-up (the reasons above); {path} is left as it was")

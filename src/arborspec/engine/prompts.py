@@ -65,8 +65,9 @@ def _one_sequence(prompt) -> list[int]:
     mask = None
     if hasattr(prompt, "keys") and "input_ids" in prompt:  # a dict or transformers' BatchEncoding
         prompt, mask = prompt["input_ids"], prompt.get("attention_mask")
-    if isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):  # was "token ids must be
-        n = next(i for i, m in enumerate(prompt) if not (isinstance(m, dict) and "role" in m))  # integers"
+    if isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt):  # not a conversation
+        # (prompt_ids asked first): a message lacks its role, which read as "token ids must be integers"
+        n = next(i for i, m in enumerate(prompt) if not (isinstance(m, dict) and "role" in m))
         raise ValueError(f"chat message {n} has no 'role': a conversation is a list of {{'role', 'content'}} dicts")
     ids = _row(prompt)
     if mask is None:

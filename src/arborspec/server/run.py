@@ -130,7 +130,7 @@ def check_flags(args) -> None:
     the key from --api-key or $ARBORSPEC_API_KEY, or None."""
     asked = args.default_max_tokens is not None
     if not asked:
-        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, max(args.max_tokens_limit, 1))
+        args.default_max_tokens = min(DEFAULT_MAX_TOKENS, args.max_tokens_limit)  # a bad limit: named below
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                                ("--max-tokens-limit", args.max_tokens_limit, 1),
                                ("--default-max-tokens", args.default_max_tokens, 1),
