@@ -113,3 +113,27 @@ def test_lookahead_peer_runs_the_program_and_reads_its_totals(tmp_path, monkeypa
     program.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     with pytest.raises(RuntimeError, match="exit 3.*broken"):
         lookahead_generate("m.gguf", ids, 7, 0.0, 0, 1.0, False, 3, 2, tokenizer)
+
+
+def test_the_peers_run_with_the_llama_options_given(monkeypatch, tokenizer):
+    """--llama-ctx and --llama-threads reach llama.cpp's own loops as they reach the llama.cpp backend; the peers
+    always ran with a 4096-token context and torch's thread count."""
+    from types import SimpleNamespace
+
+    from arborspec import runspec
+    from arborspec.bench import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "llamacpp_generate", lambda *a, **k: seen.append(("ar", a, k)) or {})
+    monkeypatch.setattr(runner, "lookahead_generate", lambda *a, **k: seen.append(("la", a, k)) or {})
+    target = SimpleNamespace(tokenizer=tokenizer, model=None)
+    monkeypatch.setattr(runner, "eos_ids", lambda model, tok: [])
+    for llama, threads, n_ctx in (({}, runner.torch.get_num_threads(), 4096), ({"n_ctx": 512, "n_threads": 1}, 1, 512)):
+        bench = runner.Bench(runner.BenchSettings(target="m.gguf", draft="d", llama=llama), target, None)
+        seen.clear()
+        for name in ("llamacpp-ar", "llamacpp-lookahead"):
+            cfg = runner.Config(name, runspec.parse(name), None, 0.0, {})
+            bench.generate(cfg, [5, 6], 4, 0)
+        (_, ar_args, ar_kw), (_, la_args, la_kw) = seen
+        assert ar_args[8] == threads and ar_kw["n_ctx"] == n_ctx and ar_kw["lookup"] == 0
+        assert la_args[8] == threads and la_kw["n_ctx"] == n_ctx

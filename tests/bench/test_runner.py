@@ -245,6 +245,21 @@ def test_resume_refuses_a_prompt_whose_text_changed(loaded_pair, tmp_path):
         run_bench(BenchSettings(prompts=2, resume=True, **settings), models=loaded_pair)
 
 
+def test_resume_takes_a_path_typed_otherwise_for_the_same_file(loaded_pair, tmp_path, monkeypatch):
+    """`--prompt-file p.jsonl` resumed as `--prompt-file /abs/p.jsonl` was refused as "other settings"."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "def g(x):"}\n')
+    monkeypatch.chdir(tmp_path)
+    settings = dict(target="t", draft="d", dtype="fp32", datasets=[], threads=1, methods=["ar"], max_new_tokens=4,
+                    progress=False, draft_quant="none", out=str(tmp_path / "o"))
+    run_bench(BenchSettings(prompts=1, prompt_file="p.jsonl", **settings), models=loaded_pair)
+    done = records.read(run_bench(BenchSettings(prompts=2, prompt_file=str(tmp_path / "p.jsonl"), resume=True,
+                                                **settings), models=loaded_pair))
+    assert done["finished"] and done["resumed"][0]["prompts_done"] == 1 and len(done["runs"]) == 2
+    (tmp_path / "q.jsonl").write_text((tmp_path / "p.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"other settings \(prompt_file\)"):  # another file, the same text
+        run_bench(BenchSettings(prompts=3, prompt_file="q.jsonl", resume=True, **settings), models=loaded_pair)
+
+
 def test_a_prompt_file_takes_its_turn_with_the_datasets_so_a_larger_run_extends_a_smaller(monkeypatch):
     from arborspec.bench.datasets import Prompt
     monkeypatch.setattr(runner, "load_prompts", lambda name, n, *a, **k: [Prompt(name, str(i), "x") for i in range(n)])

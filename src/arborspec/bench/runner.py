@@ -224,10 +224,12 @@ class Bench:
             return out
         if cfg.spec.llamacpp is not None:
             args = (str(self.target_gguf()), ids, max_new_tokens, cfg.temperature, self.s.top_k, self.s.top_p)
+            threads = self.s.llama.get("n_threads", torch.get_num_threads())
+            n_ctx = self.s.llama.get("n_ctx", 4096)  # --llama-ctx, as the llama.cpp backend's (it was ignored here)
             if cfg.spec.llamacpp.get("lookahead"):  # a program, not the Python binding (llamacpp_peers.py)
-                out = lookahead_generate(*args, self.s.ignore_eos, seed, torch.get_num_threads(), self.tokenizer)
+                out = lookahead_generate(*args, self.s.ignore_eos, seed, threads, self.tokenizer, n_ctx=n_ctx)
             else:
-                out = llamacpp_generate(*args, self.eos, seed, torch.get_num_threads(), **cfg.spec.llamacpp)
+                out = llamacpp_generate(*args, self.eos, seed, threads, n_ctx=n_ctx, **cfg.spec.llamacpp)
             out.update(verifier="llama.cpp", lossy=False, t_prefill=None, t_draft=None, t_verify=None,
                        node_outcomes=None, sources=None)
             return out
@@ -500,7 +502,8 @@ def _resumable(path: Path, fresh: dict) -> dict:
         raise ValueError(f"--resume: cannot read {path}: {err}") from None
     before = old.get("settings", {})
     differ = sorted(k for k in set(fresh["settings"]) | set(before)
-                    if k not in ("prompts", "out") and fresh["settings"].get(k) != before.get(k))  # results/ = results
+                    if k not in ("prompts", "out")  # results/ = results
+                    and _as_path(k, fresh["settings"].get(k)) != _as_path(k, before.get(k)))
     if differ:
         raise ValueError(f"--resume: {path} was run with other settings ({', '.join(differ)}); "
                          "resume with the same command, or use another --out")
@@ -512,6 +515,14 @@ def _resumable(path: Path, fresh: dict) -> dict:
     if old.get("finished") and len(old_prompts) == len(new):
         raise ValueError(f"--resume: {path} is a finished run; raise --prompts to extend it, or use another --out")
     return old
+
+
+def _as_path(key: str, value):
+    """A model or prompt file that names an existing path, as its absolute path: `--target ./m` and `--target
+    /home/u/m` are one model, and a resume that typed it the other way was refused as "other settings (target)"."""
+    if key in ("target", "draft", "prompt_file") and isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
 
 
 def _carry_on(old: dict, fresh: dict, configs: list[Config]) -> tuple[dict, int]:
