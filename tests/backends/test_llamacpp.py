@@ -556,7 +556,7 @@ def test_bad_options_are_refused(gguf_dir):
 def test_missing_llama_cpp_module_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     path = write_tiny_gguf(tmp_path / "m.gguf")
-    with pytest.raises(ValueError, match="needs llama-cpp-python==0.3.36 .*scripts/setup.sh. builds it"):
+    with pytest.raises(ValueError, match=r"needs llama-cpp-python==0.3.36 .*pip install .arborspec\[llamacpp\]"):
         load_llamacpp(path)
 
 

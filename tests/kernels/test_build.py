@@ -93,3 +93,26 @@ def test_a_whole_build_in_a_read_only_cache_is_loaded_without_the_lock(tmp_path,
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built or locked"))
     build.compile_extension("probe", tmp_path, [])
     assert loaded == [str(tmp_path / "probe.so")]
+
+
+def test_missing_sources_are_named_not_blamed_on_the_cache(tmp_path):
+    """A wheel that carried only .py files failed with "could not build ... in <cache>: No such file or directory"."""
+    from arborspec.kernels.build import KernelBuildError, compile_extension
+    with pytest.raises(KernelBuildError, match=r"kernel sources are missing \(.*gone\.cpp\): reinstall"):
+        compile_extension("probe", tmp_path / "build", [], [tmp_path / "gone.cpp"])
+    assert not (tmp_path / "build").exists()
+
+
+def test_the_ninja_package_is_found_off_path(tmp_path, monkeypatch):
+    """torch's builder looks for `ninja` on PATH; a venv not activated has the pinned package's binary off PATH."""
+    import shutil
+
+    import ninja
+
+    from arborspec.kernels.build import ninja_on_path
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ninja here
+    assert shutil.which("ninja") is None
+    ninja_on_path()
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    ninja_on_path()
+    assert os.environ["PATH"].count(ninja.BIN_DIR) == 1

@@ -78,8 +78,8 @@ def bindings():
     try:
         import llama_cpp
     except ImportError as exc:
-        raise ValueError(f"the llama.cpp backend needs {PIN} ({exc}); `bash scripts/setup.sh` builds it "
-                         "(10-30 min, once)") from None
+        raise ValueError(f"the llama.cpp backend needs {PIN} ({exc}): pip install 'arborspec[llamacpp]' builds it "
+                         "(10-30 min, once; in a checkout, bash scripts/setup.sh)") from None
     if _log.callback is None:
         _log.callback = llama_cpp.llama_log_callback(_on_log)
         llama_cpp.llama_log_set(_log.callback, ctypes.c_void_p(0))

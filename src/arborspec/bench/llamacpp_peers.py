@@ -35,7 +35,8 @@ def _llama(path: str, lookup: int, n_threads: int, n_ctx: int):
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError as exc:  # an optional backend: say how to get it
-            raise ValueError("the llama.cpp peers need llama-cpp-python (bash scripts/setup.sh installs it)") from exc
+            raise ValueError("the llama.cpp peers need llama-cpp-python: pip install 'arborspec[llamacpp]' "
+                             "(in a checkout, bash scripts/setup.sh)") from exc
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
         _LOADED[key] = Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                              draft_model=draft, verbose=False)

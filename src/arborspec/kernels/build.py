@@ -46,6 +46,8 @@ def library() -> "Kernels":
     """The kernels, compiled for this CPU on first use (about a minute) and loaded from the cache afterwards."""
     try:
         compile_extension("arborspec_kernels", build_dir(), ["-O3", "-march=native", "-fopenmp"])
+    except KernelBuildError:
+        raise
     except OSError as exc:  # the cache itself (a file in its place, no permission): no compiler is missing
         raise KernelBuildError(f"could not build arborspec's kernels in {build_dir()}: {exc.strerror or exc}") from exc
     except Exception as exc:  # a missing compiler or ninja, a compile error: say what is missing, in one line
@@ -99,7 +101,12 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
 
     from ..core.disk_cache import atomic_write
     from ..core.downloads import file_lock
+    missing = [str(s) for s in sources if not Path(s).is_file()]
+    if missing:  # it read as a cache problem: "could not build ... in <cache>: No such file or directory"
+        raise KernelBuildError(f"arborspec's kernel sources are missing ({', '.join(missing)}): reinstall arborspec "
+                               "from a package that carries them (its kernels/*.cpp and *.h)")
     directory.mkdir(parents=True, exist_ok=True)
+    ninja_on_path()
     library, marker = directory / f"{name}.so", directory / f"{name}.built.json"
     if not os.access(directory, os.W_OK) and library.exists() and _read(marker) == _fingerprint(library):
         torch.ops.load_library(str(library))  # a read-only cache with a whole build (the lock file cannot be opened)
@@ -113,6 +120,19 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
         built = _fingerprint(library)  # hashed once: the library ninja left, rebuilt or not
         if _read(marker) != built:
             atomic_write(marker, json.dumps(built))
+
+
+def ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH alone; the pinned `ninja` package puts it in the environment's bin
+    folder, which is not on PATH when the environment is not activated (`.venv/bin/arborspec kernels build`, as
+    scripts/setup.sh runs it): on a host without a system ninja that failed with "pip install ninja", which was."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:  # the build then says that ninja is missing
+        return
+    os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + ninja.BIN_DIR
 
 
 def _fingerprint(library: Path) -> dict:

@@ -27,7 +27,8 @@ from .corpus import sharegpt_turns, stdlib_sources
 from .gguf_requant import requantized
 
 QUANT_MODES = ("none", "int8", "int4")
-TORCHAO_HINT = "int4 needs torchao: .venv/bin/pip install --no-deps torchao==0.18.0 (its wheel does not pin torch)"
+TORCHAO_HINT = ("int4 needs torchao: python -m pip install --no-deps torchao==0.18.0 in arborspec's environment "
+                "(its wheel does not pin torch)")
 
 
 class PrunedHead(nn.Module):
