@@ -305,3 +305,32 @@ def test_cli_profile_cuts_a_prefix_past_the_context_window(llama_dirs, capsys):
     code = main(["profile", "--model", llama_dirs["target"], "--dtype", "fp32", "--sizes", "1,2,4", "--repeats", "1",
                  "--prefix", "100000"])
     assert code == 0 and "--prefix 100000 cut to" in capsys.readouterr().err
+
+
+def test_a_window_too_small_to_profile_is_refused_by_auto_and_the_draft_choice_keeps_the_draft(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A profile's timed calls ran past a 16- or 32-token window: GPT-2's learned positions failed with an
+    IndexError inside `auto` (and in the CLI's default draft choice, a traceback). 48 positions hold them."""
+    from arborspec import SpeculativeDecoder
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
+    small = tiny_model("gpt2", seed=0, context=32)
+    with pytest.raises(costs.WindowTooSmall, match=r"context window \(32 tokens\) is too small .*another method"):
+        SpeculativeDecoder(small, noisy_copy(small, 0.2), method="auto")
+    fits = tiny_model("gpt2", seed=0, context=48)
+    plain = SpeculativeDecoder(fits, method="ar").generate([5, 6, 7], max_new_tokens=8, ignore_eos=True)
+    auto = SpeculativeDecoder(fits, noisy_copy(fits, 0.2), method="auto").generate([5, 6, 7], max_new_tokens=8,
+                                                                                   ignore_eos=True)
+    assert auto.token_ids == plain.token_ids
+
+    tok = char_tokenizer()
+    for name, model in [("target", small), ("draft", noisy_copy(small, 0.2))]:
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    args = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
+            "--prompt", "def f(x):", "--max-new-tokens", "6", "--ignore-eos", "--backend", "torch"]
+    assert main(args + ["--method", "auto"]) == 2
+    assert "is too small to time its tree forwards" in capsys.readouterr().err
+    assert main(args + ["--method", "chain", "--compare-ar"]) == 0  # --draft-quant auto: the draft as loaded
+    captured = capsys.readouterr()
+    assert "identical output" in captured.out and "draft: as loaded (the context window is too small" in captured.err

@@ -200,11 +200,26 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
     return save_profile(model, key, sizes, times, prefix, repeats, time.perf_counter() - start), "measured"
 
 
+class WindowTooSmall(ValueError):
+    """A model whose context window cannot hold a profile's timed forwards (a toy model's 16 positions)."""
+
+
 def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
     """`prefix`, cut so that it still leaves room in the model's context window for the timed calls (the prefix
-    grows by one token per call) and the deepest tree."""
+    grows by one token per call) and the deepest tree; WindowTooSmall where not even a 2-token prefix leaves it (the
+    calls ran past the window, and a model with learned positions, GPT-2's 16, failed with an IndexError)."""
     window = context_window(model, default=0)
-    return max(2, min(prefix, window - len(sizes) * (repeats + 1) - max(sizes) - 2)) if window else prefix
+    if not window:
+        return prefix
+    calls = len(sizes) * (repeats + 1)
+    deepest = max(full_tree(n, 0, [0], leaves=branch_limit(model)).depth for n in sizes)
+    room = window - calls - deepest - 2
+    if room < 2:
+        raise WindowTooSmall(f"{_name(model) or type(model).__name__}'s context window ({window} tokens) is too small "
+                             f"to time its tree forwards ({calls} calls, trees {deepest} deep: {calls + deepest + 4} "
+                             "positions); the auto method and the draft choice need those times: use another method "
+                             "(chain, static, ...) and --draft-quant none")
+    return min(prefix, room)
 
 
 def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seconds: float) -> CostCurve:
