@@ -153,11 +153,14 @@ _NAME = re.compile(r"(?P<base>[a-z0-9][a-z0-9-]*)(?:\((?P<opts>[^()]*)\))?(?:@(?
                    r"(?P<levers>(?:\+[a-z0-9_]+)*)")  # fullmatch: "$" let a final newline into the name
 
 
-def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool = False) -> RunSpec:
+def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool = False,
+          refused: dict[str, str] | None = None) -> RunSpec:
     """The spec a method name stands for (ValueError, naming what is wrong, if it stands for none).
 
     `draft_quant` and `allow_lossy` are the run's settings: the quantization of a method without a quantization
-    lever, and whether lossy verifiers may run."""
+    lever, and whether lossy verifiers may run. `refused`: options the name may not set here (option -> the error),
+    refused as the name reads them, before their checks run (a server request's `acceptance-file` read a file on
+    the server: the server's own text match knew only the underscore spelling)."""
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"unknown draft quantization {draft_quant!r}; choose one of: {', '.join(DRAFT_QUANTS)}")
     m = _NAME.fullmatch(name)
@@ -183,6 +186,9 @@ def parse(name: str, draft_quant: str = DEFAULT_DRAFT_QUANT, allow_lossy: bool =
             spec = _with_lever(spec, lever)
     except ValueError as err:
         raise ValueError(f"method {name!r}: {err}") from None
+    for key, _ in spec.options:
+        if key in (refused or {}):
+            raise ValueError(f"method {name!r}: {refused[key]}")
     if not spec.needs_draft:
         if spec.vocab or any(lever in QUANT_LEVERS for lever in levers):
             raise ValueError(f"method {name!r}: draft levers on a method without a draft")

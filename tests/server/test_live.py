@@ -306,6 +306,8 @@ BAD_BODIES = [
     ("a tree past the node bound", {"prompt": "x", "arborspec": {"method": "dyspec@100000"}}, 400, "at most 1024"),
     ("a file on the server", {"prompt": "x", "arborspec": {"method": "sequoia(acceptance_file=/etc/passwd)"}}, 400,
      "may not set acceptance_file"),
+    ("a file, spelled with -", {"prompt": "x", "arborspec": {"method": "sequoia(acceptance-file=/etc/passwd)"}}, 400,
+     "may not set acceptance_file"),  # it read the file: "is not JSON" or "No such file" told whether it exists
 ]
 
 

@@ -68,9 +68,10 @@ def test_the_start_up_line_says_what_runs_and_why():
     assert given == "target on native"
 
 
-def test_requests_run_the_servers_draft_as_auto_prepared_it():
+def test_requests_run_the_servers_draft_as_auto_prepared_it(monkeypatch):
     """A server whose `auto` draft came with a pruned head (pair.vocab): a request's method that names no head size
     runs that draft; one that names another head, or another quantization, is refused (the draft is prepared once)."""
+    from arborspec.drafting import sequoia
     from arborspec.engine import DecoderConfig
     from arborspec.runspec import parse
     from arborspec.server.decoders import Decoders
@@ -88,6 +89,10 @@ def test_requests_run_the_servers_draft_as_auto_prepared_it():
     for request in ({"verifier": "mss"}, {"budget": 4}):
         spec = decoders.spec_for(**request)
         assert (spec.name, spec.quant, spec.vocab) == ("chain", "iq4_nl", 65536)
-    for method in ("sequoia(acceptance_file=/etc/passwd)", "auto(reprofile=true)"):  # a client's probe, or a stall
-        with pytest.raises(ValueError, match="a request may not set"):
+    read = []
+    monkeypatch.setattr(sequoia, "load_acceptance_file", lambda path: read.append(path) or [0.5])
+    for method in ("sequoia(acceptance_file=/etc/passwd)", "auto(reprofile=true)",  # a client's probe, or a stall
+                   "sequoia(acceptance-file=/etc/passwd)", "sequoia( acceptance-file = /x.json )", "auto(reprofile=1)"):
+        with pytest.raises(ValueError, match="a request may not set (acceptance_file|reprofile)"):
             decoders.spec_for(method=method)
+    assert read == []  # the hyphenated spelling read the file, and the error told the client whether it exists

@@ -9,7 +9,6 @@ server's own method is auto, else by the first request that asks for auto).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 from ..backends.model_info import context_window
@@ -50,13 +49,11 @@ class Decoders:
         run that, or not exactly: a lossy verifier needs the request's own `allow_lossy`)."""
         if method is None and verifier is None and budget is None:
             return self.spec
-        for name in SERVER_ONLY_OPTIONS:  # before parse, which would read the file
-            if method is not None and re.search(rf"\b{name}\s*=", method):
-                raise ValueError(f"a request may not set {name} (it would {SERVER_ONLY_OPTIONS[name]}); start the "
-                                 "server with it in --method instead")
+        refused = {name: f"a request may not set {name} (it would {why}); start the server with it in --method "
+                         "instead" for name, why in SERVER_ONLY_OPTIONS.items()}  # refused before any check reads
         # the server's own method with its draft as prepared ("auto" resolved), or the request's
         base = replace(self.spec, quant=self.quant) if method is None else parse(method, draft_quant=self.quant,
-                                                                                 allow_lossy=True)
+                                                                                 allow_lossy=True, refused=refused)
         if base.policy is None:
             raise ValueError(f"{base.name!r} is a baseline (transformers' or llama.cpp's own loop), which "
                              "`arborspec bench` runs, not the server")
