@@ -196,6 +196,14 @@ def test_default_method_is_auto_and_the_name_grammar_works_in_generate(model_dir
     ("chain(k=3)", ["--depth", "2"], "takes no option --depth"),
     ("static(depth=0)", [], "depth must be an integer >= 1"),
     ("static", ["--branch", "0"], "branch must be an integer >= 1"),
+    # a flag for what the name sets already: the flag won in silence (chain(k=3) --k 4 ran k = 4)
+    ("chain(k=3)", ["--k", "4"], "'chain(k=3)' sets k already; drop --k"),
+    ("chain(verifier=asps)", ["--verifier", "mss"], "sets verifier already"),
+    ("sps", ["--verifier", "mss"], "sets verifier already"),
+    ("chain+vocab40", ["--draft-vocab", "30"], "sets draft_vocab already; drop --draft-vocab"),
+    ("chain+ngram2", ["--ngram", "3"], "sets ngram already"),
+    ("chain+suffix4", ["--suffix", "2"], "sets suffix already"),
+    ("chain+lookahead2x2", ["--lookahead", "3"], "sets lookahead already"),
 ])
 def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     code, _, err = run_cli(capsys, "generate", "--target", "/nonexistent/model", "--method", method, *extra)

@@ -231,12 +231,25 @@ def test_context_window_is_respected():
         # used by truthiness: allow_lossy="no" ran a lossy verifier
         (dict(method="static", temperature=1.0, verifier="wetap", allow_lossy="no"), "allow_lossy must be true or"),
         (dict(method="static", record_trees="yes"), "record_trees must be true or false"),
+        # a float option that is no number failed inside a comparison ("'<' not supported ...") or ran as 1
+        (dict(method="dynatree", tau_h="0.9"), "tau_h must be a number, got '0.9'"),
+        (dict(method="wetap", alpha=None), "alpha must be a number, got None"),
+        (dict(method="auto", guard_margin="0.1"), "guard_margin must be a number"),
+        (dict(method="suffix", factor=True), "factor must be a number, got True"),
+        (dict(method="beam", steps=1000), "steps x beams = 3000 drafted tokens a step; at most 1024"),
     ],
 )
 def test_bad_configuration_is_refused(kwargs, match):
     target = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         SpeculativeDecoder(target, noisy_copy(target, 0.1), **kwargs)
+
+
+def test_an_option_given_twice_is_refused():
+    """method_options={"k": 3} with k=4 ran k = 4 in silence."""
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="k is given twice, in method_options and as a keyword"):
+        SpeculativeDecoder(target, noisy_copy(target, 0.1), method="chain", method_options={"k": 3}, k=4)
 
 
 @pytest.mark.parametrize("kwargs,match", [

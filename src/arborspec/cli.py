@@ -214,6 +214,15 @@ def run_spec(args) -> RunSpec:
     for name in flags:
         if name not in option_names(spec.policy):
             raise CliError(f"method {spec.policy!r} takes no option --{name.replace('_', '-')}")
+    twice = [name for name in flags if name in dict(spec.options)]  # the flag won in silence: chain(k=3) --k 4 ran 4
+    twice += [flag for flag, both in (("verifier", args.verifier and spec.verifier),
+                                      ("draft_vocab", args.draft_vocab and spec.vocab),
+                                      ("ngram", args.ngram and spec.ngram),
+                                      ("suffix", args.suffix is not None and spec.suffix is not None),
+                                      ("lookahead", args.lookahead and spec.lookahead)) if both]
+    if twice:
+        raise CliError(f"--method {args.method!r} sets {twice[0]} already; drop --{twice[0].replace('_', '-')} or "
+                       "that part of the name")
     spec = replace(spec, options=spec.options + tuple(flags.items()), allow_lossy=args.allow_lossy,
                    verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    vocab=args.draft_vocab or spec.vocab, ngram=args.ngram or spec.ngram, ngram_len=args.ngram_len,

@@ -90,6 +90,17 @@ def test_acceptance_file(tmp_path):
         POLICIES["sequoia"](acceptance="0.5,x")
     with pytest.raises(ValueError, match="every acceptance rate is 0"):  # it drafted a budget-deep chain a step
         POLICIES["sequoia"](acceptance="0,0,0")
+    # entries that are no numbers named neither the file nor what was wrong ("could not convert string ...")
+    for bad, says in (('[0.5, "x"]', "got 'x'"), ("[0.5, null]", "got None"),
+                      ("[true, false]", "got True"), ("[[0.5]]", r"got \[0.5\]")):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=f"acceptance file .*acc.json.*: acceptance rates must be numbers, {says}"):
+            POLICIES["sequoia"](acceptance_file=str(path))
+    path.write_bytes(b"\xff\xfe[0.5]")
+    with pytest.raises(ValueError, match="acc.json.* is not JSON"):  # a UnicodeDecodeError naming no file
+        POLICIES["sequoia"](acceptance_file=str(path))
+    with pytest.raises(ValueError, match="comma-separated list of numbers"):  # 0.5,,0.2 ran [0.5, 0.2]
+        POLICIES["sequoia"](acceptance="0.5,,0.2")
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

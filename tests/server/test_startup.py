@@ -96,3 +96,5 @@ def test_requests_run_the_servers_draft_as_auto_prepared_it(monkeypatch):
         with pytest.raises(ValueError, match="a request may not set (acceptance_file|reprofile)"):
             decoders.spec_for(method=method)
     assert read == []  # the hyphenated spelling read the file, and the error told the client whether it exists
+    with pytest.raises(ValueError, match="names its verifier .sps. already"):  # the field won in silence
+        decoders.spec_for(method="sps", verifier="mss")

@@ -21,6 +21,16 @@ def check_int(value, what: str, low: int = 1, high: int | None = None) -> None:
         raise ValueError(f"{what} must be at most {high}, got {value!r}")
 
 
+def check_numbers(options_class, values: dict) -> None:
+    """ValueError naming the first of `values` given to a float field of `options_class` (a policy's Options) that is
+    not a number: `tau_h="0.9"` failed inside a range check as "'<' not supported between instances of 'float' and
+    'str'", and `factor=True` ran as 1."""
+    floats = {f.name for f in dataclasses.fields(options_class) if getattr(f.type, "__name__", f.type) == "float"}
+    for name, value in values.items():
+        if name in floats and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+
+
 def check_bool(value, what: str) -> bool:
     """`value` if it is a bool (or 0 / 1); ValueError otherwise: the text "no" is true to Python."""
     if isinstance(value, bool) or (is_whole(value) and value in (0, 1)):

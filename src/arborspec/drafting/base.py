@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..backends.session import Session
+from ..core.options import check_numbers
 from ..core.sampling import SamplingConfig
 from ..core.tree import DrawRule, TokenTree
 
@@ -53,6 +54,7 @@ class Policy:
         if unknown:
             known = ", ".join(sorted(names)) or "none"
             raise ValueError(f"method {self.name!r} takes no option {unknown[0]!r} (its options: {known})")
+        check_numbers(self.Options, options)
         self.options = self.Options(**options)
 
     def draw_rules(self, sampling: SamplingConfig) -> set[DrawRule]:

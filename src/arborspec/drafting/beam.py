@@ -26,7 +26,10 @@ class BeamOptions:
 
     def __post_init__(self):
         check_int(self.steps, "steps", high=MAX_TREE_NODES)
-        check_int(self.beams, "beams", high=MAX_TREE_NODES // self.steps)  # steps x beams nodes
+        check_int(self.beams, "beams", high=MAX_TREE_NODES)
+        if self.steps * self.beams > MAX_TREE_NODES:  # it read "beams must be at most 1, got 3" for steps=1000
+            raise ValueError(f"steps x beams = {self.steps * self.beams} drafted tokens a step; at most "
+                             f"{MAX_TREE_NODES}")
 
 
 class BeamPolicy(Policy):

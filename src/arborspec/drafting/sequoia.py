@@ -26,6 +26,7 @@ The vector comes from `--acceptance` (comma-separated), or from a JSON file writ
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +40,16 @@ DEFAULT_ACCEPTANCE = "0.65,0.12,0.05,0.03,0.02,0.015,0.01,0.01"
 
 
 def parse_acceptance(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in str(text).split(",") if x.strip())
+    try:  # an empty item ("0.5,,0.2") is refused, not skipped: the 0.2 moved up a rank
+        values = tuple(float(x) for x in str(text).split(","))
     except ValueError:
         raise ValueError(f"acceptance must be a comma-separated list of numbers, got {text!r}") from None
     return check_acceptance(values)
 
 
 def check_acceptance(values) -> tuple[float, ...]:
+    if bad := [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)]:
+        raise ValueError(f"acceptance rates must be numbers, got {bad[0]!r}")  # [0.5, "x"] said "could not convert"
     values = tuple(float(v) for v in values)
     if not values or any(not 0 <= v <= 1 for v in values):
         raise ValueError(f"acceptance rates must be a non-empty list of numbers in [0, 1], got {list(values)}")
@@ -64,12 +67,15 @@ def load_acceptance_file(path: str) -> tuple[float, ...]:
             data = json.load(fh)
     except OSError as err:
         raise ValueError(f"cannot read acceptance file {path!r}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"acceptance file {path!r} is not JSON: {err}") from None
     values = data.get("acceptance") if isinstance(data, dict) else data
     if not isinstance(values, list):
         raise ValueError(f"acceptance file {path!r} has no 'acceptance' list")
-    return check_acceptance(values)
+    try:
+        return check_acceptance(values)
+    except ValueError as err:
+        raise ValueError(f"acceptance file {path!r}: {err}") from None
 
 
 def sequoia_values(acceptance, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -92,6 +92,8 @@ class DecoderConfig:
         given = settings.get("method_options", {})
         if not isinstance(given, dict):
             raise TypeError(f"method_options must be a dict of the method's options, got {type(given).__name__}")
+        if twice := sorted(set(given) & set(options)):  # the keyword won in silence
+            raise ValueError(f"{twice[0]} is given twice, in method_options and as a keyword; give it once")
         settings["method_options"] = {**base.method_options, **given, **options}
         return replace(base, **settings)
 

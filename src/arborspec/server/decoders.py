@@ -59,6 +59,9 @@ class Decoders:
                              "`arborspec bench` runs, not the server")
         if budget is not None and method is not None and base.budget is not None:
             raise ValueError(f"method {method!r} pins its budget already; drop 'budget' or the @{base.budget}")
+        if verifier and method is not None and base.verifier is not None:  # the field won in silence
+            raise ValueError(f"method {method!r} names its verifier ({base.verifier}) already; drop 'verifier' or "
+                             "that part of the name")
         spec = replace(base, verifier=check_verifier(verifier) if verifier else base.verifier, allow_lossy=allow_lossy,
                        budget=base.budget if budget is None else budget)
         if spec.budget is not None and spec.size is None:
