@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields, replace
 from .core.options import option_parser
 from .drafting import POLICIES
 from .drafting.budget_tuner import tuned_options
-from .drafting.grafts import suffix_nodes
+from .drafting.grafts import FreeBranches, suffix_nodes
 from .engine import DecoderConfig, SpeculativeDecoder
 from .loading.pair import DEFAULT_DRAFT_QUANT, DRAFT_QUANTS
 from .verify import VERIFIERS
@@ -213,6 +213,11 @@ def check_options(spec: RunSpec) -> RunSpec:
             raise ValueError(f"method {spec.name!r}: the {what} must be 0 (off) or more, got {value}")
     if spec.ngram and spec.ngram_len < 1:
         raise ValueError(f"method {spec.name!r}: an n-gram branch needs at least 1 token, got {spec.ngram_len}")
+    if spec.policy is not None:
+        try:  # their sizes (a request's chain+lookahead1000x1000 grew ~1M rows a step), before anything loads
+            FreeBranches(spec.policy, spec.ngram, spec.ngram_len, spec.suffix, 0, spec.lookahead, spec.lookahead_ngram)
+        except ValueError as err:
+            raise ValueError(f"method {spec.name!r}: {err}") from None
     return spec
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 
 from ...core.options import check_int
-from ...core.tree import TokenTree
+from ...core.tree import MAX_TREE_NODES, TokenTree
 from .budget import GraftBudget
 from .lookahead import Lookahead
 from .ngram import add_ngram_branch
@@ -41,9 +41,10 @@ class FreeBranches:
         # onto the trees the policy left bare (engine/verifier_choice.py: grafts_bare_trees_only)
         self.by_default = suffix is None and not ngram and not lookahead
         suffix = suffix_nodes(method, suffix)
-        for name, value in (("ngram", ngram), ("ngram_len", ngram_len), ("suffix", suffix),
-                            ("suffix_store", suffix_store)):
+        for name, value in (("ngram", ngram), ("suffix_store", suffix_store)):
             check_int(value, name, 0)
+        for name, value in (("ngram_len", ngram_len), ("suffix", suffix)):  # rows of a step's tree
+            check_int(value, name, 0, MAX_TREE_NODES)
         if ngram:  # 0 drafted no n-gram branch and said nothing
             check_int(ngram_len, "ngram_len", 1)
         self.ngram, self.ngram_len = int(ngram), int(ngram_len)  # prompt-lookup branches (ngram.py)
@@ -72,17 +73,23 @@ class FreeBranches:
 
     def graft(self, tree: TokenTree, context: list[int], room: int) -> TokenTree:
         """`tree` with the branches (n-gram, suffix, lookahead, in that order) that pay under the policy's measured
-        costs, or all of them for a policy without costs; nothing deeper than `room` tokens."""
+        costs, or all of them for a policy without costs; nothing deeper than `room` tokens, and no more drafted
+        nodes in all than MAX_TREE_NODES (a 1024-node tree with a 1024-node suffix branch overflowed the tree room
+        of a llama.cpp context near its window's end)."""
         estimate = self.policy.estimate()
-        if self.ngram:
+
+        def spare() -> int:  # drafted nodes the tree may still take
+            return max(MAX_TREE_NODES + 1 - len(tree), 0)
+        if self.ngram and spare():
             tree, _ = self.budget.graft(tree, "ngram", lambda t: add_ngram_branch(
-                t, context, self.ngram, min(self.ngram_len, room)), estimate)
-        if self.suffix:
+                t, context, self.ngram, min(self.ngram_len, room, spare())), estimate)
+        if self.suffix and spare():
             scores: dict[int, float] = {}
             tree, _ = self.budget.graft(tree, "suffix", lambda t: graft_suffix_branches(
-                t, self.suffix_index, context, self.suffix, room, scores=scores), estimate, scores)
+                t, self.suffix_index, context, min(self.suffix, spare()), room, scores=scores), estimate, scores)
         if self.window:
-            tree, kept = self.budget.graft(tree, "lookahead", lambda t: self.window.graft(t, context, room), estimate)
+            tree, kept = self.budget.graft(tree, "lookahead", lambda t: self.window.graft(t, context, room, spare()),
+                                           estimate)
             if not kept:
                 self.window.skip()
         return tree

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from ...core.tree import TokenTree
+from ...core.tree import MAX_TREE_NODES, TokenTree
 from .ngram import graft
 
 SOURCE = "lookahead"
@@ -44,6 +44,10 @@ class Lookahead:
         for name, value, low in (("window", window, 1), ("ngram", ngram, 2), ("guesses", guesses, 0)):
             if isinstance(value, bool) or int(value) != value or value < low:
                 raise ValueError(f"lookahead {name} must be an integer >= {low}, got {value!r}")
+        rows = (int(window) + int(guesses)) * (int(ngram) - 1)  # a full window and pool: 1000x1000 grew ~1M rows a step
+        if rows > MAX_TREE_NODES:
+            raise ValueError(f"lookahead (window {window} + guesses {guesses}) x (ngram {ngram} - 1) = {rows} tokens a "
+                             f"step; a step's tree may hold at most {MAX_TREE_NODES}")
         self.window, self.ngram, self.guesses = int(window), int(ngram), int(guesses)
         self.levels: list[list[int]] = []  # level l: W guesses, column j at position j + l + 1 after the root
         self.pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}  # first token -> the n-grams' other tokens
@@ -54,16 +58,19 @@ class Lookahead:
         """Tree depth the window needs: its deepest guess sits at position W + levels - 1."""
         return self.window + len(self.levels) - 1
 
-    def graft(self, tree: TokenTree, context: list[int], room: int) -> TokenTree:
+    def graft(self, tree: TokenTree, context: list[int], room: int, nodes: int = MAX_TREE_NODES) -> TokenTree:
         """Add the pool's n-grams that start with the root token (most recent first), then the window, to `tree`;
-        nothing deeper than `room`. The window is left out of a step without room for all of it."""
+        nothing deeper than `room`, at most `nodes` new nodes. The window is left out of a step without room for
+        all of it."""
         if not self.levels:  # first step: guesses from the context, the tokens before the root, cycled
             tail = context[-self.window - 1:-1] or context
             self.levels = [[tail[j % len(tail)] for j in range(self.window)]]
+        limit = len(tree) + nodes
         for cont in reversed(self.pool.get(context[-1], {})):
-            graft(tree, list(cont[:room]), SOURCE)
+            if len(tree) + min(len(cont), room) <= limit:
+                graft(tree, list(cont[:room]), SOURCE)
         self.nodes = []
-        if room >= self.span:
+        if room >= self.span and len(tree) + self.window * len(self.levels) <= limit:
             self.nodes.append(graft(tree, self.levels[0], SOURCE))
             for level in self.levels[1:]:
                 below = self.nodes[-1]

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ...core.options import check_int, opt
-from ...core.tree import DrawRule, TokenTree
+from ...core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from ..base import DraftContext, Policy
 from .suffix_index import Speculation, SuffixIndex
 
@@ -53,8 +53,9 @@ class SuffixOptions:
     store: int = opt(0, "tokens of earlier outputs kept for later requests (0: none; whole outputs, oldest evicted)")
 
     def __post_init__(self):
-        for name in ("budget", "max_match", "max_depth"):
-            check_int(getattr(self, name), name, 1)
+        for name in ("budget", "max_depth"):  # rows of a step's tree, as every policy's
+            check_int(getattr(self, name), name, 1, MAX_TREE_NODES)
+        check_int(self.max_match, "max_match", 1)
         for name in ("min_match", "store"):
             check_int(getattr(self, name), name, 0)
         if self.min_match > self.max_match:
