@@ -186,3 +186,60 @@ def test_a_step_knows_how_many_requests_share_its_forwards():
     seen.clear()
     assert run([task, task], batch=False) == [None] * 2 and seen == [1, 1]  # one after another: nothing shared
     assert batching.sharing() == 1
+
+
+def _step_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("arborspec-step")]
+
+
+def _interrupted(tasks) -> None:
+    """run_round, interrupted by a Ctrl-C (KeyboardInterrupt) in the caller's thread; no step thread may outlive it."""
+    try:
+        batching.run_round(tasks, batch=True)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt did not reach the caller")
+    for thread in _step_threads():
+        thread.join(TIMEOUT)
+    assert not _step_threads(), "a step thread waits for a turn forever"
+
+
+def test_a_round_interrupted_mid_forward_ends_every_step_and_each_cleans_up():
+    """Ctrl-C during a shared forward (it runs on the caller's thread) left the steps waiting for their turn forever,
+    each holding its request's caches (32 threads after 10 interrupted generate_batch calls)."""
+    class Interrupted(FakeForward):
+        def many(self, calls):
+            raise KeyboardInterrupt
+    model, closed, outcome = FakeModel(), [], {}
+    model.forward = Interrupted()
+
+    def step(name):
+        def task():
+            try:
+                batching.forward(model, dict(x=1))
+                outcome[name] = "ran on"
+            except batching.RoundAborted:
+                outcome[name] = "aborted"
+                raise
+            finally:
+                closed.append(name)
+        return task
+
+    _interrupted([step("a"), step("b"), step("c")])
+    assert sorted(closed) == ["a", "b", "c"] and set(outcome.values()) == {"aborted"}
+
+
+def test_a_round_interrupted_while_its_threads_start_leaves_none_behind(monkeypatch):
+    started, ran = [], []
+    start = threading.Thread.start
+
+    def start_then_interrupt(thread):
+        start(thread)
+        started.append(thread.name)
+        if len(started) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    _interrupted([lambda: ran.append(1)] * 3)
+    monkeypatch.undo()
+    assert len(started) == 2 and ran == []  # no task runs once the caller is gone

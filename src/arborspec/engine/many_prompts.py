@@ -62,10 +62,7 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
                     active.pop(i).close()
     finally:
         for steps in active.values():
-            try:
-                steps.close()
-            except ValueError:  # interrupted (Ctrl-C) mid-round: its thread still holds it; the thread is a daemon
-                pass
+            steps.close()  # (an interrupted round has ended its threads: backends/batching.py, Round._abort)
     return results
 
 
