@@ -293,6 +293,11 @@ def test_settings_passed_per_call_name_the_constructor(call):
         getattr(dec, call)(prompt, max_new_tokens=2, do_sample=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         getattr(dec, call)(prompt, max_new_tokens=2, bogus=1)
+    # transformers' generate(**tokenizer(text, return_tensors="pt")) and its streamer
+    with pytest.raises(TypeError, match="input_ids is not an argument of .*: pass the prompt .* as generate"):
+        getattr(dec, call)(input_ids=prompt, max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"streamer is not an argument of .*: stream\(\) yields"):
+        getattr(dec, call)(prompt, max_new_tokens=2, streamer=object())
 
 
 def test_nan_logits_are_refused():

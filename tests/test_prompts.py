@@ -40,8 +40,13 @@ def test_an_attention_mask_leaves_out_the_padding_as_transformers_generate_does(
     assert decoder.generate(padded, max_new_tokens=6, ignore_eos=True).token_ids == want
     theirs = target.generate(**padded, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     assert theirs[0, 5:].tolist() == want
-    with pytest.raises(ValueError, match="attention_mask must hold a 0 or 1 for each token id"):
+    with pytest.raises(ValueError, match="attention_mask must hold a 0 or 1 for each of the 3 token ids"):
         decoder.encode({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1]]})
+    # a mask built by hand (ids != pad) is bool, or float: both were "token ids must be integers, got True"
+    for mask in (torch.tensor([[0, 0, 5, 6, 7]]) != 0, torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0])):
+        assert decoder.encode({"input_ids": padded["input_ids"], "attention_mask": mask}) == ids
+    with pytest.raises(ValueError, match=r"0 or 1 for each of the 5 token ids, got \[0, 2, 1, 1, 1\]"):
+        decoder.encode({"input_ids": padded["input_ids"], "attention_mask": torch.tensor([0, 2, 1, 1, 1])})
 
 
 @pytest.mark.parametrize("prompt,match", [
@@ -57,6 +62,7 @@ def test_an_attention_mask_leaves_out_the_padding_as_transformers_generate_does(
     ([5, 64], "token id 64 is outside the vocabulary \\[0, 64\\)"),
     ([-1], "token id -1"),
     ([], "empty"),
+    (torch.tensor([[[5, 6, 7]]]), r"a \(N,\) or \(1, N\) sequence, got ids nested deeper"),  # "several prompts"
 ])
 def test_anything_else_is_refused_with_what_was_expected(decoder, prompt, match):
     with pytest.raises(ValueError, match=match):

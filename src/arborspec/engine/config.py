@@ -30,7 +30,13 @@ NOT_SUPPORTED = dict.fromkeys(("repetition_penalty", "frequency_penalty", "prese
 NOT_SUPPORTED |= {"max_length": "give generate() max_new_tokens", "eos_token_id": "generate() stops at the "
                   "model's EOS ids (its generation config's, else the tokenizer's; ignore_eos=True: never) or at its "
                   "stop strings (stop=[...])",
-                  "pad_token_id": "prompts are not padded (generate_batch takes prompts of any lengths)"}
+                  "pad_token_id": "prompts are not padded (generate_batch takes prompts of any lengths)",
+                  "streamer": "stream() yields the text as it is generated",
+                  "stopping_criteria": "generate() stops at stop=[...] strings, EOS ids or max_new_tokens",
+                  "min_new_tokens": "generate() stops at the model's EOS ids unless ignore_eos=True"}
+# transformers' generate(**tokenizer(text, return_tensors="pt")): the prompt is arborspec's first argument
+NOT_SUPPORTED |= dict.fromkeys(("input_ids", "attention_mask", "inputs"), "pass the prompt (text, token ids, a tensor "
+                               "or the tokenizer's whole output) as generate()'s first argument")
 
 
 @dataclass(frozen=True)

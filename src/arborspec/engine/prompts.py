@@ -72,10 +72,14 @@ def _one_sequence(prompt) -> list[int]:
     ids = _row(prompt)
     if mask is None:
         return ids
-    mask = _row(mask)
-    if len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-        raise ValueError(f"attention_mask must hold a 0 or 1 for each token id, got {len(mask)} values for "
-                         f"{len(ids)} ids: {mask[:8]}{' ...' if len(mask) > 8 else ''}")
+    mask = mask.tolist() if hasattr(mask, "tolist") else mask  # bool and float masks too, as transformers takes
+    if isinstance(mask, (list, tuple)) and len(mask) == 1 and isinstance(mask[0], (list, tuple)):
+        mask = mask[0]  # (1, N)
+    if not isinstance(mask, (list, tuple)) or len(mask) != len(ids) or any(
+            isinstance(m, (str, list, tuple)) or m not in (0, 1) for m in mask):
+        shown = list(mask[:8]) if isinstance(mask, (list, tuple)) else mask
+        raise ValueError(f"attention_mask must hold a 0 or 1 for each of the {len(ids)} token ids, got {shown!r}"
+                         f"{' ...' if isinstance(mask, (list, tuple)) and len(mask) > 8 else ''}")
     return [t for t, m in zip(ids, mask) if m]
 
 
@@ -91,8 +95,10 @@ def _row(prompt) -> list[int]:
                              "(SpeculativeDecoder.generate_batch takes several)")
         prompt = prompt[0]
     for t in prompt:
+        if isinstance(t, (list, tuple)):  # a (1, 1, N) tensor was "several prompts"
+            raise ValueError(f"a prompt's token ids are a (N,) or (1, N) sequence, got ids nested deeper: {t!r:.60}")
         if not is_whole(t):
-            hint = " (several prompts: SpeculativeDecoder.generate_batch)" if isinstance(t, (str, list, tuple)) else ""
+            hint = " (several prompts: SpeculativeDecoder.generate_batch)" if isinstance(t, str) else ""
             raise ValueError(f"token ids must be integers, got {t!r}{hint}")
     return [int(t) for t in prompt]
 
