@@ -153,3 +153,45 @@ def test_ctrl_c_stops_an_answer_after_its_step_and_twice_at_once(native, presses
     shown = capsys.readouterr().out
     assert chat.messages[-1] == {"role": "assistant", "content": shown} and shown != whole and whole.startswith(shown)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_pasted_function_with_a_docstring_is_one_message(monkeypatch):
+    """After a bare opening quote only a bare closing one ends the message: a docstring's last line ended it, and
+    the rest of the function went as further messages."""
+    from arborspec.chat import read_message
+    lines = iter(['"""', "def area(r):", '    """Return the area of a circle."""', "    return 3.14159 * r * r",
+                  '"""', '"""one line"""', '"""first', 'last"""'])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert read_message() == 'def area(r):\n    """Return the area of a circle."""\n    return 3.14159 * r * r'
+    assert read_message() == "one line"
+    assert read_message() == "first\nlast"
+
+
+def test_a_system_message_that_cannot_run_and_a_bad_seed_are_refused_at_the_start(model_dirs, capsys, monkeypatch):
+    """Both started a chat whose every turn failed, each telling the user to /reset (which kept them)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    base = ["chat", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32", "--method",
+            "static", "--max-new-tokens", "8"]
+    assert main(base + ["--seed", str(2 ** 64)]) == 2
+    assert "seed must be an integer" in capsys.readouterr().err
+    assert main(base + ["--system", "x" * 600]) == 2  # the tiny target reads 512 tokens
+    err = capsys.readouterr().err
+    assert "context window" in err and "/reset" not in err
+
+
+def test_the_chat_keeps_the_last_turns_caches_only_and_none_after_a_reset(native, capsys):
+    chat = Conversation(decoder(native), max_new_tokens=6)
+    for text in ("def fib(n):", "and then?", "more"):
+        "".join(chat.answer(text))
+        entries = chat.decoder.prefix_cache._entries
+        assert sorted(e.role for e in entries) == ["draft", "target"]  # the newest of each model
+    chat.reset()
+    assert chat.decoder.prefix_cache._entries == []
+
+
+def test_one_token_answers_claim_no_speed(native):
+    from arborspec.chat import describe
+    chat = Conversation(decoder(native), max_new_tokens=1)
+    "".join(chat.answer("def fib(n):"))
+    line = describe(chat.last)
+    assert line.startswith("[1 token, 1.00 tokens/step")  # it read "[1 tokens, 0.0 tokens/s"

@@ -32,15 +32,25 @@ class Conversation:
                  seed: int | None = None):
         if not has_chat_template(decoder.tokenizer):
             raise ValueError("the target's tokenizer has no chat template: `arborspec generate` takes plain prompts")
-        if decoder.prefix_cache is None:
+        self.own_cache = decoder.prefix_cache is None  # the chat's alone: it keeps the last turn's caches only
+        if self.own_cache:
             decoder.prefix_cache = PrefixCache(KEPT_BYTES)
         self.decoder, self.system, self.max_new_tokens, self.seed = decoder, system, max_new_tokens, seed
         self.messages: list[dict] = []
         self.last: GenerationResult | None = None  # the last finished answer's result (its statistics)
         self.reset()
+        if system:  # checked once: a system message past the window (or not UTF-8) failed every turn, /reset or not
+            decoder.encode(self.messages)
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        if self.own_cache:
+            self.decoder.prefix_cache.clear()
+
+    @property
+    def started(self) -> bool:
+        """Whether the conversation holds an exchange (a /reset would shorten it)."""
+        return len(self.messages) > bool(self.system)
 
     def prompt(self, text: str) -> list[dict]:
         """The conversation with `text` as the next user message: what the decoder reads, in the target's chat
@@ -60,6 +70,8 @@ class Conversation:
         finally:
             if shown or self.last is not None:
                 self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": shown}]
+            if self.own_cache:
+                self.decoder.prefix_cache.keep_newest()
 
 
 def describe(result: GenerationResult) -> str:
@@ -67,7 +79,9 @@ def describe(result: GenerationResult) -> str:
     s = result.stats
     ended = {"length": "; the answer reached --max-new-tokens",
              "context": "; the conversation fills the context window: /reset"}.get(s.finish_reason, "")
-    return (f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s, {s.tokens_per_step:.2f} tokens/step, first "
+    # one token has no time after the first, so no rate (it read "0.0 tokens/s")
+    rate = f"{s.tokens_per_s:.1f} tokens/s, " if s.new_tokens > 1 else ""
+    return (f"[{s.new_tokens} token{'s' * (s.new_tokens != 1)}, {rate}{s.tokens_per_step:.2f} tokens/step, first "
             f"token {s.t_first_token:.2f} s, prompt {s.prompt_tokens} tokens of which {s.cached_tokens} kept from the "
             f"last turn{ended}]")
 
@@ -81,7 +95,9 @@ def read_message() -> str:
     if not text.startswith(QUOTE):
         return text
     lines = [text[len(QUOTE):]]
-    while not lines[-1].rstrip().endswith(QUOTE):
+    # after a bare opening line only a bare closing line ends it: pasted code has docstrings ending in QUOTE
+    bare = not lines[0].strip()
+    while not (lines[-1].strip() == QUOTE if bare and len(lines) > 1 else lines[-1].rstrip().endswith(QUOTE)):
         try:
             lines.append(input(prompt("... ")))
         except EOFError:  # the input ended inside the message: what came is the message (it was dropped)
@@ -115,8 +131,9 @@ def run(conversation: Conversation, banner: str) -> int:
             continue
         try:
             stopped = stream(conversation.answer(text))
-        except ValueError as err:  # the conversation no longer fits the context window
-            print(f"[{err}; /reset starts a new conversation]", file=sys.stderr)
+        except ValueError as err:  # the conversation no longer fits the context window, or the message alone
+            again = "; /reset starts a new conversation" if conversation.started else ""
+            print(f"[{err}{again}]", file=sys.stderr)
             continue
         print()
         print("[stopped]" if stopped else describe(conversation.last), file=sys.stderr)

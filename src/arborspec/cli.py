@@ -32,7 +32,7 @@ from .bench.concurrency import bench_from_args
 from .bench.report import report_from_args
 from .console import CliError, add_models_arguments, cmd_models, run_command, top_parser
 from .core.options import option_parser, parse_int_list
-from .core.sampling import SamplingConfig
+from .core.sampling import SamplingConfig, check_seed
 from .core.tree import MAX_TREE_NODES
 from .drafting import POLICIES
 from .engine.generation import stop_strings
@@ -313,6 +313,7 @@ def _check_answer_flags(args) -> None:
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
     _check_sampling(args)
+    check_seed(args.seed)  # chat checked it at each turn, and told each to /reset
 
 
 def cmd_generate(args) -> int:

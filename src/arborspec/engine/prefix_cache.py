@@ -85,6 +85,17 @@ class PrefixCache:
         session.truncate(length)
         return session
 
+    def keep_newest(self) -> None:
+        """Drop every entry but the newest of each model and role (a chat's cache: the last turn's; an answer whose
+        text tokenizes otherwise in the next prompt left its entry behind, and a /reset every entry)."""
+        with self._lock:
+            newest = {(id(e.model), e.role): e for e in self._entries}
+            self._entries = [e for e in self._entries if newest[(id(e.model), e.role)] is e]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = []
+
     def keep(self, model, role: str, session) -> None:
         """Keep `session` (a generation's between steps: no tree open) for later requests; entries it extends go."""
         if self.max_bytes == 0 or not can_keep(session) or not session.cached:
