@@ -334,3 +334,5 @@ def test_a_window_too_small_to_profile_is_refused_by_auto_and_the_draft_choice_k
     assert main(args + ["--method", "chain", "--compare-ar"]) == 0  # --draft-quant auto: the draft as loaded
     captured = capsys.readouterr()
     assert "identical output" in captured.out and "draft: as loaded (the context window is too small" in captured.err
+    assert main(["profile", "--model", str(tmp_path / "target"), "--dtype", "fp32"]) == 2  # its own advice
+    assert "profile fewer or smaller --sizes, or fewer --repeats" in capsys.readouterr().err

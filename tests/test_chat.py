@@ -195,3 +195,16 @@ def test_one_token_answers_claim_no_speed(native):
     "".join(chat.answer("def fib(n):"))
     line = describe(chat.last)
     assert line.startswith("[1 token, 1.00 tokens/step")  # it read "[1 tokens, 0.0 tokens/s"
+
+
+def test_a_system_message_that_a_template_writes_into_the_first_turn_is_accepted():
+    """Llama-2's template writes the system message into the first user turn, so alone it renders to nothing: the
+    start-up check read that as an empty prompt."""
+    tok = char_tokenizer()
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{% set rest = messages[1:] %}{% set sys = '<<'"
+                         " + messages[0]['content'] + '>> ' %}{% else %}{% set rest = messages %}{% set sys = '' %}"
+                         "{% endif %}{% for m in rest %}{% if loop.index0 == 0 %}[INST] {{ sys }}{{ m['content'] }}"
+                         " [/INST]{% else %} {{ m['content'] }}{% endif %}{% endfor %}")
+    chat = Conversation(SpeculativeDecoder(tiny_model("llama"), tokenizer=tok, method="ar"), system="be brief",
+                        max_new_tokens=2)
+    assert "".join(chat.answer("hi")) == chat.last.text

@@ -40,7 +40,7 @@ class Conversation:
         self.last: GenerationResult | None = None  # the last finished answer's result (its statistics)
         self.reset()
         if system:  # checked once: a system message past the window (or not UTF-8) failed every turn, /reset or not
-            decoder.encode(self.messages)
+            decoder.encode(self.prompt("x"))  # with a user message: some templates write the system into its turn
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -87,9 +87,10 @@ def describe(result: GenerationResult) -> str:
 
 
 def read_message() -> str:
-    """The next message typed: one line, or the lines from one that starts with QUOTE to one that ends with it (a
-    paste of code). EOFError / KeyboardInterrupt as input() raises them. The prompts show on a terminal only: with
-    the messages piped in, standard output holds the answers alone."""
+    """The next message typed: one line, or the lines from one that starts with QUOTE to one that ends with it; after
+    a bare QUOTE line, to the next bare QUOTE line (a paste of code, whose docstrings end with QUOTE). EOFError /
+    KeyboardInterrupt as input() raises them. The prompts show on a terminal only: with the messages piped in,
+    standard output holds the answers alone."""
     prompt = (lambda text: text) if sys.stdin.isatty() else (lambda text: "")
     text = input(prompt("> ")).strip()
     if not text.startswith(QUOTE):

@@ -65,7 +65,15 @@ from .runspec import (
     parse,
 )
 from .server import add_serve_arguments, run_serve
-from .tuning.costs import fitting_prefix, measure_forward_cost, plot_pair, plot_profile, profile_model, profile_path
+from .tuning.costs import (
+    WindowTooSmall,
+    fitting_prefix,
+    measure_forward_cost,
+    plot_pair,
+    plot_profile,
+    profile_model,
+    profile_path,
+)
 from .tuning.draft_choice import choose_draft_quant, describe, plot_variants
 from .tuning.runtime_model import check_fit_sizes, default_kind, fit_runtime, required_tau_ratio
 from .verify import VERIFIERS
@@ -470,7 +478,10 @@ def cmd_profile(args) -> int:
     model = loading.load_model(args.model, dtype=args.dtype, backend=args.backend, llama=llama_options(args)).model
     kind = args.kind or default_kind(model)
     check_fit_sizes(sizes, kind)
-    prefix = fitting_prefix(model, args.prefix, sizes, args.repeats)  # native refused a prefix past its window
+    try:
+        prefix = fitting_prefix(model, args.prefix, sizes, args.repeats)  # native refused a prefix past its window
+    except WindowTooSmall as err:  # its advice is for generate's methods
+        raise CliError(f"{str(err).split(';')[0]}; profile fewer or smaller --sizes, or fewer --repeats") from None
     if prefix < args.prefix:
         print(f"[arborspec] --prefix {args.prefix} cut to {prefix}: the model's context window holds no more beside "
               "the timed trees", file=sys.stderr)

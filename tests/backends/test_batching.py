@@ -243,3 +243,52 @@ def test_a_round_interrupted_while_its_threads_start_leaves_none_behind(monkeypa
     _interrupted([lambda: ran.append(1)] * 3)
     monkeypatch.undo()
     assert len(started) == 2 and ran == []  # no task runs once the caller is gone
+
+
+def test_a_second_ctrl_c_while_the_round_ends_its_steps_leaves_none_behind():
+    """The second Ctrl-C came while the abort waited for a step's clean-up: the abort stopped there, the steps after
+    it waited forever, and generate_batch's clean-up said "generator already executing" instead of the interrupt."""
+    import _thread
+    import time
+
+    from arborspec.engine.many_prompts import generate_batch
+
+    class Forward:
+        def __call__(self, **kw):
+            return self.many([kw])[0]
+
+        def many(self, calls):
+            _thread.interrupt_main()  # the first Ctrl-C, during the shared forward (on the caller's thread)
+            time.sleep(0.2)
+            return [1 for _ in calls]
+
+    class Model:
+        forward = Forward()
+
+    class Decoder:
+        target = Model()
+
+        def encode(self, prompt):
+            return [1]
+
+        def fork(self):
+            return self
+
+        def steps(self, prompt, *args):
+            try:
+                while True:
+                    batching.forward(self.target, dict(x=1))
+                    yield None
+            finally:
+                if threading.current_thread().name.startswith("arborspec-step"):
+                    _thread.interrupt_main()  # the second, while the abort waits for this clean-up
+                    time.sleep(0.3)
+
+    try:
+        generate_batch(Decoder(), ["a", "b", "c"], max_new_tokens=4)
+    except KeyboardInterrupt:
+        pass
+    time.sleep(1.0)  # a second interrupt still pending reaches this thread here, not inside the round
+    for thread in _step_threads():
+        thread.join(TIMEOUT)
+    assert not _step_threads()

@@ -98,3 +98,13 @@ def test_requests_run_the_servers_draft_as_auto_prepared_it(monkeypatch):
     assert read == []  # the hyphenated spelling read the file, and the error told the client whether it exists
     with pytest.raises(ValueError, match="names its verifier .sps. already"):  # the field won in silence
         decoders.spec_for(method="sps", verifier="mss")
+
+
+def test_serve_refuses_a_verifier_flag_for_a_method_that_names_one():
+    """`serve --method sps --verifier mss` ran mss in silence; generate and a request's fields refuse it."""
+    parser = argparse.ArgumentParser()
+    run.add_serve_arguments(parser)
+    for method in ("sps", "chain(verifier=asps)"):
+        with pytest.raises(ValueError, match="sets verifier already"):
+            run.server_spec(parser.parse_args(["--method", method, "--verifier", "mss"]))
+    assert run.server_spec(parser.parse_args(["--method", "chain", "--verifier", "mss"])).verifier == "mss"

@@ -109,14 +109,25 @@ class Round:
         threads after 10 Ctrl-C on a 4-prompt generate_batch)."""
         with self._cond:
             self._aborted = True
-            self._cond.wait_for(lambda: self._turn is None)  # a running step gets to its next wait first
+            for i in range(len(threads)):
+                if threads[i].ident is None:  # never started (the Ctrl-C came while the threads started); one
+                    self._state[i] = _DONE  # that starts yet finds itself done (`_step`)
+            self._cond.notify_all()
+            self._settle(lambda: self._turn is None)  # a running step gets to its next wait first
             for i, state in enumerate(self._state):
-                if threads[i].ident is None:  # never started (the Ctrl-C came while the threads started)
-                    self._state[i] = _DONE
-                elif state != _DONE:
+                if state != _DONE:
                     self._turn = i
                     self._cond.notify_all()
-                    self._cond.wait_for(lambda: self._turn is None)
+                    self._settle(lambda: self._turn is None)
+
+    def _settle(self, predicate) -> None:
+        """wait_for(predicate) through further Ctrl-Cs: an abort cut short left the steps after it waiting forever."""
+        while True:
+            try:
+                self._cond.wait_for(predicate)
+                return
+            except KeyboardInterrupt:
+                continue
 
     def submit(self, model, kwargs: dict, role: str):
         """On a step's thread: wait for the round's shared forward, return this call's output (or raise its error)."""
@@ -160,7 +171,10 @@ class Round:
     def _step(self, i: int, task: Callable[[], None]) -> None:
         _local.round, _local.index = self, i
         with self._cond:
-            self._cond.wait_for(lambda: self._turn == i)
+            self._cond.wait_for(lambda: self._turn == i or self._state[i] == _DONE)
+            if self._state[i] == _DONE:  # counted as never started by an abort
+                _local.round = None
+                return
         try:
             if not self._aborted:
                 task()

@@ -62,7 +62,10 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
                     active.pop(i).close()
     finally:
         for steps in active.values():
-            steps.close()  # (an interrupted round has ended its threads: backends/batching.py, Round._abort)
+            try:
+                steps.close()  # (an interrupted round has ended its threads: backends/batching.py, Round._abort)
+            except ValueError:  # still running on a step's thread: "generator already executing"
+                pass
     return results
 
 

@@ -216,6 +216,8 @@ def server_spec(args) -> RunSpec:
     if spec.policy is None:
         raise ValueError(f"{args.method!r} is a baseline (transformers' or llama.cpp's own loop): `arborspec bench` "
                          "runs it, the server does not")
+    if args.verifier and spec.verifier:  # --verifier won in silence, as generate's did
+        raise ValueError(f"--method {args.method!r} sets verifier already; drop --verifier or that part of the name")
     spec = replace(spec, verifier=check_verifier(args.verifier) if args.verifier else spec.verifier,
                    allow_lossy=args.allow_lossy)
     return check_lossy(spec)
