@@ -481,7 +481,7 @@ def cmd_profile(args) -> int:
     try:
         prefix = fitting_prefix(model, args.prefix, sizes, args.repeats)  # native refused a prefix past its window
     except WindowTooSmall as err:  # its advice is for generate's methods
-        raise CliError(f"{str(err).split(';')[0]}; profile fewer or smaller --sizes, or fewer --repeats") from None
+        raise CliError(f"{err.what}; profile fewer or smaller --sizes, or fewer --repeats") from None
     if prefix < args.prefix:
         print(f"[arborspec] --prefix {args.prefix} cut to {prefix}: the model's context window holds no more beside "
               "the timed trees", file=sys.stderr)

@@ -109,8 +109,8 @@ class Round:
         threads after 10 Ctrl-C on a 4-prompt generate_batch)."""
         with self._cond:
             self._aborted = True
-            for i in range(len(threads)):
-                if threads[i].ident is None:  # never started (the Ctrl-C came while the threads started); one
+            for i, thread in enumerate(threads):
+                if thread.ident is None:  # never started (the Ctrl-C came while the threads started); one
                     self._state[i] = _DONE  # that starts yet finds itself done (`_step`)
             self._cond.notify_all()
             self._settle(lambda: self._turn is None)  # a running step gets to its next wait first

@@ -201,7 +201,13 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
 
 
 class WindowTooSmall(ValueError):
-    """A model whose context window cannot hold a profile's timed forwards (a toy model's 16 positions)."""
+    """A model whose context window cannot hold a profile's timed forwards (a toy model's 16 positions). `what` says
+    so; the message adds what generate's user can do (`arborspec profile` gives its own advice)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; the auto method and the draft choice need those times: use another method "
+                         "(chain, static, ...) and --draft-quant none")
+        self.what = what
 
 
 def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
@@ -217,8 +223,7 @@ def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
     if room < 2:
         raise WindowTooSmall(f"{_name(model) or type(model).__name__}'s context window ({window} tokens) is too small "
                              f"to time its tree forwards ({calls} calls, trees {deepest} deep: {calls + deepest + 4} "
-                             "positions); the auto method and the draft choice need those times: use another method "
-                             "(chain, static, ...) and --draft-quant none")
+                             "positions)")
     return min(prefix, room)
 
 
