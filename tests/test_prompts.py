@@ -63,6 +63,7 @@ def test_an_attention_mask_leaves_out_the_padding_as_transformers_generate_does(
     ([-1], "token id -1"),
     ([], "empty"),
     (torch.tensor([[[5, 6, 7]]]), r"a \(N,\) or \(1, N\) sequence, got ids nested deeper"),  # "several prompts"
+    (torch.tensor([5, 6], device="meta"), "the prompt's tensor cannot be read"),  # was NotImplementedError
 ])
 def test_anything_else_is_refused_with_what_was_expected(decoder, prompt, match):
     with pytest.raises(ValueError, match=match):

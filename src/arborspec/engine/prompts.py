@@ -72,7 +72,7 @@ def _one_sequence(prompt) -> list[int]:
     ids = _row(prompt)
     if mask is None:
         return ids
-    mask = mask.tolist() if hasattr(mask, "tolist") else mask  # bool and float masks too, as transformers takes
+    mask = _values(mask) if hasattr(mask, "tolist") else mask  # bool and float masks too, as transformers takes
     if isinstance(mask, (list, tuple)) and len(mask) == 1 and isinstance(mask[0], (list, tuple)):
         mask = mask[0]  # (1, N)
     if not isinstance(mask, (list, tuple)) or len(mask) != len(ids) or any(
@@ -83,10 +83,19 @@ def _one_sequence(prompt) -> list[int]:
     return [t for t, m in zip(ids, mask) if m]
 
 
+def _values(tensor) -> list:
+    """A tensor's or an array's values as lists; one on the meta device holds none (a NotImplementedError)."""
+    try:
+        return tensor.tolist()
+    except (NotImplementedError, RuntimeError) as err:
+        raise ValueError(f"the prompt's tensor cannot be read ({str(err).splitlines()[0]:.80}); give token ids "
+                         "on the CPU") from None
+
+
 def _row(prompt) -> list[int]:
     """One row of integers: a list, a (N,) or (1, N) tensor or array, [[ids]]."""
     if hasattr(prompt, "shape") and hasattr(prompt, "tolist"):  # a torch tensor or a numpy array
-        prompt = prompt.tolist()
+        prompt = _values(prompt)
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt is text, a list of chat messages or token ids, not {type(prompt).__name__}")
     if prompt and all(isinstance(row, (list, tuple)) for row in prompt):
