@@ -187,3 +187,18 @@ def test_a_response_cut_to_nothing_by_a_stop_string_has_empty_logprobs_whole_and
     shown = Reply("m", chat=True, stop=["y"], logprobs=Logprobs(tokenizer, chat=True))
     shown.text_event("x", done, "x")  # one entry went out: the last chunk has none of its own
     assert json.loads(shown.last_events(done, "x")[0][len("data: "):])["choices"][0]["logprobs"] is None
+
+
+def test_a_token_a_stop_string_cuts_through_comes_with_the_last_piece_so_the_tokens_spell_the_text(tokenizer):
+    from arborspec.server.output import Reply
+    ids = tokenizer("xdefy", add_special_tokens=False)["input_ids"]  # x, "def" (one token), y
+    assert [tokenizer.decode([t]) for t in ids] == ["x", "def", "y"]
+    done = result(tokenizer, ids)
+    whole = Reply("m", chat=False, stop=["ef"], logprobs=Logprobs(tokenizer, chat=False)).body(done)
+    choice = whole["choices"][0]
+    assert choice["text"] == "xd" and choice["logprobs"]["tokens"] == ["x", "def"]  # "def" was left out
+    assert choice["logprobs"]["text_offset"] == [0, 1]
+    streamed = Reply("m", chat=True, stop=["ef"], logprobs=Logprobs(tokenizer, chat=True))
+    first = json.loads(streamed.text_event("x", done, "x")[len("data: "):])["choices"][0]["logprobs"]
+    last = json.loads(streamed.last_events(done, "xd")[0][len("data: "):])["choices"][0]["logprobs"]
+    assert [e["token"] for e in first["content"] + last["content"]] == ["x", "def"]

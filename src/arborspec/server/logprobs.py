@@ -69,17 +69,22 @@ class Logprobs:
         # 18 other added special tokens, which all_special_ids leaves out) is no part of the content
         self.skip = special_ids(tokenizer) if chat else set()
 
-    def take(self, result: GenerationResult, shown: str) -> dict | None:
+    def take(self, result: GenerationResult, shown: str, last: bool = False) -> dict | None:
         """The entries of the tokens not yet sent whose text lies within `shown` (the text the client has), in
-        OpenAI's shape; None when there are none."""
+        OpenAI's shape; None when there are none. The `last` take also sends a token that a stop string cuts
+        through: the text shows its first characters (its entry never went out, and the tokens did not spell the
+        text)."""
         ids, entries = result.token_ids, []
         while self.sent < len(ids):
             end, start = grown(self.tokenizer, ids, self.sent, self.length, skip_special_tokens=True)
-            if end > len(shown):
+            cut = end > len(shown)
+            if cut and not (last and start < len(shown)):
                 break
             if ids[self.sent] not in self.skip:
                 entries.append((result.logprobs[self.sent], self.base + start))
             self.sent, self.length = self.sent + 1, end
+            if cut:
+                break
         return self._shape(entries) if entries else None
 
     def empty(self) -> dict:

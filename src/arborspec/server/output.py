@@ -101,7 +101,7 @@ class Reply:
         """New completion text and the logprobs of the tokens whose text `shown` now covers (none unless asked
         for); the first time, with an echoed prompt and its tokens' logprobs in front. The `last` piece of a
         response that asked for logprobs and has sent none carries the empty shape."""
-        text, logprobs = self._echoed(text, result, self.logprobs.take(result, shown) if self.logprobs else None)
+        text, logprobs = self._echoed(text, result, self.logprobs.take(result, shown, last) if self.logprobs else None)
         if last and logprobs is None and self.logprobs is not None and not self.logprobs.given:
             logprobs = self.logprobs.empty()
         return text, logprobs
