@@ -103,6 +103,8 @@ def test_the_terminal_loop_answers_resets_and_exits(model_dirs, capsys, monkeypa
     assert err.count(" kept from the last turn") == 2 and "[a new conversation]" in err
     code, out, _ = chat_cli(model_dirs, capsys, monkeypatch, "hello\n")  # the input ends: so does the chat
     assert code == 0 and out == f"{want}\n"
+    code, out, err = chat_cli(model_dirs, capsys, monkeypatch, "caf\udce9\nhello\n")  # a line that is not UTF-8
+    assert code == 0 and out == f"{want}\n" and "[the message is not UTF-8 text" in err  # said; the chat goes on
     replies = iter(["hello"])  # then Ctrl-C at the prompt: interrupted, 130 as every other command (it was 0)
 
     def typed(prompt=""):

@@ -86,13 +86,13 @@ def test_the_prompt_comes_as_an_argument_a_flag_or_standard_input(model_dirs, ca
     base = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "fp32",
             "--method", "chain", "--max-new-tokens", "8", "--ignore-eos", "--json"]
     outputs = []
-    for how in (["--prompt", "def g(y):"], ["def g(y):"], ["--prompt-file", "-"]):
+    for how in (["--prompt", "def g(y):"], ["def g(y):"], ["--prompt-file", "-"], ["-"]):  # "-" was the prompt
         monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"def g(y):")))
         code, out, _ = run_cli(capsys, *base, *how)
         assert code == 0
         outputs.append(json.loads(out)["token_ids"])
     default = json.loads(run_cli(capsys, *base)[1])["token_ids"]
-    assert outputs[0] == outputs[1] == outputs[2] != default  # the same prompt each way, not the default one
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3] != default  # the same prompt each way
     with pytest.raises(SystemExit) as exc:  # two prompts at once: argparse's usage error
         main([*base, "def g(y):", "--prompt", "x"])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
@@ -238,9 +238,11 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--ngram", "3", "--ngram-len", "0"], "an n-gram branch needs at least 1 token"),
     ("bench", ["--dataset", "humaneval,nonexistent"], "unknown dataset 'nonexistent'"),
     ("bench", ["--temperatures", "0,inf"], "temperature must be 0 (greedy) or a finite number"),
-    ("generate", ["--llama-threads", "0"], "--llama-threads must be at least 1"),  # the native backend ignored it
-    ("bench", ["--llama-batch", "0"], "--llama-batch must be at least 1"),
-    ("generate", ["--llama-seq", "0"], "--llama-seq must be at least 1"),
+    ("generate", ["--llama-threads", "0"], "--llama-threads must be in [1, 1024], got 0"),  # native ignored it
+    ("generate", ["--llama-threads", "2000"], "--llama-threads must be in [1, 1024], got 2000"),  # named n_threads
+    ("bench", ["--llama-batch", "0"], "--llama-batch must be in [1, 65536]"),
+    ("generate", ["--llama-seq", "300"], "--llama-seq must be in [1, 256], got 300"),
+    ("generate", ["--llama-ctx", "1"], "--llama-ctx must be at least 2, got 1"),
     ("generate", ["--per-step"], "--per-step adds every step's statistics to --json's output"),
     ("bench", ["--methods", ""], "--methods names no method"),
     ("bench", ["--prompt-file", "/nonexistent/p.jsonl"], "cannot read prompt file '/nonexistent/p.jsonl'"),

@@ -1,5 +1,6 @@
 """The console script: what needs no model answers without importing torch, and says the same as the full CLI."""
 import json
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,27 @@ def test_ctrl_c_while_the_full_cli_imports_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
     assert console_script.main(["generate", "--prompt", "x"]) == 130
     assert capsys.readouterr().err == "arborspec: interrupted\n"
+
+
+def test_an_answer_an_ascii_stdout_cannot_encode_is_shown_escaped():
+    """Under an ASCII locale (PYTHONUTF8=0) an answer in Japanese failed after the whole generation: "'ascii' codec
+    can't encode", exit status 2, the text lost."""
+    code = ("import sys\nfrom arborspec.console import run_command\n"
+            "sys.exit(run_command(lambda args: print('hi \\u3053\\u3093') or 0, None))")
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "PYTHONUTF8": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout == b"hi \\u3053\\u3093\n", done.stderr
+
+
+@pytest.mark.parametrize("typed,want", [
+    ("h\udcc3\udca9llo", "héllo"),  # UTF-8 bytes an ASCII locale kept as surrogates: what was typed
+    ("héllo", "héllo"),  # decoded already (a UTF-8 locale, or a Latin-1 one): left as it is
+    ("caf\udce9", None),  # bytes that are not UTF-8: refused before any model loads
+])
+def test_typed_text_is_read_as_the_utf8_it_was_typed_in(typed, want):
+    from arborspec.console import CliError, typed_text
+    if want is None:
+        with pytest.raises(CliError, match="the prompt argument is not UTF-8 text"):
+            typed_text(typed, "the prompt argument")
+    else:
+        assert typed_text(typed, "the prompt argument") == want

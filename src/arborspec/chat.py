@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from .console import CliError, typed_text
 from .engine import GenerationResult, SpeculativeDecoder
 from .engine.prefix_cache import PrefixCache
 from .engine.prompts import has_chat_template
@@ -92,7 +93,7 @@ def read_message() -> str:
     KeyboardInterrupt as input() raises them. The prompts show on a terminal only: with the messages piped in,
     standard output holds the answers alone."""
     prompt = (lambda text: text) if sys.stdin.isatty() else (lambda text: "")
-    text = input(prompt("> ")).strip()
+    text = typed_text(input(prompt("> ")), "the message").strip()
     if not text.startswith(QUOTE):
         return text
     lines = [text[len(QUOTE):]]
@@ -100,7 +101,7 @@ def read_message() -> str:
     bare = not lines[0].strip()
     while not (lines[-1].strip() == QUOTE if bare and len(lines) > 1 else lines[-1].rstrip().endswith(QUOTE)):
         try:
-            lines.append(input(prompt("... ")))
+            lines.append(typed_text(input(prompt("... ")), "the message"))
         except EOFError:  # the input ended inside the message: what came is the message (it was dropped)
             return "\n".join(lines).strip()
     return "\n".join(lines).rstrip()[:-len(QUOTE)].rstrip().lstrip("\n")  # a first line's indent is kept
@@ -119,6 +120,9 @@ def run(conversation: Conversation, banner: str) -> int:
             if sys.stdin.isatty():  # ends the prompt's line
                 print()
             return 130 if isinstance(end, KeyboardInterrupt) else 0
+        except CliError as err:  # a line that is not UTF-8: the conversation goes on
+            print(f"[{err}]", file=sys.stderr)
+            continue
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":

@@ -30,7 +30,7 @@ from .bench.args import add_bench_arguments, add_report_arguments
 from .bench.calibrate import DEFAULT_PROMPTS, calibrate, write_acceptance_file
 from .bench.concurrency import bench_from_args
 from .bench.report import report_from_args
-from .console import CliError, add_models_arguments, cmd_models, run_command, top_parser
+from .console import CliError, add_models_arguments, cmd_models, run_command, top_parser, typed_text
 from .core.options import option_parser, parse_int_list
 from .core.sampling import SamplingConfig, check_seed
 from .core.tree import MAX_TREE_NODES
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(gen)
     src = gen.add_mutually_exclusive_group()
     src.add_argument("text", nargs="?", default=None, metavar="PROMPT",
-                     help="prompt text, as with --prompt (arborspec generate \"def fib(n):\")")
+                     help="prompt text, as with --prompt (arborspec generate \"def fib(n):\"); '-': standard input")
     src.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this file ('-': standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
@@ -291,8 +291,11 @@ def _read_prompt_file(path: str) -> str:
 
 
 def _read_prompt(args) -> str:
-    """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT."""
-    if args.prompt_file == "-":  # bytes, decoded here: text that is not UTF-8 was refused only after the loading
+    """--prompt-file (a path, or '-' for standard input), the positional prompt or --prompt, else DEFAULT_PROMPT.
+    A positional '-' reads standard input too, as most tools' do (it was the one-character prompt "-", the piped
+    text unread)."""
+    if args.prompt_file == "-" or getattr(args, "text", None) == "-":  # bytes, decoded here: text that is not
+        # UTF-8 was refused only after the loading
         if not hasattr(sys.stdin, "buffer"):  # already text (a StringIO)
             return sys.stdin.read()
         raw = sys.stdin.buffer.read()
@@ -304,7 +307,7 @@ def _read_prompt(args) -> str:
         return _read_prompt_file(args.prompt_file)
     text = getattr(args, "text", None)
     prompt = text if text is not None else args.prompt
-    return DEFAULT_PROMPT if prompt is None else prompt
+    return DEFAULT_PROMPT if prompt is None else typed_text(prompt, "the prompt argument")
 
 
 def _summary(stats) -> str:
@@ -438,7 +441,8 @@ def cmd_trees(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    prompts = list(args.prompt or []) + [_read_prompt_file(path) for path in args.prompt_file or []]
+    prompts = [typed_text(p, "--prompt") for p in args.prompt or []] + [_read_prompt_file(path)
+                                                                         for path in args.prompt_file or []]
     prompts = prompts or DEFAULT_PROMPTS
     _check_sampling(args)
     if args.max_new_tokens < 1 or args.ranks < 1:

@@ -137,10 +137,34 @@ def prune_kept(folder: Path, keep: int = KEPT_FILES) -> None:
         old.unlink(missing_ok=True)
 
 
+def typed_text(text: str, what: str) -> str:
+    """Text from the command line or a terminal line as the UTF-8 it was typed in. Python decodes it with the
+    locale's codec and keeps the bytes it cannot decode as surrogates: under a C locale (PYTHONUTF8=0) "héllo" was
+    refused as "bytes that are not UTF-8?", and text that is not UTF-8 was refused only after the models loaded."""
+    if not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except (UnicodeError, ValueError) as err:
+        raise CliError(f"{what} is not UTF-8 text ({getattr(err, 'reason', err)})") from None
+
+
+def printable_streams() -> None:
+    """Standard output and error that cannot encode a character show it escaped (\\u3053), as Python's stderr does:
+    an answer in Japanese under an ASCII locale failed after the whole generation with "'ascii' codec can't encode",
+    and chat lost the answer and advised /reset."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if encoding not in ("utf8", "") and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+
+
 def run_command(command, args) -> int:
     """Run one parsed command: a user-facing error is one line on stderr and exit status 2 (ARBORSPEC_DEBUG=1 shows
     the traceback), Ctrl-C is exit status 130."""
     from .core.downloads import ModelLoadError
+    printable_streams()
     try:
         with warnings.catch_warnings():
             for message in TORCH_NOISE:

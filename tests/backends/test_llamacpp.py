@@ -675,3 +675,14 @@ def test_a_tokenizer_field_the_file_lacks_is_named(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"m.gguf: its tokenizer metadata is incomplete \(transformers looked for "
                                          r"tokenizer.ggml.scores\)"):
         llamacpp.gguf_tokenizer(tmp_path / "m.gguf")
+
+
+def test_a_file_whose_name_is_not_utf8_loads(gguf_dir, tmp_path):
+    """A path Python holds with surrogates (bytes the file system's encoding could not decode, as every path under
+    an ASCII locale with PYTHONUTF8=0) failed with "'utf-8' codec can't encode ... surrogates not allowed"."""
+    import os
+    import shutil
+    odd = tmp_path / os.fsdecode(b"caf\xe9.gguf")
+    shutil.copy(gguf_dir / "target.gguf", odd)
+    model = load_llamacpp(odd, n_threads=1, n_ctx=64)
+    assert model.n_vocab == VOCAB

@@ -58,6 +58,9 @@ from .session import TreeRegion
 
 PIN = "llama-cpp-python==0.3.36"
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h)
+# the integer settings' ranges, [low, high] (None: the file's trained context), checked here and, by flag, at the CLI
+RANGES = {"n_threads": (1, 1024), "n_threads_batch": (1, 1024), "n_ctx": (2, None), "n_batch": (1, 1 << 16),
+          "n_seq_max": (1, MAX_SEQ)}
 LOG_ENV = "ARBORSPEC_LLAMA_LOG"
 _LOG_ERROR = 4  # GGML_LOG_LEVEL_ERROR in ggml.h (llama-cpp-python's _logger.py comment still says 3)
 _log = SimpleNamespace(callback=None, errors=[])  # the callback must outlive every llama.cpp call that may log
@@ -260,8 +263,9 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
         raise ValueError(f"GGUF file {str(path)!r} not found")
     n_threads = usable_cores() if n_threads is None else n_threads
     n_threads_batch = n_threads if n_threads_batch is None else n_threads_batch
-    for name, value, low, high in (("n_threads", n_threads, 1, 1024), ("n_threads_batch", n_threads_batch, 1, 1024),
-                                   ("n_batch", n_batch, 1, 1 << 16), ("n_seq_max", n_seq_max, 1, MAX_SEQ)):
+    for name, value in (("n_threads", n_threads), ("n_threads_batch", n_threads_batch), ("n_batch", n_batch),
+                        ("n_seq_max", n_seq_max)):
+        low, high = RANGES[name]
         if not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
     if kv_type not in _KV_TYPES:
@@ -271,14 +275,14 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     trained = info.context_length
     if n_ctx is None:
         n_ctx = min(4096, trained or 4096)
-    if not isinstance(n_ctx, int) or n_ctx < 2:
+    if not isinstance(n_ctx, int) or n_ctx < RANGES["n_ctx"][0]:
         raise ValueError(f"n_ctx must be an integer >= 2, got {n_ctx!r}")
     if trained and n_ctx > trained:
         raise ValueError(f"n_ctx {n_ctx} is larger than {path.name}'s trained context ({trained} tokens)")
     settings = LlamaCppSettings(n_ctx, n_batch, n_seq_max, n_threads, n_threads_batch, bool(flash_attn), kv_type)
     lib = bindings()
     _log.errors.clear()
-    handle = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    handle = lib.llama_model_load_from_file(os.fsencode(path), lib.llama_model_default_params())
     if not handle:
         raise ValueError(f"llama.cpp could not load {path}: {llama_error('llama_model_load_from_file failed')}")
     for check, what in ((lib.llama_model_has_encoder, "has an encoder"), (lib.llama_model_is_recurrent, "is recurrent"),

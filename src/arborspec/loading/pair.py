@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.llamacpp import RANGES
 from ..backends.native import is_native
 from ..core.downloads import ModelLoadError
 from ..tuning import draft_levers
@@ -204,7 +205,9 @@ def llama_options(args) -> dict:
     """The llama.cpp options of the command line (--llama-threads/-ctx/-batch/-seq), for load_model / load_pair."""
     flags = {"n_threads": "threads", "n_ctx": "ctx", "n_batch": "batch", "n_seq_max": "seq"}
     given = {name: getattr(args, f"llama_{flag}", None) for name, flag in flags.items()}
-    for name, value in given.items():  # checked whichever backend runs (the native one ignored --llama-threads 0)
-        if value is not None and value < 1:
-            raise ValueError(f"--llama-{flags[name]} must be at least 1, got {value}")
+    for name, value in given.items():  # checked whichever backend runs (the native one ignored --llama-threads 0),
+        low, high = RANGES[name]  # by the flag's name, before any loading (they named n_threads, after it)
+        if value is not None and not low <= value <= (high or value):
+            raise ValueError(f"--llama-{flags[name]} must be " + (f"in [{low}, {high}]" if high else f"at least {low}")
+                             + f", got {value}")
     return {k: v for k, v in given.items() if v is not None}

@@ -79,7 +79,7 @@ def requantized(source: str | Path, kind: str, progress: bool = True) -> Path:
         params.allow_requantize = True  # the source is already quantized (Q5_0 / Q8_0 / Q6_K)
         params.pure = True  # every matrix in `kind`: left to itself llama.cpp gives IQ4_NL files Q5_1 / Q5_K tensors
         params.nthread = os.cpu_count() or 1
-        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+        rc = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(tmp), ctypes.byref(params))
         if rc != 0 or not tmp.exists():
             tmp.unlink(missing_ok=True)
             raise ValueError(f"llama.cpp could not requantize {source} to {kind}: {llama_error(f'status {rc}')}")
