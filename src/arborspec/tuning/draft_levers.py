@@ -13,6 +13,7 @@ on this project's machine), and int4/int8 weights read 2-4x fewer bytes than bf1
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.disk_cache import cache_dir, library_versions, model_fingerprint, sha256_key
+from ..core.disk_cache import cache_dir, library_versions, model_fingerprint, note_unwritable, sha256_key
 from ..core.sampling import spread
 from .corpus import sharegpt_turns, stdlib_sources
 from .gguf_requant import requantized
@@ -123,11 +124,15 @@ def corpus_counts(tokenizer, vocab_size: int, records: int = CORPUS_RECORDS, pro
             if counts.numel() >= vocab_size:
                 return counts[:vocab_size]
         except Exception:  # truncated or not ours (every --draft-vocab run raised): counted again below
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
     chat = token_counts(tokenizer, sharegpt_turns(records, progress), vocab_size).double()
     code = token_counts(tokenizer, stdlib_sources(), vocab_size).double()
     counts = chat / chat.sum().clamp(min=1) + code / code.sum().clamp(min=1)
-    save_atomically(counts, path)
+    try:
+        save_atomically(counts, path)
+    except OSError as err:  # a read-only or full cache: counted again next time
+        note_unwritable(err)
     return counts
 
 
@@ -171,17 +176,25 @@ def prepare_draft(loaded, quant: str = "none", vocab: int = 0, progress: bool = 
     path = _cached_draft_path(loaded.model, quant, vocab) if cache and quant == "int8" else None
     if path is not None and path.exists():
         try:
-            loaded.model = torch.load(path, weights_only=False)  # written by this function, below
-            os.utime(path)  # used now: the copies least recently used go first (prune_drafts)
+            model = torch.load(path, weights_only=False)  # written by this function, below
+        except Exception:  # unreadable (truncated, other library build): prepared again
+            model = None
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        if model is not None:  # used now: the copies least recently used go first (prune_drafts); a read-only
+            with contextlib.suppress(OSError):  # cache's utime failed the run, its unlink inside the except too
+                os.utime(path)
+            loaded.model = model
             return loaded
-        except Exception:  # unreadable (truncated, other library build): prepare it again
-            path.unlink(missing_ok=True)
     if vocab:
         prune_head(loaded.model, pruned_vocabulary(loaded, vocab, progress))
     loaded.model = quantize(loaded.model, quant)
     if path is not None:
-        save_atomically(loaded.model, path)
-        prune_drafts(path)
+        try:
+            save_atomically(loaded.model, path)
+            prune_drafts(path)
+        except OSError as err:  # a read-only or full cache: the run goes on with the copy it prepared
+            note_unwritable(err)
     return loaded
 
 
