@@ -122,7 +122,8 @@ def test_bad_outputs_and_records_are_one_line_errors(tmp_path, capsys):
         assert f"--out {tmp_path / 'afile' / 'sub'} cannot be written: Not a directory" in err, err
     for name, text, message in [("object", "{}", "no list of runs"), ("list", "[]", "no list of runs"),
                                 ("runs", '{"runs": 5}', "no list of runs"),
-                                ("field", '{"runs": [{"label": "ar"}]}', "a run lacks a field")]:
+                                ("field", '{"runs": [{"label": "ar"}]}', "the record lacks a field"),
+                                ("null", '{"env": null, "runs": [{"label": "ar"}]}', "the record lacks a field")]:
         (tmp_path / name).mkdir()
         (tmp_path / name / records.NAME).write_text(text)
         assert main(["report", str(tmp_path / name)]) == 2

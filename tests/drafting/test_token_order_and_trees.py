@@ -82,6 +82,10 @@ def test_tree_picture(tmp_path, pair):
     assert leaves == 3 and y[3] == 0 and y[4] == 1 and y[5] == 2 and y[1] == 0.5 and y[0] == pytest.approx(1.25)
     assert token_label(tok, tok.convert_tokens_to_ids(" ")) == "·"
     assert token_label(tok, tok.convert_tokens_to_ids("\n")) == "\\n"
+    dollars = type("Dollars", (), {"decode": lambda self, ids: "$$" if ids[0] % 2 else "$x$"})()
+    path = draw_trees([s.tree for s in res.stats.steps[1:4]], dollars, str(tmp_path / "d.png"))  # Qwen has "$$"
+    assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"  # it failed: two dollars read as math
+    assert token_label(dollars, 2) == "\\$x\\$"  # drawn as typed, not as math
 
 
 @pytest.fixture(scope="module")

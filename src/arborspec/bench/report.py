@@ -126,7 +126,7 @@ def time_lines(groups: dict) -> list[str]:
 
 
 def render(results: dict, plots: list[str]) -> str:
-    env, st = results.get("env", {}), results.get("settings", {})
+    env, st = results.get("env") or {}, results.get("settings") or {}
     lines = ["# arborspec benchmark", "",
              f"Command: `{results.get('command', '')}`", "",
              f"Machine: {env.get('cpu', '?')}, {env.get('cores', '?')} cores, {env.get('threads', '?')} torch threads; "
@@ -222,7 +222,7 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
         else:
             failures += 1
             lines.append(f"MISMATCH  {where}: {detail}")
-    dtype = results.get("env", {}).get("dtype")
+    dtype = (results.get("env") or {}).get("dtype")
     lines.append(f"{same} identical, {failures} failing, {lossy_diff} lossy differences; dtype {dtype}"
                  + (" (bf16: a near-tie of the target's top two logits can flip an argmax in multi-token forwards)"
                     if failures and dtype in ("bf16", "bfloat16") else ""))
@@ -236,9 +236,9 @@ def report_from_args(args) -> int:
     from another tool) is one error line naming the file, not a traceback from deep in the tables."""
     try:
         return _report(args)
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{args.results}: a run lacks a field or holds one of the wrong type ({type(err).__name__}: "
-                         f"{err}); was it written by `arborspec bench`?") from err
+    except (KeyError, TypeError, AttributeError) as err:  # AttributeError: a field of the record set to null
+        raise ValueError(f"{args.results}: the record lacks a field or holds one of the wrong type "
+                         f"({type(err).__name__}: {err}); was it written by `arborspec bench`?") from err
 
 
 def _report(args) -> int:

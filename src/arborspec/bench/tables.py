@@ -21,7 +21,7 @@ def fmt(x, digits: int = 2, scale: float = 1.0) -> str:
 
 
 def _label_order(results: dict, labels) -> list[str]:
-    methods = results.get("settings", {}).get("methods", [])
+    methods = (results.get("settings") or {}).get("methods", [])
 
     def key(label: str):
         stem, budget = split_label(label)
@@ -153,5 +153,5 @@ def ordered_sources(by_source: dict[str, dict]) -> list[tuple[str, dict]]:
 def resumed_lines(results: dict) -> list[str]:
     """One line per `--resume`: when, how many prompts were kept, and on which machine (a changed CPU shows here)."""
     out = [f"Resumed {r.get('at')} after {r.get('prompts_done')} prompts, on {r.get('env', {}).get('cpu', '?')} "
-           f"({r.get('env', {}).get('threads', '?')} torch threads)." for r in results.get("resumed", [])]
+           f"({(r.get('env') or {}).get('threads', '?')} torch threads)." for r in results.get("resumed") or []]
     return out + [""] if out else []

@@ -16,12 +16,14 @@ ACCEPTED, REJECTED, BONUS, ROOT = "#2e9d48", "#c9c9c9", "#f08c1a", "#5b8bd9"
 
 
 def token_label(tokenizer, token: int, width: int = 10) -> str:
-    """A short, visible rendering of one token (spaces as middle dots, control characters escaped)."""
+    """A short, visible rendering of one token (spaces as middle dots, control characters escaped; a dollar sign
+    escaped too: matplotlib reads a label with two as math, and Qwen's `$$` token failed `arborspec trees`)."""
     if tokenizer is None:
         text = str(token)
     else:
         text = tokenizer.decode([token])
     text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r").replace(" ", "·")
+    text = text.replace("$", "\\$")
     if not text:
         text = f"<{token}>"
     return text if len(text) <= width else text[: width - 1] + "…"
