@@ -276,6 +276,14 @@ def test_standard_input_that_is_not_utf8_is_refused_before_loading(capsys, monke
     assert code == 2 and "standard input is not UTF-8 text (invalid continuation byte at byte 3)" in err
 
 
+def test_a_prompt_file_keeps_its_line_endings_as_standard_input_does(tmp_path):
+    """Text mode turned "\r\n" into "\n": the same file as --prompt-file FILE and on standard input gave the model
+    two prompts."""
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"x\r\ny\rz\n")
+    assert cli._read_prompt_file(str(path)) == "x\r\ny\rz\n"
+
+
 def test_torch_deprecation_noise_is_hidden_in_the_cli_only(monkeypatch):
     def noisy(args):
         warnings.warn("TypedStorage is deprecated. It will be removed in the future", UserWarning)

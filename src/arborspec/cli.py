@@ -282,8 +282,8 @@ def _check_plot_file(path: str, flag: str = "--out") -> None:
 def _read_prompt_file(path: str) -> str:
     """A prompt file's text; CliError naming the file when it cannot be read or is not UTF-8."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
+        with open(path, encoding="utf-8", newline="") as fh:  # "\r\n" kept, as standard input's are (text mode
+            return fh.read()  # made it "\n": the same file read two ways gave the model two prompts)
     except OSError as err:
         raise CliError(f"cannot read prompt file {path!r}: {err.strerror}") from None
     except UnicodeDecodeError as err:
