@@ -66,3 +66,47 @@ def test_check_equal_fails_when_nothing_was_compared():
     assert not ok and "nothing to compare" in lines[-1]
     both = dict(runs=only_ar["runs"] + [dict(run("chain", "humaneval", {}, [1]), token_ids=[1, 2])])
     assert check_equal(both)[0]
+
+
+def greedy_run(label: str, prompt: int, ids: list[int]) -> dict:
+    return dict(run(label, "humaneval", {}, [0] * len(ids)), prompt_key=f"humaneval/{prompt}", token_ids=ids)
+
+
+def test_check_equal_holds_each_method_against_plain_decoding_on_its_own_kernels():
+    """On a native bench llama.cpp's plain decoding (other kernels) may break a near-tie the other way than native
+    `ar`: it was held against `ar` and the check never passed. Now arborspec's methods are checked against `ar`, the
+    llama.cpp peers against `llamacpp-ar`, and the peer's agreement with `ar` is shown, not checked."""
+    from arborspec.bench.report import check_equal
+    runs = [greedy_run("ar", 0, [1, 2, 3]), greedy_run("auto", 0, [1, 2, 3]),
+            greedy_run("llamacpp-ar", 0, [1, 2, 4]), greedy_run("llamacpp-lookup", 0, [1, 2, 4]),
+            greedy_run("ar", 1, [5, 6]), greedy_run("auto", 1, [5, 6]),
+            greedy_run("llamacpp-ar", 1, [5, 6]), greedy_run("llamacpp-lookup", 1, [5, 6])]
+    native = dict(runs=runs, env={"backend": "native", "dtype": "the GGUF's own (native)"})
+    ok, lines = check_equal(native)
+    assert ok, lines
+    assert lines[-2].startswith("not checked: llamacpp-ar equals `ar` on 1 of 2 prompts")
+    assert not any(line.startswith("MISMATCH") for line in lines)
+    assert lines[-1].startswith("4 identical, 0 failing")
+    # a record from before the resolved backend was kept: --backend native, and the unused torch dtype flag
+    old = dict(runs=runs, env={"dtype": "bf16"}, settings={"backend": "native"})
+    assert check_equal(old)[0]
+    # llama.cpp's own speculation leaving its plain decoding is listed, not failed; an arborspec method's mismatch
+    # fails, and bf16 (the unused torch flag) is not blamed for it on native
+    peer_apart = dict(old, runs=[*runs[:3], greedy_run("llamacpp-lookup", 0, [1, 2, 5]), *runs[4:]])
+    ok, lines = check_equal(peer_apart)
+    assert ok and any(line.startswith("peer      llamacpp-lookup on humaneval/0") and "(llamacpp-ar: 4, "
+                      in line for line in lines)
+    assert lines[-1].startswith("3 identical, 0 failing, 0 lossy differences, 1 peer differences")
+    ours_apart = dict(old, runs=[*runs[:1], greedy_run("auto", 0, [1, 2, 4]), *runs[2:]])
+    ok, lines = check_equal(ours_apart)
+    assert not ok and any(line.startswith("MISMATCH  auto on humaneval/0") for line in lines)
+    assert "bf16:" not in lines[-1]
+    # a llama.cpp bench without `ar` (or one whose backend was not recorded) checks everything against llamacpp-ar
+    for env in ({"backend": "llamacpp"}, {}):
+        ok, lines = check_equal(dict(runs=[r for r in runs if r["label"] != "ar"], env=env))
+        assert not ok and [line[:34] for line in lines if line.startswith("MISMATCH")] == [
+            "MISMATCH  auto on humaneval/0: fir"]
+    # an exact method with no `ar` on its kernels is a failure that says what to add, not a mismatch against llama.cpp
+    ok, lines = check_equal(dict(native, runs=[r for r in runs if r["label"] != "ar"]))
+    assert not ok and any(line.startswith("NO AR RUN arborspec methods: no `ar` run") for line in lines)
+    assert not any(line.startswith("MISMATCH") for line in lines)

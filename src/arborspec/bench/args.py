@@ -56,5 +56,5 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="RESULTS is the results root (one directory per experiment): write the paper-by-paper "
                         "reproduction report to FILE (e.g. docs/reproduction.md)")
     p.add_argument("--check-equal", action="store_true",
-                   help="check that every exact method's greedy (T=0) output equals plain decoding's (ar, else "
-                        "llamacpp-ar), run by run; exit 1 if not")
+                   help="check that every exact method's greedy (T=0) output equals plain decoding's on its own "
+                        "kernels (ar; the llama.cpp peers: llamacpp-ar), run by run; exit 1 if not")

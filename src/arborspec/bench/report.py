@@ -187,48 +187,98 @@ def write_report(results_dir: str | Path) -> list[Path]:
 # ------------------------------------------------------------------------------------------------ equality check
 def check_equal(results: dict) -> tuple[bool, list[str]]:
     """Greedy (T=0) outputs of every exact method must equal plain decoding's token ids on the same prompt, run by
-    run: `ar`'s, or where a run has none, `llamacpp-ar`'s (llama.cpp's own loop on the same GGUF)."""
+    run, on the same kernels: arborspec's methods against `ar`'s, the llama.cpp peers (`llamacpp-*`) against
+    `llamacpp-ar`'s. Held against native `ar` the peer never passed (other kernels break a near-tie of the top two
+    logits the other way: they differed on 21 of 40 prompts in the 2026-11 Zen 4 record), so their agreement is shown, not checked;
+    a peer speculating apart from llama.cpp's plain decoding is listed, not failed (it is not arborspec's to hold).
+    A bench without `ar` on the llama.cpp backend (or one whose backend was not recorded) falls back to
+    `llamacpp-ar` for all."""
     greedy = [r for r in results["runs"] if r["temperature"] == 0]
-    labels = {r["label"] for r in greedy}
-    ref = next((label for label in ("ar", "llamacpp-ar") if label in labels), "ar")
-    base = {r["prompt_key"]: r for r in greedy if r["label"] == ref and not r.get("error")}
-    lines, failures, same, lossy_diff = [], 0, 0, 0
     if not greedy:
         return False, ["no greedy (T=0) runs to check"]
-    if not base:
-        return False, ["no successful `ar` run at T=0 to compare with"]
-    for r in greedy:
+    labels = {r["label"] for r in greedy}
+    backend = _target_backend(results)
+    methods = [r for r in greedy if not _is_peer(r["label"])]
+    peers = [r for r in greedy if _is_peer(r["label"])]
+    if "ar" not in labels and backend in (None, "llamacpp"):
+        methods, peers = greedy, []
+    lines, counts = [], {"same": 0, "failures": 0, "lossy": 0, "peer": 0}
+    for group, ref, who in ((methods, "ar", "arborspec methods"), (peers, "llamacpp-ar", "llama.cpp peers")):
+        ref = "llamacpp-ar" if group is greedy and "ar" not in labels else ref
+        if ref not in {r["label"] for r in group} and any(r["label"] != ref for r in group):
+            counts["failures"] += 1
+            lines.append(f"NO AR RUN {who}: no `{ref}` run at T=0 on their kernels to compare with; add `{ref}` "
+                         "to --methods")
+        elif group:
+            _compare(group, ref, lines, counts)
+    if "ar" in labels and "llamacpp-ar" in labels:
+        lines.append(_peer_against_ar(greedy, backend))
+    same, failures, lossy_diff = counts["same"], counts["failures"], counts["lossy"] + counts["peer"]
+    dtype = (results.get("env") or {}).get("dtype")
+    bf16 = failures and dtype in ("bf16", "bfloat16") and backend in (None, "torch")
+    lines.append(f"{same} identical, {failures} failing, {counts['lossy']} lossy differences"
+                 + (f", {counts['peer']} peer differences" if any(map(_is_peer, labels)) else "") + f"; dtype {dtype}"
+                 + (" (bf16: a near-tie of the target's top two logits can flip an argmax in multi-token forwards)"
+                    if bf16 else ""))
+    if same + lossy_diff + failures == 0:  # only `ar` ran at T = 0: "0 identical, 0 failing" passed, exit 0
+        plain = " or ".join(f"`{label}`" for label in ("ar", "llamacpp-ar") if label in labels)
+        return False, lines[:-1] + [f"no exact method besides {plain} ran at T=0: nothing to compare"]
+    return failures == 0, lines
+
+
+def _peer_against_ar(greedy: list[dict], backend: str | None) -> str:
+    """How often llama.cpp's plain decoding gave `ar`'s tokens: shown, not checked (other kernels)."""
+    ar = {r["prompt_key"]: r["token_ids"] for r in greedy if r["label"] == "ar" and not r.get("error")}
+    pairs = [(ar[r["prompt_key"]], r["token_ids"]) for r in greedy
+             if r["label"] == "llamacpp-ar" and not r.get("error") and r["prompt_key"] in ar]
+    same = sum(metrics.first_divergence(a, b) is None for a, b in pairs)
+    return (f"not checked: llamacpp-ar equals `ar` on {same} of {len(pairs)} prompts (llama.cpp's own loop against "
+            f"arborspec's on {backend or 'the bench backend'}: other kernels or batching break near-ties of the top "
+            "two logits either way)")
+
+
+def _is_peer(label: str) -> bool:
+    return label.startswith("llamacpp-")
+
+
+def _target_backend(results: dict) -> str | None:
+    """What ran the target: the record's resolved backend, or (records before it was kept) the --backend asked
+    for, unless that was `auto`."""
+    backend = (results.get("env") or {}).get("backend") or (results.get("settings") or {}).get("backend")
+    return None if backend == "auto" else backend
+
+
+def _compare(group: list[dict], ref: str, lines: list[str], counts: dict) -> None:
+    """Each run of `group` against the `ref` run on its prompt; counts and lines as check_equal prints them."""
+    base = {r["prompt_key"]: r for r in group if r["label"] == ref and not r.get("error")}
+    for r in group:
         if r["label"] == ref:
             continue
         where = f"{r['label']} on {r['prompt_key']}"
         if r.get("error"):
-            failures += 1
+            counts["failures"] += 1
             lines.append(f"ERROR     {where}: {r['error']}")
             continue
         if r["prompt_key"] not in base:
-            failures += 1
-            lines.append(f"NO AR RUN {where}: nothing to compare with")
+            counts["failures"] += 1
+            lines.append(f"NO AR RUN {where}: no successful `{ref}` run on this prompt to compare with")
             continue
         a, b = base[r["prompt_key"]]["token_ids"], r["token_ids"]
         i = metrics.first_divergence(a, b)
         if i is None:
-            same += 1
+            counts["same"] += 1
             continue
         detail = (f"first divergence at token {i} of {len(a)}/{len(b)} "
-                  f"(ar: {a[i] if i < len(a) else 'end'}, {r['label']}: {b[i] if i < len(b) else 'end'})")
+                  f"({ref}: {a[i] if i < len(a) else 'end'}, {r['label']}: {b[i] if i < len(b) else 'end'})")
         if r.get("lossy"):
-            lossy_diff += 1
+            counts["lossy"] += 1
             lines.append(f"lossy     {where}: {detail} (allowed: the method is lossy)")
+        elif _is_peer(r["label"]) and _is_peer(ref):
+            counts["peer"] += 1
+            lines.append(f"peer      {where}: {detail} (allowed: llama.cpp's own speculation, not arborspec's)")
         else:
-            failures += 1
+            counts["failures"] += 1
             lines.append(f"MISMATCH  {where}: {detail}")
-    dtype = (results.get("env") or {}).get("dtype")
-    lines.append(f"{same} identical, {failures} failing, {lossy_diff} lossy differences; dtype {dtype}"
-                 + (" (bf16: a near-tie of the target's top two logits can flip an argmax in multi-token forwards)"
-                    if failures and dtype in ("bf16", "bfloat16") else ""))
-    if same + lossy_diff + failures == 0:  # only `ar` ran at T = 0: "0 identical, 0 failing" passed, exit 0
-        return False, lines[:-1] + [f"no exact method besides `{ref}` ran at T=0: nothing to compare"]
-    return failures == 0, lines
 
 
 def report_from_args(args) -> int:
