@@ -189,8 +189,9 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
     """Greedy (T=0) outputs of every exact method must equal plain decoding's token ids on the same prompt, run by
     run, on the same kernels: arborspec's methods against `ar`'s, the llama.cpp peers (`llamacpp-*`) against
     `llamacpp-ar`'s. Held against native `ar` the peer never passed (other kernels break a near-tie of the top two
-    logits the other way: they differed on 21 of 40 prompts in the 2026-11 Zen 4 record), so their agreement is shown, not checked;
-    a peer speculating apart from llama.cpp's plain decoding is listed, not failed (it is not arborspec's to hold).
+    logits the other way: they differed on 21 of 40 prompts in the 2026-11 Zen 4 record), so their agreement is
+    shown, not checked; a peer speculating apart from llama.cpp's plain decoding is listed, not failed (it is not
+    arborspec's to hold).
     A bench without `ar` on the llama.cpp backend (or one whose backend was not recorded) falls back to
     `llamacpp-ar` for all."""
     greedy = [r for r in results["runs"] if r["temperature"] == 0]
