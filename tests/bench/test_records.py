@@ -149,3 +149,30 @@ def test_a_schema_1_record_leaves_the_prompts_forward_out_of_its_steps(tmp_path)
     assert got[1]["committed_per_step"] == [4, 3] and got[1]["mat"] == 3.5  # its first step drafted
     assert got[2]["committed_per_step"] == [1, 1] and got[2]["steps"] == 2
     assert got[3]["committed_per_step"] == [1, 4]  # assisted generation has no prompt-only forward
+
+
+def test_impossible_values_are_one_line_errors_naming_the_file_and_stale_plots_go(tmp_path, capsys):
+    """A perplexity of 0 ended in "math domain error", a temperature stored as text in "Unknown format code 'g'",
+    neither naming the file; a rerun's report left the earlier record's plots (here: accepted by source) beside it."""
+    from arborspec.cli import main
+
+    good = dict(label="ar", method="ar", dataset="d", prompt_key="d/0", prompt_id="0", category=None, error=None,
+                temperature=0.0, token_ids=[1, 2], new_tokens=2, wall=1.0, tokens_per_s=2.0, steps=1,
+                committed_per_step=[1], accepted_per_step=[0], drafted_per_step=[0], lossy=False, perplexity=3.0,
+                sources={})
+    drafted = dict(good, label="chain", method="chain", committed_per_step=[2], accepted_per_step=[1],
+                   drafted_per_step=[2], sources={"draft": {"proposed": 2, "accepted": 1, "also_accepted": 0}})
+    records.write(tmp_path / "results.json", dict(runs=[good, drafted], settings={"methods": ["ar", "chain"]}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "accepted_by_source.png").is_file() and (tmp_path / "throughput.png").is_file()
+    records.write(tmp_path / "results.json", dict(runs=[good], settings={"methods": ["ar"]}))
+    assert main(["report", str(tmp_path)]) == 0
+    assert not (tmp_path / "accepted_by_source.png").exists() and (tmp_path / "throughput.png").is_file()
+    capsys.readouterr()
+    for field, value, words in [("perplexity", 0.0, "a run's perplexity is 0; a perplexity is at least 1"),
+                                ("temperature", "0", "Unknown format code")]:
+        records.write(tmp_path / "results.json", dict(runs=[dict(good, **{field: value})]))
+        assert main(["report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path}: the record lacks a field or holds a wrong value" in err and words in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

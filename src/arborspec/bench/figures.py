@@ -142,12 +142,18 @@ def accepted_by_source_plot(results: dict, path: Path) -> str | None:
     return save_figure(fig, path)
 
 
+PLOTS = {"throughput.png": throughput_plot, "mat_vs_tree_size.png": mat_vs_tree_size_plot,
+         "acceptance_vs_draft_prob.png": acceptance_vs_prob_plot, "sps_vs_asps.png": sps_vs_asps_plot,
+         "accepted_by_source.png": accepted_by_source_plot}
+
+
 def write_plots(results: dict, directory: Path) -> list[Path]:
-    made = [
-        throughput_plot(results, directory / "throughput.png"),
-        mat_vs_tree_size_plot(results, directory / "mat_vs_tree_size.png"),
-        acceptance_vs_prob_plot(results, directory / "acceptance_vs_draft_prob.png"),
-        sps_vs_asps_plot(results, directory / "sps_vs_asps.png"),
-        accepted_by_source_plot(results, directory / "accepted_by_source.png"),
-    ]
-    return [Path(p) for p in made if p is not None]
+    """The plots this record has data for; one it has none for is removed, so that an earlier record's picture
+    (a rerun with other methods into the same folder) is not left beside the new report."""
+    made = []
+    for name, plot in PLOTS.items():
+        if plot(results, directory / name) is not None:
+            made.append(directory / name)
+        else:
+            (directory / name).unlink(missing_ok=True)
+    return made

@@ -95,6 +95,8 @@ def pooled_perplexity(runs: Iterable[tuple[float | None, int | None]]) -> float 
     over all their tokens, as the perplexity of one run is (a mean of the runs' perplexities weighted a 5-token
     answer as a 500-token one)."""
     pairs = [(float(p), int(n)) for p, n in runs if p is not None and n and not math.isnan(p)]
+    if any(p < 1 for p, _ in pairs):  # exp of a mean NLL >= 0; a 0 gave "math domain error"
+        raise ValueError(f"a run's perplexity is {min(p for p, _ in pairs):g}; a perplexity is at least 1")
     total = sum(n for _, n in pairs)
     return math.exp(sum(n * math.log(p) for p, n in pairs) / total) if total else None
 

@@ -283,12 +283,15 @@ def _compare(group: list[dict], ref: str, lines: list[str], counts: dict) -> Non
 
 
 def report_from_args(args) -> int:
-    """`arborspec report`. A results.json whose runs lack a field or hold one of another type (edited by hand, or
-    from another tool) is one error line naming the file, not a traceback from deep in the tables."""
+    """`arborspec report`. A results.json whose runs lack a field or hold one of another type or an impossible value
+    (edited by hand, or from another tool) is one error line naming the file, not a traceback from deep in the
+    tables or a bare "math domain error"."""
+    if not getattr(args, "reproduction", None):
+        load_results(args.results)  # not a record at all: its own message, naming the file
     try:
         return _report(args)
-    except (KeyError, TypeError, AttributeError) as err:  # AttributeError: a field of the record set to null
-        raise ValueError(f"{args.results}: the record lacks a field or holds one of the wrong type "
+    except (KeyError, TypeError, AttributeError, ValueError) as err:  # AttributeError: a field set to null
+        raise ValueError(f"{args.results}: the record lacks a field or holds a wrong value "
                          f"({type(err).__name__}: {err}); was it written by `arborspec bench`?") from err
 
 
