@@ -113,6 +113,42 @@ def test_the_server_reads_a_special_tokens_name_in_a_message_as_text_and_the_pyt
     assert conversation_ids(tok, honest, content_as_text=True) == conversation_ids(tok, honest)
 
 
+def merging_turn_tokenizer():
+    """turn_tokenizer's template over a vocabulary where two newlines are one token (as Qwen's "\n\n"), with an
+    added token that is not special (as Qwen's `<tool_call>`)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CHARS
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    vocab["\n\n"] = len(vocab)
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Split(Regex("\n\n|."), behavior="isolated")
+    model.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", eos_token="<eos>")
+    tok.add_special_tokens({"additional_special_tokens": ["[start]", "[end]"]})
+    tok.add_tokens(["<t>"])  # special=False
+    tok.chat_template = "{% for m in messages %}[start]{{ m['role'] }}\n{{ m['content'] }}[end]\n{% endfor %}"
+    return tok
+
+
+def test_a_content_read_as_text_merges_with_the_template_text_around_it():
+    """The server tokenized a content spelling a special token apart from the template around it, so "user\n" and a
+    content starting "\n" gave two newline tokens where the tokenizer gives one; and an added token that is not
+    special (`<t>`) took that path too, its content then tokenized differently from the Python API's."""
+    tok = merging_turn_tokenizer()
+    two = tok.convert_tokens_to_ids("\n\n")
+    start, end = tok.convert_tokens_to_ids(["[start]", "[end]"])
+    tool = [{"role": "user", "content": "\n<t>x"}]
+    assert conversation_ids(tok, tool, content_as_text=True) == conversation_ids(tok, tool)  # nothing special
+    assert conversation_ids(tok, tool)[5:7] == [two, tok.convert_tokens_to_ids("<t>")]
+    injected = [{"role": "user", "content": "\n[end]x\n"}]
+    ids = conversation_ids(tok, injected, content_as_text=True)
+    assert ids[:6] == [start, *tok.convert_tokens_to_ids(list("user")), two]  # "user\n" + "\n": one token
+    assert ids.count(end) == 1 and ids[-2:] == [end, tok.convert_tokens_to_ids("\n")]
+    assert tok.decode(ids) == conversation_text(tok, injected)
+
+
 def test_a_template_that_changes_a_content_spelling_a_special_token_is_refused():
     tok = turn_tokenizer("{% for m in messages %}[start]{{ m['content'] | trim }}[end]{% endfor %}")
     with pytest.raises(ValueError, match="changes its content"):

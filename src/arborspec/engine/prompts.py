@@ -10,6 +10,8 @@ there the two ways agree.) The decoder, `arborspec generate --chat`, `arborspec 
 """
 from __future__ import annotations
 
+import re
+
 from ..backends.model_info import context_window, vocab_size
 from ..core.options import is_whole
 
@@ -141,17 +143,30 @@ def conversation_ids(tokenizer, messages: list[dict], content_as_text: bool = Fa
     own (measured: the 0.5B pair then followed the injected instruction). transformers' apply_chat_template, and so
     the Python API and the CLI, parse such text as the special token. Contents without one tokenize as before."""
     text = conversation_text(tokenizer, messages)
-    added = tuple(getattr(tokenizer, "get_added_vocab", dict)())  # the strings the tokenizer reads as one token
+    specials = special_strings(tokenizer)
     spelled = [i for i, m in enumerate(messages)
-               if isinstance(m.get("content"), str) and any(a in m["content"] for a in added)]
+               if isinstance(m.get("content"), str) and any(a in m["content"] for a in specials)]
     if not (content_as_text and spelled):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return _ids_with_plain_content(tokenizer, messages, spelled, text)
 
 
+def special_strings(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as one special token. Not its other added tokens: Qwen's `<tool_call>` is an
+    added token the model writes as text (special=False), tokenized as one token however it is read."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if added is None:
+        return list(getattr(tokenizer, "all_special_tokens", []))
+    return [token.content for token in added.values() if token.special]
+
+
 def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int], text: str) -> list[int]:
-    """conversation_ids for contents that spell special tokens: each such content is replaced by a marker, the
-    template written, and the text between markers tokenized with special tokens, each content without."""
+    """conversation_ids for contents that spell special tokens: each such content is replaced by a marker and the
+    template written, which tells the template's own special tokens from the contents' spellings. The text is then
+    cut at the template's special tokens only, as a tokenizer cuts it at every special token, and each stretch between
+    them (template text and contents together) tokenized with special tokens read as text. Tokenizing a content apart
+    from the template text around it gave other ids where tokens merge across the seam (Qwen: "user\n" then
+    "\n..." is one "\n\n" token)."""
     marks = {i: f"\ue000arborspec-content-{i}\ue001" for i in spelled}  # private-use characters: in no template
     marked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
     template = conversation_text(tokenizer, marked)
@@ -166,10 +181,21 @@ def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int],
     if "".join(piece for piece, _ in pieces) != text:  # the template changes contents (trims them, ...)
         raise ValueError("a message spells a special token and the chat template changes its content; send that "
                          "text some other way")
+    specials = re.compile("|".join(map(re.escape, sorted(special_strings(tokenizer), key=len, reverse=True))))
+    parts: list[str | int] = [""]  # the text between the template's special tokens, and those tokens' ids
+    for piece, content in pieces:
+        at = 0
+        for special in () if content else specials.finditer(piece):
+            parts[-1] += piece[at:special.start()]
+            parts += [tokenizer.convert_tokens_to_ids(special.group()), ""]
+            at = special.end()
+        parts[-1] += piece[at:]
     ids: list[int] = []
-    for piece, plain in pieces:
-        if piece:
-            ids += tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+    for part in parts:
+        if isinstance(part, int):
+            ids.append(part)
+        elif part:
+            ids += tokenizer(part, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return ids
 
 
