@@ -215,7 +215,12 @@ def test_context_window_is_respected():
         (dict(method="static", seed="1"), "seed"),
         (dict(method="static", max_new_tokens=8), "argument of generate"),
         (dict(method="static", do_sample=True), "do_sample"),
-        (dict(method="chain", repetition_penalty=1.2), "repetition_penalty is not supported: arborspec samples with"),
+        (dict(method="chain", repetition_penalty=1.2), "repetition_penalty is not supported: arborspec verifies"),
+        # transformers keywords once refused as "method 'auto' takes no option ...", as if another method took them
+        (dict(suppress_tokens=[3]), "suppress_tokens is not supported: arborspec verifies against the target's own"),
+        (dict(stop_strings=["x"]), r"stop_strings is not supported: give generate\(\) stop=\[...\]"),
+        (dict(output_scores=True), "output_scores is not supported: generate.* returns a GenerationResult"),
+        (dict(prompt_lookup_num_tokens=3), r"prompt_lookup_num_tokens is not supported: .*ngram=N"),
         (dict(method="chain", max_length=20), "max_length is not supported: give generate"),
         (dict(method="static", temperature=True), "temperature must be"),  # read as 1.0
         (dict(method="static", temperature=0.7, top_p="0.9"), "top_p must be"),  # a TypeError naming nothing
@@ -287,7 +292,7 @@ def test_settings_passed_per_call_name_the_constructor(call):
     prompt = [[3]] if call == "generate_batch" else [3]
     with pytest.raises(TypeError, match=r"temperature is a setting of SpeculativeDecoder\(\.\.\., temperature="):
         getattr(dec, call)(prompt, max_new_tokens=2, temperature=0.7)
-    with pytest.raises(TypeError, match="min_p is not an argument of .*: arborspec samples with temperature"):
+    with pytest.raises(TypeError, match="min_p is not an argument of .*: arborspec verifies .* with temperature"):
         getattr(dec, call)(prompt, max_new_tokens=2, min_p=0.1)
     with pytest.raises(TypeError, match="do_sample is not an argument"):
         getattr(dec, call)(prompt, max_new_tokens=2, do_sample=True)
@@ -298,6 +303,11 @@ def test_settings_passed_per_call_name_the_constructor(call):
         getattr(dec, call)(input_ids=prompt, max_new_tokens=2)
     with pytest.raises(TypeError, match=r"streamer is not an argument of .*: stream\(\) yields"):
         getattr(dec, call)(prompt, max_new_tokens=2, streamer=object())
+    with pytest.raises(TypeError, match=r"stop_strings is not an argument of .*: give generate\(\) stop="):
+        getattr(dec, call)(prompt, max_new_tokens=2, stop_strings=["x"])
+    if call == "generate_batch":  # seeds=[...], one per prompt: seed= named the constructor, which has one too
+        with pytest.raises(TypeError, match=r"generate_batch\(\) takes seeds=\[...\], one seed"):
+            dec.generate_batch(prompt, max_new_tokens=2, seed=3)
 
 
 def test_nan_logits_are_refused():

@@ -25,8 +25,20 @@ CALL_KEYWORDS = ("max_new_tokens", "stop", "ignore_eos", "logprobs", "prompt_log
 # "method 'chain' takes no option 'repetition_penalty'", which reads as if another method took them
 NOT_SUPPORTED = dict.fromkeys(("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
                                "min_p", "typical_p", "logit_bias", "bad_words_ids", "num_beams", "length_penalty",
-                               "num_return_sequences", "generation_config"),
-                              "arborspec samples with temperature, top_k, top_p and seed only")
+                               "num_return_sequences", "generation_config", "encoder_repetition_penalty",
+                               "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+                               "forced_eos_token_id", "min_length", "epsilon_cutoff", "eta_cutoff", "penalty_alpha",
+                               "guidance_scale", "prefix_allowed_tokens_fn", "renormalize_logits", "logits_processor",
+                               "num_beam_groups", "diversity_penalty", "constraints", "force_words_ids"),
+                              "arborspec verifies against the target's own logits and samples with temperature, "
+                              "top_k, top_p and seed only")
+# transformers' other generate() keywords a user may carry over (a hunt found them refused as options of `auto`)
+NOT_SUPPORTED |= dict.fromkeys(("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                                "output_hidden_states"), "generate() returns a GenerationResult (text, token_ids, "
+                               "stats); logprobs=k gives each token's log-probability and its k best alternatives")
+NOT_SUPPORTED |= {"stop_strings": "give generate() stop=[...]", "max_time": "give generate() max_new_tokens",
+                  "assistant_model": "the draft is SpeculativeDecoder's second argument",
+                  "prompt_lookup_num_tokens": "SpeculativeDecoder(..., ngram=N) drafts N tokens from the prompt"}
 NOT_SUPPORTED |= {"max_length": "give generate() max_new_tokens", "eos_token_id": "generate() stops at the "
                   "model's EOS ids (its generation config's, else the tokenizer's; ignore_eos=True: never) or at its "
                   "stop strings (stop=[...])",
@@ -128,6 +140,8 @@ def per_call(method):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         for key in set(kwargs) - takes:
+            if key == "seed" and "seeds" in takes:
+                raise TypeError(f"{method.__name__}() takes seeds=[...], one seed (or None) per prompt")
             if key in settings:
                 raise TypeError(f"{key} is a setting of SpeculativeDecoder(..., {key}=...), not an argument of "
                                 f"{method.__name__}()")
