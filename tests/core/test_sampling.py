@@ -39,3 +39,22 @@ def test_numpy_numbers_are_numbers_and_bools_are_not():
     for bad in (dict(temperature=True), dict(temperature=1.0, top_p=True), dict(temperature=1.0, top_p="0.9")):
         with pytest.raises(ValueError, match="temperature|top_p"):
             SamplingConfig(**bad)
+
+
+def test_numpy_sampling_settings_run_the_default_method():
+    """numpy numbers were taken as given: auto's calibration key (JSON) then failed with "Object of type float32 is
+    not JSON serializable" when the decoder was made."""
+    import numpy as np
+
+    from arborspec import SpeculativeDecoder
+    from tests.conftest import noisy_copy, tiny_model
+    target = tiny_model("llama")
+    dec = SpeculativeDecoder(target, noisy_copy(target, 0.1), temperature=np.float32(0.75), top_k=np.int64(5),
+                             top_p=np.float32(0.5), seed=np.int64(3), draft_temperature=np.float32(0.5))
+    s = dec.config.sampling
+    assert (type(s.temperature), type(s.top_k), type(s.top_p), type(s.seed)) == (float, int, float, int)
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.75, 5, 0.5, 3)
+    assert type(dec.config.draft_temperature) is float
+    plain = SpeculativeDecoder(target, noisy_copy(target, 0.1), temperature=0.75, top_k=5, top_p=0.5, seed=3,
+                               draft_temperature=0.5)
+    assert dec.generate([3, 4], max_new_tokens=6).token_ids == plain.generate([3, 4], max_new_tokens=6).token_ids

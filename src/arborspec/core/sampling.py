@@ -58,6 +58,10 @@ class SamplingConfig:
         check_seed(self.seed)
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        # Python's own numbers from numpy's: a float32 temperature failed the JSON of auto's calibration key
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:

@@ -88,6 +88,8 @@ class DecoderConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of: {', '.join(sorted(POLICIES))}")
         if self.draft_temperature is not None and not valid_temperature(self.draft_temperature):  # at T = 0 too
             raise ValueError(f"draft_temperature must be {TEMPERATURE_RULE}, got {self.draft_temperature!r}")
+        if self.draft_temperature is not None:  # a numpy float failed the JSON of auto's calibration key
+            object.__setattr__(self, "draft_temperature", float(self.draft_temperature))
 
     @classmethod
     def of(cls, base: DecoderConfig | None = None, **options) -> DecoderConfig:
