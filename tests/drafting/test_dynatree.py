@@ -80,6 +80,9 @@ def test_history_adaptation_stays_in_bounds():
     assert pol.d0 == 1 and pol.tau_h == pytest.approx(0.99)
     pol.update(step(0, 0))  # an empty tree says nothing
     assert len(pol.history) == 0
+    for _ in range(600):  # the record of adjustments keeps the last 256 (it grew a step at a time, without end)
+        pol.update(step(0, 3))
+    assert len(pol.adjustments) == 256 and pol.adjustments[-1] == (pol.d0, pol.tau_h)
     off = POLICIES["dynatree"](window=1, adapt=False)
     off.update(step(5, 5))
     assert off.d0 == 5

@@ -87,7 +87,9 @@ class DynaTreePolicy(Policy):
         self.d0 = self.options.d0
         self.tau_h = self.options.tau_h
         self.history: collections.deque[float] = collections.deque(maxlen=self.options.window)
-        self.adjustments: list[tuple[int, float]] = []  # (d0, tau_h) after each adjustment, for inspection
+        # (d0, tau_h) after each of the last 256 adjustments, for inspection: a list grew by one a call, without end,
+        # on a decoder kept for a session (the Python API, `arborspec chat`)
+        self.adjustments: collections.deque[tuple[int, float]] = collections.deque(maxlen=256)
 
     @property
     def max_tree_depth(self) -> int:
