@@ -478,6 +478,21 @@ def test_the_first_token_comes_before_the_draft_reads_the_prompt():
     assert len(one.token_ids) == 1 and not calls
 
 
+def test_each_result_of_steps_keeps_the_counts_of_its_own_step():
+    """Every result shared one stats object that later steps kept changing: a caller keeping the first result saw
+    the final new_tokens, finish reason and steps beside its one token."""
+    target = tiny_model("llama")
+    dec = SpeculativeDecoder(target, noisy_copy(target, 0.2), method="chain", k=3)
+    results = list(dec.steps([5, 9, 14, 3], max_new_tokens=12, ignore_eos=True))
+    assert len(results) > 2
+    for r in results:
+        assert r.stats.new_tokens == len(r.token_ids) == sum(s.committed for s in r.stats.steps)
+    assert [r.stats.finish_reason for r in results] == [""] * (len(results) - 1) + ["length"]
+    auto = SpeculativeDecoder(target, noisy_copy(target, 0.2))  # the policy's account comes with the last result
+    for n in (1, 6):  # one token: the prompt's forward alone ends the run
+        assert auto.generate([5, 9, 14, 3], max_new_tokens=n, ignore_eos=True).stats.policy, n
+
+
 def test_tokens_per_second_counts_the_time_after_the_first_token_draft_prefill_included():
     """The prompt's forward makes the first token, and a speculative run prefills its draft after it: throughput is
     the tokens after the first over the time after the first, the same terms for plain and speculative runs."""

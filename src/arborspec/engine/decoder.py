@@ -193,8 +193,8 @@ class SpeculativeDecoder:
         # of the default pair's 0.66 s on HumanEval prompts, Zen 4), and the prompt's forward yields a token where
         # a prefill of all but its last token yielded none. A request that ends there never prefills the draft.
         first = self._plain_step(run, target)
-        if run.finished:
-            run.stats.policy = policy.explain()
+        if run.finished:  # the result is a copy made before: its stats get the account too
+            run.stats.policy = first.stats.policy = policy.explain()
             self._keep(target, None)
         yield first
         if run.finished:

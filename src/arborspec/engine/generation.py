@@ -4,6 +4,7 @@ their clocks, and the result after every step."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -113,8 +114,11 @@ class Generation:
         return self._result()
 
     def _result(self) -> GenerationResult:
+        """The result so far, its stats a copy: `steps()` hands out one a step, and a caller keeping an earlier one
+        (a progress log, `list(decoder.steps(...))`) saw the final counts beside its partial text."""
         logprobs = list(self.logprobs) if self.top_logprobs is not None else None
-        return GenerationResult(self.decode(self.new), list(self.new), self.stats, logprobs, self.prompt_logprobs)
+        stats = replace(self.stats, steps=list(self.stats.steps), policy=dict(self.stats.policy))
+        return GenerationResult(self.decode(self.new), list(self.new), stats, logprobs, self.prompt_logprobs)
 
     def _cut(self, proposed: list[int]) -> tuple[list[int], str]:
         """Cut `proposed` at EOS, a stop string, the token budget or the context window; say why we stopped, in that
