@@ -140,6 +140,19 @@ def test_sliding_window_models_are_refused():
         check_cache_support(model)
 
 
+def test_a_config_transformers_builds_no_cache_for_is_one_clear_error():
+    """A Gemma2 with sliding_window None keeps windowed layer types: DynamicCache raised a TypeError from inside
+    transformers (a traceback, exit 1, in `arborspec generate`)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                       num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM: transformers cannot build a KV cache for this config "
+                                         r"\(TypeError: .*sliding_window, layer_types"):
+        check_cache_support(model)
+
+
 def _tiny(config_class, **kw):
     from transformers import AutoModelForCausalLM
 

@@ -34,9 +34,5 @@ def check_session_support(model) -> None:
         return None
     if is_ssm_model(model):
         return check_ssm_support(model)
-    try:
-        check_cache_support(model)
-    except ValueError as err:
-        raise ValueError(f"{err}; the state-space backend (STree) supports model types "
-                         f"{', '.join(SSM_MODEL_TYPES)}") from None
+    check_cache_support(model, f"; the state-space backend (STree) supports model types {', '.join(SSM_MODEL_TYPES)}")
     check_tree_attention(model)

@@ -192,12 +192,20 @@ def check_tree_attention(model) -> None:
         raise ValueError(f"{name} cannot run tree attention exactly: {problem}")
 
 
-def check_cache_support(model) -> None:
-    """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states)."""
-    cache = DynamicCache(config=model.config)
+def check_cache_support(model, hint: str = "") -> None:
+    """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states; `hint`: where
+    such a model may run instead), and configs
+    transformers builds no cache for (a Gemma2 with sliding_window None and windowed layer types: a TypeError from
+    inside transformers, which its own generate() raises too)."""
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception as err:  # noqa: BLE001 - whatever transformers raises, the config is the cause
+        raise ValueError(f"{type(model).__name__}: transformers cannot build a KV cache for this config "
+                         f"({type(err).__name__}: {err}); check its attention settings (sliding_window, "
+                         "layer_types)") from err
     bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
     if bad:
         raise ValueError(
             f"{type(model).__name__} uses cache layers {sorted(set(bad))}; arborspec's attention backend needs plain "
-            "full-attention KV caches (sliding-window and state-space layers are not supported by this backend)"
+            f"full-attention KV caches (sliding-window and state-space layers are not supported by this backend){hint}"
         )
