@@ -51,3 +51,21 @@ def test_a_profile_without_one_row_is_not_read_for_one(tmp_path, monkeypatch):
     costs.profile_model(model, sizes=(2, 128), measure=lambda m, sizes, **kw: [0.012, 0.3])
     full, source = costs.profile_model(model, sizes=(1, 2, 128), measure=lambda m, sizes, **kw: [0.011, 0.012, 0.3])
     assert source == "measured" and full(1) == pytest.approx(0.011)
+
+
+def test_a_cached_profile_holding_nan_is_measured_again(tmp_path, monkeypatch):
+    """A NaN time passed the record's check (`t <= 0` is False for NaN): auto sized its trees from NaN costs and
+    `profile --pair` printed nan fits."""
+    import json
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    costs.profile_model(model, sizes=(1, 2, 4), measure=lambda m, sizes, **kw: [0.01, 0.012, 0.015])
+    (record,) = tmp_path.rglob("cost-*.json")
+    for bad in (float("nan"), float("inf")):
+        data = json.loads(record.read_text())
+        data["raw_times"][1] = bad
+        record.write_text(json.dumps(data))
+        curve, source = costs.profile_model(model, sizes=(1, 2, 4), measure=lambda m, sizes, **kw: [0.01, 0.02, 0.03])
+        assert source == "measured" and curve(2) == pytest.approx(0.02), bad
+    with pytest.raises(ValueError, match="positive, finite times"):
+        costs.CostCurve.from_measurements([1, 2], [0.01, float("nan")])

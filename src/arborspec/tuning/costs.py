@@ -14,6 +14,7 @@ two curves the auto policy uses (`arborspec profile --model` / `--pair`).
 """
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -120,8 +121,10 @@ class CostCurve:
     @classmethod
     def from_measurements(cls, sizes, times) -> "CostCurve":
         pairs = sorted(zip((int(s) for s in sizes), (float(t) for t in times)))
-        if not pairs or any(t <= 0 for _, t in pairs) or len({s for s, _ in pairs}) != len(pairs):
-            raise ValueError("a cost curve needs distinct sizes with positive times")
+        # finite: a NaN passed `t <= 0` and sized auto's trees from NaN costs (a damaged cached record)
+        positive = all(math.isfinite(t) and t > 0 for _, t in pairs)
+        if not pairs or not positive or len({s for s, _ in pairs}) != len(pairs):
+            raise ValueError("a cost curve needs distinct sizes with positive, finite times")
         s, t = zip(*pairs)
         start = next((i for i, n in enumerate(s) if n >= 2), len(s))
         return cls(tuple(s), t[:start] + tuple(float(v) for v in pool_adjacent_violators(t[start:])))
