@@ -797,6 +797,30 @@ def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when
     assert (again.first_child.hits.tolist(), again.first_child.trials.tolist()) == ([75.0], [100.0])
 
 
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_damaged_calibration_record_is_set_aside():
+    """Fields of the record were read unchecked: child_probs "x" was an AttributeError traceback, plain_runs "abc"
+    an error naming no file, NaN hits a ZeroDivisionError in uses_draft, NaN probabilities sized trees silently."""
+    from arborspec.core.disk_cache import cache_dir
+    target, draft = make_pair("llama", seed=3, noise=0.0)
+    dec = SpeculativeDecoder(target, draft, method="auto", temperature=1.0, suffix=0)
+    dec.policy.calibrator.observe([0.5], [1])
+    dec.policy.save()
+    (record,) = cache_dir().rglob("calibration-*.json")
+    good = json.loads(record.read_text())
+    assert SpeculativeDecoder(target, draft, method="auto", temperature=1.0).policy.source["calibration"] == "cache"
+    nan_hits = dict(good["calibrator"], hits=[float("nan")] * len(good["calibrator"]["hits"]))
+    negative = dict(good["calibrator"], trials=[-2.0] * len(good["calibrator"]["trials"]),
+                    hits=[0.0] * len(good["calibrator"]["hits"]))
+    for damage in ({"child_probs": "x"}, {"child_probs": {"true": ["a"]}}, {"child_probs": {"true": [float("nan")]}},
+                   {"plain_runs": "abc"}, {"plain_runs": -5}, {"calibrator": nan_hits}, {"calibrator": negative}):
+        record.write_text(json.dumps({**good, **damage}))
+        policy = SpeculativeDecoder(target, draft, method="auto", temperature=1.0).policy
+        assert policy.source["calibration"] == "new", damage
+        assert np.isfinite(policy.child_probs[True]).all() and policy.plain_runs == 0
+
+
 @pytest.mark.usefixtures("private_cache")
 def test_at_t_above_0_a_calibration_is_kept_per_verifier():
     """auto+ngram at T > 0 verifies every tree with naive, which accepts fewer sampled draft tokens than auto's own

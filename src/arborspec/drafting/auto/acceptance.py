@@ -75,6 +75,8 @@ class Calibrator:
             return False
         if hits.shape != self.hits.shape or trials.shape != self.trials.shape or (hits > trials + 1e-9).any():
             return False
+        if not (np.isfinite(hits).all() and np.isfinite(trials).all() and (hits >= 0).all()):
+            return False  # NaN passed the comparison above (a ZeroDivisionError in uses_draft), negatives made 0 trials
         scale = np.where(trials > cap, cap / np.maximum(trials, 1e-12), 1.0)
         self.hits, self.trials = hits * scale, np.minimum(trials, cap)  # cap itself: 16 read 15.999999999999998
         self._curve = None

@@ -32,7 +32,8 @@ import numpy as np
 
 from ...backends.model_info import branch_limit
 from ...core.disk_cache import keep_record, model_fingerprint, read_record
-from ...core.sampling import SamplingConfig
+from ...core.options import is_whole
+from ...core.sampling import SamplingConfig, is_real
 from ...core.tree import DrawRule, TokenTree
 from ...tuning import costs as forward_costs
 from ...tuning.agreement import pair_agreement, pair_overlap
@@ -260,17 +261,21 @@ class AutoPolicy(Policy):
                                 first_accept=first)
 
     def _load_calibration(self) -> None:
+        """This machine's calibration from an earlier run. A record any part of which is damaged (edited, another
+        tool's) is set aside as if there were none: its child probabilities and run count were read unchecked (a
+        traceback, or trees sized from NaN)."""
         saved = read_record("calibration", self._calib_key)
-        loaded = bool(saved) and self.calibrator.load(saved.get("calibrator", {}))
+        probs = _child_probs(saved.get("child_probs", {})) if isinstance(saved, dict) else None
+        runs = saved.get("plain_runs", 0) if isinstance(saved, dict) else None
+        loaded = (probs is not None and is_whole(runs) and runs >= 0
+                  and self.calibrator.load(saved.get("calibrator", {})))
         if loaded:
-            for greedy in (True, False):
-                probs = saved.get("child_probs", {}).get(str(greedy).lower())
-                if isinstance(probs, list) and len(probs) >= 1:
-                    arr = self.child_probs[greedy]
-                    n = min(len(arr), len(probs))
-                    arr[:n] = np.clip(np.asarray(probs[:n], dtype=np.float64), 0.0, 1.0)
+            for greedy, given in probs.items():
+                arr = self.child_probs[greedy]
+                n = min(len(arr), len(given))
+                arr[:n] = np.clip(given[:n], 0.0, 1.0)
             self.first_child.load(saved.get("first_child", {}))
-            self.plain_runs = int(saved.get("plain_runs", 0) or 0)
+            self.plain_runs = int(runs)
         self.source["calibration"] = "cache" if loaded else "new"
 
     def save(self) -> None:
@@ -456,3 +461,18 @@ def predicted_rates(target_curve, draft_curve, target=None, draft=None, margin: 
                                                          if "agreement" in policy.source else "prior")
     return {"plain": plain, "speculative": speculative, "ceiling": ceiling_rate(policy.costs), "rate": rate,
             "acceptance": acceptance}
+
+
+def _child_probs(saved) -> dict[bool, np.ndarray] | None:
+    """The record's child probabilities by greedy-ness (finite numbers), or None if they are not that."""
+    if not isinstance(saved, dict):
+        return None
+    out = {}
+    for greedy in (True, False):
+        probs = saved.get(str(greedy).lower())
+        if probs is None:
+            continue
+        if not (isinstance(probs, list) and probs and all(is_real(p) and np.isfinite(p) for p in probs)):
+            return None
+        out[greedy] = np.asarray(probs, dtype=np.float64)
+    return out
