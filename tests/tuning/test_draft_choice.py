@@ -1,4 +1,6 @@
 """`--draft-quant auto`: agreement, the chain score that ranks draft variants, and the cached choice."""
+import json
+
 import pytest
 
 from arborspec.loading.model import LoadedModel
@@ -48,6 +50,20 @@ def test_the_choice_is_measured_once_then_cached(tmp_path, monkeypatch):
     again = draft_choice.choose_draft_quant(*pair, **kw)
     assert again[0] == quant and again[2] == "cache"
     assert draft_choice.choose_draft_quant(*pair, refresh=True, **kw)[2] == "measured"
+    # a damaged record is measured again: its fields were read unchecked (a traceback, a format error in the
+    # profile's table, an unknown quantization blamed on a flag never given, a corpus fetched for a negative head)
+    (file,) = tmp_path.rglob("draft-quant-*.json")
+    whole = json.loads(file.read_text())
+    other = next(q for q in ("none", "int8") if q != quant)
+    for damage in (lambda r: r.update(choice=[quant]), lambda r: r.pop("target_sizes"),
+                   lambda r: r["variants"][quant].update(agreement="x"), lambda r: r["variants"][quant].pop("quant"),
+                   lambda r: r["variants"][quant].update(quant="bogus"), lambda r: r["variants"][quant].update(vocab=-7),
+                   lambda r: r["variants"][other]["draft_times"].__setitem__(0, float("nan")),
+                   lambda r: r.update(choice="int4")):  # a variant that did not run
+        damaged = json.loads(json.dumps(whole))
+        damage(damaged)
+        file.write_text(json.dumps(damaged))
+        assert draft_choice.choose_draft_quant(*pair, **kw)[2] == "measured", damaged
     rows = draft_choice.describe(record)
     assert len(rows) == 4 and sum("<- default" in r for r in rows) == 1 and "unavailable" in rows[-1]
     chosen = record["variants"][quant]

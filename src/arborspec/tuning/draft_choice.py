@@ -24,6 +24,7 @@ choice) is cached beside the cost profiles under the pair's key, and `arborspec 
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 
@@ -31,9 +32,11 @@ import torch
 
 from ..backends.native import is_native, read_header
 from ..core.disk_cache import keep_record, read_record
+from ..core.options import is_whole
+from ..core.sampling import is_real
 from ..viz.canvas import pyplot, save_figure
 from .agreement import agreement_with, fitting, reference_ids, target_choices
-from .costs import native_profile_key, profile_key, profile_model, profile_together
+from .costs import CostCurve, native_profile_key, profile_key, profile_model, profile_together
 from .draft_levers import (
     HEAD_CORPUS,
     QUANT_MODES,
@@ -172,7 +175,7 @@ def choose_draft_quant(target, draft, progress: bool = True, refresh: bool = Fal
     native = is_native(draft.model)
     key = choice_key(profile_key(target.model), profile_key(draft.model), native, draft.model.config.vocab_size)
     record = None if refresh else read_record("draft-quant", key)
-    if record is not None and record.get("choice") in record.get("variants", {}):
+    if usable(record, key):
         return record["choice"], record, "cache"
     record = measure_variants(target, draft, progress=progress, **profile_kw)
     keep_record("draft-quant", key, record)
@@ -192,9 +195,34 @@ def cached_native_choice(target_file, draft_file) -> tuple[str, dict] | None:
     (t_info, _), (d_info, d_config) = read_header(target_file), read_header(draft_file)
     key = choice_key(native_profile_key(t_info), native_profile_key(d_info), True, d_config.vocab_size)
     record = read_record("draft-quant", key)
-    if record is None or record.get("choice") not in record.get("variants", {}):
-        return None
-    return record["choice"], record
+    return (record["choice"], record) if usable(record, key) else None
+
+
+def usable(record, key: dict) -> bool:
+    """Whether a cached record is whole: a chosen variant it measured, each variant one of those `key` names with a
+    head size it names, and finite figures. A damaged one (edited, truncated by hand) is measured again: its fields
+    were read unchecked (tracebacks, "unknown draft quantization" blaming a flag never given, a corpus fetched for a
+    negative head size)."""
+    try:
+        variants = record["variants"]
+        if not (isinstance(record["choice"], str) and "unavailable" not in variants[record["choice"]]
+                and _curve(record["target_sizes"], record["target_times"])):
+            return False
+        measured = [v for v in variants.values() if "unavailable" not in v]  # int4 without torchao: a note
+        return all(v["quant"] in key["variants"] and (v["vocab"] == 0 or v["vocab"] in key["heads"])
+                   and _curve(v["draft_sizes"], v["draft_times"]) and is_whole(v["best_chain"])
+                   and all(is_real(v[f]) and math.isfinite(v[f]) for f in ("agreement", "coverage4", "score"))
+                   for v in measured)
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def _curve(sizes, times) -> bool:
+    """Sizes and their times, as a cost curve takes them."""
+    try:
+        return len(sizes) == len(times) and bool(CostCurve.from_measurements(sizes, times))
+    except (TypeError, ValueError):
+        return False
 
 
 def describe(record: dict) -> list[str]:
