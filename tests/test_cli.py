@@ -254,6 +254,8 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("bench", ["--seed", str(2**64)], "--seed must be an integer in [0, 4294967275]"),  # 20 prompts of 1 dataset
     ("bench", ["--seed", str(2**32 - 20)], "--seed must be an integer in [0, 4294967275]"),
     ("bench", ["--seed", "-1"], "--seed must be an integer in"),
+    ("trees", ["--seed", str(2**70)], "seed must be an integer in"),  # refused after both models loaded
+    ("calibrate", ["--seed", str(2**70)], "seed must be an integer in"),
 ])
 def test_bad_values_exit_before_the_models_load(capsys, command, args, message):
     # the target does not exist: an error about it would mean the models were being loaded first
@@ -328,3 +330,12 @@ def test_a_method_option_shows_a_default_only_where_every_method_shares_it():
     helps = {a.dest: a.help for a in generate._actions}
     assert helps["opt_budget"].endswith("(default: each method's own, `arborspec methods`)")
     assert helps["opt_k"].endswith("(default 5)")
+
+
+def test_calibrate_refuses_to_write_an_acceptance_vector_of_zeros(model_dirs, capsys, monkeypatch, tmp_path):
+    """A vector of zeros was written with exit 0; its one reader, sequoia --acceptance-file, then refused it."""
+    monkeypatch.setattr(cli, "calibrate", lambda *a, **kw: {"acceptance": [0.0, 0.0], "positions": 4})
+    out_file = tmp_path / "acc.json"
+    code, _, err = run_cli(capsys, "calibrate", "--target", model_dirs["target"], "--draft", model_dirs["draft"],
+                           "--dtype", "fp32", "--ranks", "2", "--out", str(out_file))
+    assert code == 2 and "never among the draft's first 2 on these 4 positions" in err and not out_file.exists()

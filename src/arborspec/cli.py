@@ -247,8 +247,10 @@ def _decoder(args, spec: RunSpec, target, draft, record_trees: bool = False):
 
 # ---- commands -----------------------------------------------------------------------------------------------
 def _check_sampling(args) -> None:
-    """The sampling values, checked before minutes of loading (the decoder checks them again)."""
-    SamplingConfig(temperature=args.temperature, top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0))
+    """The sampling values and the seed, checked before minutes of loading (the decoder checks them again; `trees`
+    and `calibrate` refused a seed only after both models had loaded)."""
+    SamplingConfig(temperature=args.temperature, top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0),
+                   seed=getattr(args, "seed", None))
 
 
 def _check_out_file(path: str, flag: str = "--out") -> None:
@@ -455,6 +457,10 @@ def cmd_calibrate(args) -> int:
     result = calibrate(target, draft, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, ranks=args.ranks, seed=args.seed)
     result.update(target=args.target, draft=args.draft)
+    if not any(result["acceptance"]):  # its one reader, sequoia --acceptance-file, refuses an all-zero vector
+        raise CliError(f"the target's token was never among the draft's first {args.ranks} on these "
+                       f"{result['positions']} positions: sequoia could build no tree from them, so {args.out} is "
+                       "not written; give more --ranks, prompts or --max-new-tokens, or another draft")
     write_acceptance_file(args.out, result)
     print(f"acceptance over {result['positions']} positions: "
           + ", ".join(f"{p:.3f}" for p in result["acceptance"]) + f" -> {args.out}")

@@ -126,3 +126,22 @@ def test_calibrate_measures_ranks():
     target, draft = make_pair("llama", noise=0.6)
     res = calibrate(target, draft, [[5, 6, 7], [9, 3]], max_new_tokens=10, ranks=4)
     assert 0 < sum(res["acceptance"]) <= 1 and res["acceptance"][0] < 1
+    # the largest seed: the second prompt's seed + 1 was out of torch's range (an error for a seed never given)
+    assert calibrate(target, draft, [[5, 6, 7], [9, 3]], max_new_tokens=4, ranks=2, seed=2**64 - 1,
+                     temperature=1.0)["positions"] == 8
+
+
+def test_calibrate_stops_reading_at_an_id_the_drafts_table_lacks():
+    """A target whose table is wider than the draft's (padding rows, as 152064 against 151936) may emit an id the
+    draft cannot read: an IndexError inside the draft's embedding."""
+    from arborspec import SpeculativeDecoder
+    from arborspec.bench.calibrate import calibrate
+    from tests.conftest import tiny_model
+
+    target, narrow = tiny_model("llama", seed=1), tiny_model("llama", seed=2, vocab=40)
+    prompt = [3, 4]
+    out = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=30).token_ids
+    wide = next(j for j, t in enumerate(out) if t >= 40)  # the target does write an id the draft lacks, not first
+    assert wide > 0
+    res = calibrate(target, narrow, [prompt], max_new_tokens=30, ranks=2)
+    assert res["positions"] == wide

@@ -86,3 +86,19 @@ def test_an_agreement_cached_without_its_table_is_measured_again_with_it(monkeyp
     assert table.exists() and agreement.pair_agreement(target, draft, tok)[1] == "cache"
     table.unlink()
     assert agreement.pair_agreement(target, draft, tok)[1] == "measured" and table.exists()
+
+
+def test_an_agreement_record_out_of_range_is_measured_again(monkeypatch, tmp_path):
+    """Any float was taken: a NaN was a ZeroDivisionError in auto, 7.5 or -3 a "probability" auto kept in its
+    calibration record."""
+    import json
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=3)
+    draft, tok = noisy_copy(target, 0.4), char_tokenizer()
+    measured, _ = agreement.pair_agreement(target, draft, tok)
+    (record,) = tmp_path.rglob("agreement-*.json")
+    whole = json.loads(record.read_text())
+    for bad in (float("nan"), 7.5):
+        record.write_text(json.dumps({**whole, "agreement": bad}))
+        again, source = agreement.pair_agreement(target, draft, tok)
+        assert source == "measured" and again == pytest.approx(measured), bad

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.model_info import model_and_tokenizer
+from ..backends.model_info import model_and_tokenizer, vocab_size
 from ..core.disk_cache import write_json
+from ..core.sampling import SEED_RANGE
 from ..engine import SpeculativeDecoder
 from ..tuning.agreement import next_token_logits
 from ..tuning.corpus import DEFAULT_PROMPTS
@@ -30,10 +31,14 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
     dec = SpeculativeDecoder(target_model, method="ar", temperature=temperature, top_k=top_k, top_p=top_p,
                              tokenizer=tokenizer)
     counts = torch.zeros(ranks, dtype=torch.float64)
+    draft_vocab = vocab_size(draft_model) or float("inf")
     positions = 0
     for i, prompt in enumerate(prompts):
         ids = dec.encode(prompt)
-        out = dec.generate(ids, max_new_tokens=max_new_tokens, seed=None if seed is None else seed + i).token_ids
+        out = dec.generate(ids, max_new_tokens=max_new_tokens, seed=_nth_seed(seed, i)).token_ids
+        # the target's table may be wider than the draft's (padding rows): an id the draft lacks ends what it reads
+        # (it was an IndexError inside the draft's embedding); the engine never drafts such ids either
+        out = out[:next((j for j, t in enumerate(out) if t >= draft_vocab), len(out))]
         if not out:
             continue
         logits = next_token_logits(draft_model, ids + out)[len(ids) - 1 : len(ids) - 1 + len(out)].float()
@@ -52,3 +57,12 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
 
 def write_acceptance_file(path: str, result: dict) -> None:
     write_json(path, result)
+
+
+def _nth_seed(seed: int | None, i: int) -> int | None:
+    """Prompt i's seed: `seed + i`, wrapped into the range torch takes (the largest seed failed on the second
+    prompt, a seed never given)."""
+    if seed is None:
+        return None
+    low, high = SEED_RANGE
+    return low + (seed - low + i) % (high - low + 1)

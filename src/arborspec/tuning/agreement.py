@@ -85,8 +85,9 @@ def pair_agreement(target, draft, tokenizer, refresh: bool = False) -> tuple[flo
     cost profiles ('cache' or 'measured': `measure_pair`, which gives the overlap's LogitTable too)."""
     cached = None if refresh else read_record("agreement", _pair_key(target, draft))
     table = record_path("logit-table", _table_key(target, draft))
-    if cached is not None and isinstance(cached.get("agreement"), float) and table.exists():
-        return cached["agreement"], "cache"
+    saved = cached.get("agreement") if isinstance(cached, dict) else None
+    if isinstance(saved, float) and 0 <= saved <= 1 and table.exists():  # a NaN, 7.5 or -3 in a damaged record
+        return saved, "cache"  # was a ZeroDivisionError in auto, or kept as a "probability" in its calibration
     # measured, or an agreement from before the table: both now, so that a request at T > 0 finds the table (the
     # server's warm-up at its default temperature runs this)
     agreement, _ = _measure_and_save(target, draft, tokenizer)
