@@ -168,8 +168,9 @@ def test_a_cached_lean_choice_is_found_before_loading_and_the_shipped_draft_is_n
     assert key == draft_choice.choice_key(costs.native_profile_key(t_info), costs.native_profile_key(d_info), True,
                                           d_config.vocab_size)
 
-    def entry(quant, vocab, score):
-        return dict(quant=quant, vocab=vocab, agreement=0.9, draft_times=[1e-3], score=score)
+    def entry(quant, vocab, score):  # a whole record's fields: a damaged one is measured again
+        return dict(quant=quant, vocab=vocab, agreement=0.9, coverage4=0.95, draft_sizes=[1], draft_times=[1e-3],
+                    score=score, best_chain=3)
 
     read, real = [], native.load_native
     monkeypatch.setattr(native, "load_native", lambda path: read.append(Path(path).resolve()) or real(path))
@@ -178,7 +179,8 @@ def test_a_cached_lean_choice_is_found_before_loading_and_the_shipped_draft_is_n
                          ("none", files["draft"])):
         variants = {"none": entry("none", 0, 1.0 + (choice == "none")), "iq4_nl": entry("iq4_nl", 0, 1.5),
                     "iq4_nl+vocab96": entry("iq4_nl", 96, 2.0)}
-        write_record("draft-quant", key, {"choice": choice, "variants": variants})
+        write_record("draft-quant", key, {"choice": choice, "variants": variants, "target_sizes": [1],
+                                          "target_times": [4e-3]})
         read.clear()
         pair = pair_loader.load_pair(str(files["target"]), str(files["draft"]), backend="native", progress=False)
         assert read == [files["target"].resolve(), file.resolve()]  # the target, then the draft's one file
