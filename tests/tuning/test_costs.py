@@ -61,11 +61,12 @@ def test_a_cached_profile_holding_nan_is_measured_again(tmp_path, monkeypatch):
     model = tiny_model("llama")
     costs.profile_model(model, sizes=(1, 2, 4), measure=lambda m, sizes, **kw: [0.01, 0.012, 0.015])
     (record,) = tmp_path.rglob("cost-*.json")
-    for bad in (float("nan"), float("inf")):
+    for field, bad in (("raw_times", float("nan")), ("raw_times", float("inf")), ("sizes", float("inf")),
+                       ("sizes", 0), ("sizes", 1.5)):  # an infinite size was an OverflowError traceback
         data = json.loads(record.read_text())
-        data["raw_times"][1] = bad
+        data[field][1] = bad
         record.write_text(json.dumps(data))
         curve, source = costs.profile_model(model, sizes=(1, 2, 4), measure=lambda m, sizes, **kw: [0.01, 0.02, 0.03])
-        assert source == "measured" and curve(2) == pytest.approx(0.02), bad
+        assert source == "measured" and curve(2) == pytest.approx(0.02), (field, bad)
     with pytest.raises(ValueError, match="positive, finite times"):
         costs.CostCurve.from_measurements([1, 2], [0.01, float("nan")])

@@ -30,6 +30,7 @@ from ..backends.native import file_fingerprint
 from ..core.disk_cache import keep_record, model_fingerprint, read_record, record_path, sha256_key
 from ..core.host import machine_id
 from ..core.isotonic import pool_adjacent_violators
+from ..core.options import is_whole
 from ..core.tree import TokenTree
 from ..viz.canvas import pyplot, save_figure
 from .runtime_model import RuntimeModel, required_tau_ratio
@@ -120,11 +121,14 @@ class CostCurve:
 
     @classmethod
     def from_measurements(cls, sizes, times) -> "CostCurve":
+        # whole sizes >= 1 and finite times > 0: a damaged cached record held NaN times (auto sized its trees from
+        # NaN costs) or an infinite size (an OverflowError traceback)
+        if not all(is_whole(s) or (isinstance(s, float) and s.is_integer()) for s in sizes):
+            raise ValueError("a cost curve's sizes are whole numbers of tokens")
         pairs = sorted(zip((int(s) for s in sizes), (float(t) for t in times)))
-        # finite: a NaN passed `t <= 0` and sized auto's trees from NaN costs (a damaged cached record)
-        positive = all(math.isfinite(t) and t > 0 for _, t in pairs)
+        positive = all(n >= 1 and math.isfinite(t) and t > 0 for n, t in pairs)
         if not pairs or not positive or len({s for s, _ in pairs}) != len(pairs):
-            raise ValueError("a cost curve needs distinct sizes with positive, finite times")
+            raise ValueError("a cost curve needs distinct sizes of at least 1 with positive, finite times")
         s, t = zip(*pairs)
         start = next((i for i, n in enumerate(s) if n >= 2), len(s))
         return cls(tuple(s), t[:start] + tuple(float(v) for v in pool_adjacent_violators(t[start:])))
