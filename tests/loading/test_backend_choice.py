@@ -94,13 +94,19 @@ def test_choose_measures_every_candidate_once_keeps_the_winner_and_caches_the_ch
         write_record("backend-choice", choice_key(path, ["slow", "fast"], 2), record)
         assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)  # measured again
     assert [ld.calls for ld in loaders.values()] == [3, 3]
+    whole = read_record("backend-choice", choice_key(path, ["slow", "fast"], 2))
+    for damaged in ({**whole, "figures": {**whole["figures"], "slow": None}}, {**whole, "backend": ["fast"]},
+                    {**whole, "figures": {**whole["figures"], "slow": [1, 2]}}):  # were tracebacks
+        write_record("backend-choice", choice_key(path, ["slow", "fast"], 2), damaged)
+        assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)  # measured again
+    assert [ld.calls for ld in loaders.values()] == [6, 6]
     assert choose(path, loaders, threads=1, progress=False).loaded == ("fast", None)  # another thread count
     draft = tmp_path / "d.gguf"
     draft.write_bytes(b"d")
     assert choose(path, loaders, draft, threads=2, progress=False).loaded == ("fast", None)  # with a draft: again
     path.write_bytes(b"y" * 11)  # another file at the same path: measured again
     assert choose(path, loaders, threads=2, progress=False).loaded == ("fast", None)
-    assert loaders["fast"].calls == 6
+    assert loaders["fast"].calls == 9
 
 
 def test_a_backend_that_cannot_run_the_file_drops_out_unmeasured(tmp_path, monkeypatch):
