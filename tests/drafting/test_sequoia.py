@@ -145,3 +145,7 @@ def test_calibrate_stops_reading_at_an_id_the_drafts_table_lacks():
     assert wide > 0
     res = calibrate(target, narrow, [prompt], max_new_tokens=30, ranks=2)
     assert res["positions"] == wide
+    short = tiny_model("llama", seed=2, context=12)  # and a draft with a shorter window reads up to its end
+    assert calibrate(target, short, [[5, 6, 7]], max_new_tokens=20, ranks=2)["positions"] == 12 - 3
+    with pytest.raises(ValueError, match="fill the draft's 12-token window"):
+        calibrate(target, short, [list(range(3, 15))], max_new_tokens=20, ranks=2)

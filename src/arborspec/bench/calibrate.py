@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.model_info import model_and_tokenizer, vocab_size
+from ..backends.model_info import context_window, model_and_tokenizer, vocab_size
 from ..core.disk_cache import write_json
 from ..core.sampling import SEED_RANGE
 from ..engine import SpeculativeDecoder
@@ -32,6 +32,7 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
                              tokenizer=tokenizer)
     counts = torch.zeros(ranks, dtype=torch.float64)
     draft_vocab = vocab_size(draft_model) or float("inf")
+    draft_window = context_window(draft_model)
     positions = 0
     for i, prompt in enumerate(prompts):
         ids = dec.encode(prompt)
@@ -39,6 +40,7 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
         # the target's table may be wider than the draft's (padding rows): an id the draft lacks ends what it reads
         # (it was an IndexError inside the draft's embedding); the engine never drafts such ids either
         out = out[:next((j for j, t in enumerate(out) if t >= draft_vocab), len(out))]
+        out = out[:max(0, draft_window - len(ids))]  # and a draft's shorter window ends it (an IndexError too)
         if not out:
             continue
         logits = next_token_logits(draft_model, ids + out)[len(ids) - 1 : len(ids) - 1 + len(out)].float()
@@ -49,7 +51,8 @@ def calibrate(target, draft, prompts, tokenizer=None, max_new_tokens: int = 64, 
                 counts[r] += 1
         positions += len(out)
     if positions == 0:
-        raise ValueError("calibration produced no tokens")
+        raise ValueError("calibration produced no tokens the draft could read (the target ended at once, or the "
+                         f"prompts fill the draft's {draft_window}-token window)")
     acceptance = (counts / positions).tolist()
     return {"acceptance": acceptance, "positions": positions, "prompts": len(prompts), "temperature": temperature,
             "ranks": ranks, "max_new_tokens": max_new_tokens}
