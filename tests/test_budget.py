@@ -290,6 +290,11 @@ def test_cli_profile_pair_and_generate_auto(llama_dirs, tmp_path, monkeypatch, c
                      "--prompt", "def f(x):", "--max-new-tokens", "12", "--ignore-eos", "--compare-ar", *extra])
         out = capsys.readouterr().out
         assert code == 0 and "auto:" in out and "identical output" in out
+    (tmp_path / "a-file").write_text("")  # a cache that cannot be written: no path named that was never written
+    monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert main(args + ["--no-variants"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("measured profile (not cached: the cache cannot be written)") == 2 and "cost-" not in out
 
 
 def test_a_fit_is_written_with_each_sign_once():

@@ -522,8 +522,9 @@ def _profile_pair(args, sizes: list[int]) -> int:
         curve, source = profile_model(model, refresh=args.refresh, sizes=sizes, prefix=args.prefix,
                                       repeats=args.repeats, progress=True, ssm_tree=args.ssm_tree)
         curves[role] = curve
+        kept = profile_path(model, args.ssm_tree)  # not there when the cache cannot be written (it was named)
         print(f"{role}: {getattr(args, role)} ({_computes_in(model, args)}): {source} profile "
-              f"{profile_path(model, args.ssm_tree)}")
+              + (str(kept) if kept.exists() else "(not cached: the cache cannot be written)"))
         if source != "measured" and list(curve.sizes) != sizes:
             print(f"  (the cached profile's sizes {','.join(map(str, curve.sizes))}: --sizes and --repeats apply "
                   "when it is measured again, --refresh)")
