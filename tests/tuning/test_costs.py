@@ -70,3 +70,5 @@ def test_a_cached_profile_holding_nan_is_measured_again(tmp_path, monkeypatch):
         assert source == "measured" and curve(2) == pytest.approx(0.02), (field, bad)
     with pytest.raises(ValueError, match="positive, finite times"):
         costs.CostCurve.from_measurements([1, 2], [0.01, float("nan")])
+    with pytest.raises(ValueError, match="one time a size, got 2 sizes and 1 times"):  # zip dropped the unpaired
+        costs.CostCurve.from_measurements([1, 2], [0.01])

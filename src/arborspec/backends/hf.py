@@ -194,9 +194,8 @@ def check_tree_attention(model) -> None:
 
 def check_cache_support(model, hint: str = "") -> None:
     """Refuse models whose cache layers cannot be compacted by gathering (sliding windows, SSM states; `hint`: where
-    such a model may run instead), and configs
-    transformers builds no cache for (a Gemma2 with sliding_window None and windowed layer types: a TypeError from
-    inside transformers, which its own generate() raises too)."""
+    such a model may run instead), and configs transformers builds no cache for (a Gemma2 with sliding_window None
+    and windowed layer types: a TypeError from inside transformers, which its own generate() raises too)."""
     try:
         cache = DynamicCache(config=model.config)
     except Exception as err:  # noqa: BLE001 - whatever transformers raises, the config is the cause

@@ -177,7 +177,10 @@ def render(results: dict, plots: list[str]) -> str:
 
 def write_report(results_dir: str | Path) -> list[Path]:
     """Write report.md and the plots next to results.json; returns the written paths."""
-    results, directory = load_results(results_dir)
+    return _write_report(*load_results(results_dir))
+
+
+def _write_report(results: dict, directory: Path) -> list[Path]:
     plots = write_plots(results, directory)
     report = directory / "report.md"
     report.write_text(render(results, [str(p) for p in plots]))
@@ -201,11 +204,11 @@ def check_equal(results: dict) -> tuple[bool, list[str]]:
     backend = _target_backend(results)
     methods = [r for r in greedy if not _is_peer(r["label"])]
     peers = [r for r in greedy if _is_peer(r["label"])]
+    method_ref = "ar"
     if "ar" not in labels and backend in (None, "llamacpp"):
-        methods, peers = greedy, []
+        methods, peers, method_ref = greedy, [], "llamacpp-ar"
     lines, counts = [], {"same": 0, "failures": 0, "lossy": 0, "peer": 0}
-    for group, ref, who in ((methods, "ar", "arborspec methods"), (peers, "llamacpp-ar", "llama.cpp peers")):
-        ref = "llamacpp-ar" if group is greedy and "ar" not in labels else ref
+    for group, ref, who in ((methods, method_ref, "arborspec methods"), (peers, "llamacpp-ar", "llama.cpp peers")):
         if ref not in {r["label"] for r in group} and any(r["label"] != ref for r in group):
             counts["failures"] += 1
             lines.append(f"NO AR RUN {who}: no `{ref}` run at T=0 on their kernels to compare with; add `{ref}` "
@@ -286,26 +289,25 @@ def report_from_args(args) -> int:
     """`arborspec report`. A results.json whose runs lack a field or hold one of another type or an impossible value
     (edited by hand, or from another tool) is one error line naming the file, not a traceback from deep in the
     tables or a bare "math domain error"."""
-    if not getattr(args, "reproduction", None):
-        load_results(args.results)  # not a record at all: its own message, naming the file
+    loaded = None if getattr(args, "reproduction", None) else load_results(args.results)  # its own message
     try:
-        return _report(args)
+        return _report(args, loaded)
     except (KeyError, TypeError, AttributeError, ValueError) as err:  # AttributeError: a field set to null
         raise ValueError(f"{args.results}: the record lacks a field or holds a wrong value "
                          f"({type(err).__name__}: {err}); was it written by `arborspec bench`?") from err
 
 
-def _report(args) -> int:
-    if getattr(args, "reproduction", None):
+def _report(args, loaded: tuple[dict, Path] | None) -> int:
+    """`loaded`: the record and its directory (None with --reproduction, which reads a root of records)."""
+    if loaded is None:
         if not Path(args.results).is_dir():
             raise FileNotFoundError(f"--reproduction needs a results directory, got {args.results!r}")
         print(write_reproduction(args.results, args.reproduction))
         return 0
     if args.check_equal:
-        results, _ = load_results(args.results)
-        ok, lines = check_equal(results)
+        ok, lines = check_equal(loaded[0])
         print("\n".join(lines))
         return 0 if ok else 1
-    for path in write_report(args.results):
+    for path in _write_report(*loaded):
         print(path)
     return 0

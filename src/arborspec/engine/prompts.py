@@ -148,7 +148,7 @@ def conversation_ids(tokenizer, messages: list[dict], content_as_text: bool = Fa
                if isinstance(m.get("content"), str) and any(a in m["content"] for a in specials)]
     if not (content_as_text and spelled):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return _ids_with_plain_content(tokenizer, messages, spelled, text)
+    return _ids_with_plain_content(tokenizer, messages, spelled, text, specials)
 
 
 def special_strings(tokenizer) -> list[str]:
@@ -160,7 +160,8 @@ def special_strings(tokenizer) -> list[str]:
     return [token.content for token in added.values() if token.special]
 
 
-def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int], text: str) -> list[int]:
+def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int], text: str,
+                            specials: list[str]) -> list[int]:
     """conversation_ids for contents that spell special tokens: each such content is replaced by a marker and the
     template written, which tells the template's own special tokens from the contents' spellings. The text is then
     cut at the template's special tokens only, as a tokenizer cuts it at every special token, and each stretch between
@@ -181,11 +182,11 @@ def _ids_with_plain_content(tokenizer, messages: list[dict], spelled: list[int],
     if "".join(piece for piece, _ in pieces) != text:  # the template changes contents (trims them, ...)
         raise ValueError("a message spells a special token and the chat template changes its content; send that "
                          "text some other way")
-    specials = re.compile("|".join(map(re.escape, sorted(special_strings(tokenizer), key=len, reverse=True))))
+    cut = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
     parts: list[str | int] = [""]  # the text between the template's special tokens, and those tokens' ids
     for piece, content in pieces:
         at = 0
-        for special in () if content else specials.finditer(piece):
+        for special in () if content else cut.finditer(piece):
             parts[-1] += piece[at:special.start()]
             parts += [tokenizer.convert_tokens_to_ids(special.group()), ""]
             at = special.end()

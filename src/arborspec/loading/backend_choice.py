@@ -124,11 +124,12 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     threads = threads or torch.get_num_threads()
     key = choice_key(path, list(loaders), threads, draft)
     saved = None if refresh else read_record("backend-choice", key)
-    try:  # a damaged record (a figure without its rate, null, a list for a name): measured again
-        if saved["backend"] in loaders and isinstance(saved["figures"], dict):
-            return Choice(saved["backend"], None, describe(saved), saved, key)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass
+    if saved is not None:
+        try:  # a damaged record (a figure without its rate, null, a list for a name): measured again
+            if saved["backend"] in loaders and isinstance(saved["figures"], dict):
+                return Choice(saved["backend"], None, describe(saved), saved, key)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass
     loaded, figures, busy_before = {}, {}, costs.busy
     for name, load in loaders.items():
         models = load()

@@ -125,6 +125,8 @@ class CostCurve:
         # NaN costs) or an infinite size (an OverflowError traceback)
         if not all(is_whole(s) or (isinstance(s, float) and s.is_integer()) for s in sizes):
             raise ValueError("a cost curve's sizes are whole numbers of tokens")
+        if len(sizes) != len(times):  # zip below would drop the unpaired ones in silence
+            raise ValueError(f"a cost curve needs one time a size, got {len(sizes)} sizes and {len(times)} times")
         pairs = sorted(zip((int(s) for s in sizes), (float(t) for t in times)))
         positive = all(n >= 1 and math.isfinite(t) and t > 0 for n, t in pairs)
         if not pairs or not positive or len({s for s, _ in pairs}) != len(pairs):

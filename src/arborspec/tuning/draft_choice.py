@@ -220,9 +220,10 @@ def usable(record, key: dict) -> bool:
 def _curve(sizes, times) -> bool:
     """Sizes and their times, as a cost curve takes them."""
     try:
-        return len(sizes) == len(times) and bool(CostCurve.from_measurements(sizes, times))
+        CostCurve.from_measurements(sizes, times)
     except (TypeError, ValueError):
         return False
+    return True
 
 
 def describe(record: dict) -> list[str]:
