@@ -16,12 +16,28 @@ spec="."
 .venv/bin/python -m pip install -q -c constraints.txt -e "$spec"
 # llama.cpp's CPU kernels (the `llamacpp` backend): llama-cpp-python ships as source only and compiles llama.cpp on
 # install, with this CPU's native instruction set (AVX-512/VNNI where present). The first install takes ~10-30 min on
-# 2 cores; pip keeps the built wheel in its cache, so later installs take seconds.
-if ! .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36')" 2>/dev/null; then
+# 2 cores; pip keeps the built wheel in its cache, so later installs take seconds. It is built without llama.cpp's AMX
+# kernels (x86-64): the pinned version's AMX matrix product faults on its first multi-token forward (an Intel Xeon
+# with AMX-INT8, 2026-11-29; backends/llamacpp.py, model_params). A wheel built with them, installed or in pip's
+# cache, is built again.
+llama_built() {
+    .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36' \
+or b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" 2>/dev/null
+}
+build_llama() {
+    local no_amx=""
+    [ "$(uname -m)" = x86_64 ] && no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CFLAGS="$no_amx" CXXFLAGS="$no_amx" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        .venv/bin/python -m pip install -q -c constraints.txt "$@" "llama-cpp-python==0.3.36"
+}
+if ! llama_built; then
     echo "[arborspec] building llama-cpp-python (llama.cpp, native CPU flags; first time only: 10-30 min) ..." >&2
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
--DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        .venv/bin/python -m pip install -q -c constraints.txt "llama-cpp-python==0.3.36"
+    build_llama
+    if ! llama_built; then  # pip's cache gave a wheel built with the AMX kernels
+        .venv/bin/python -m pip cache remove "llama_cpp_python*" >/dev/null 2>&1 || true
+        build_llama --force-reinstall --no-deps
+    fi
 fi
 # SIMDe (header-only, Debian libsimde-dev): the tests build the kernels' AVX-512 VNNI code against it a second time, to
 # prove it exact on CPUs without VNNI; without it (no root, no apt) those tests skip and say why.

@@ -553,6 +553,26 @@ def test_bad_options_are_refused(gguf_dir):
     assert load_llamacpp(path, n_threads=1).n_ctx == 256  # default: min(4096, trained)
 
 
+@needs_llama
+def test_a_build_with_amx_kernels_loads_its_weights_without_extra_buffers(gguf_dir, monkeypatch):
+    """The pinned llama.cpp's AMX product faults on a multi-token forward (llamacpp.model_params): where the build has
+    AMX kernels the weights stay out of the extra buffers that reach them; elsewhere llama.cpp's defaults stand."""
+    from arborspec.backends import llamacpp
+
+    lib, seen = llamacpp.bindings(), []
+    load = lib.llama_model_load_from_file
+    monkeypatch.setattr(lib, "llama_model_load_from_file",
+                        lambda path, params: seen.append(params.use_extra_bufts) or load(path, params))
+    for info, extra in ((b"CPU : AVX2 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | ", False),
+                        (b"CPU : AVX2 = 1 | AVX512_VNNI = 1 | REPACK = 1 | ", True)):
+        monkeypatch.setattr(lib, "llama_print_system_info", lambda info=info: info)
+        model = load_llamacpp(gguf_dir / "target.gguf", n_threads=1)
+        assert seen[-1] is extra
+        tree = TokenTree.from_parents([3, 6, 7, 8], [-1, 0, 0, 1])
+        assert torch.isfinite(full_forward(model, [1, 2, 3], tree)).all()  # a multi-token forward runs
+        model.close()
+
+
 def test_missing_llama_cpp_module_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     path = write_tiny_gguf(tmp_path / "m.gguf")

@@ -57,6 +57,20 @@ def test_peer_greedy_output_equals_arborspec_plain_decoding_on_llamacpp(tiny, lo
     assert EOS not in out["token_ids"]
 
 
+def test_peers_load_without_extra_buffers_on_a_build_with_amx_kernels(tiny, monkeypatch):
+    """On a build with AMX kernels Llama() loads as the backend does (backends.llamacpp.model_params: the pinned
+    version's AMX product faults on a multi-token forward, the prompt's); elsewhere with llama.cpp's defaults."""
+    import llama_cpp.llama_cpp as low
+
+    for info, extra in ((b"CPU : AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | ", False),
+                        (b"CPU : AVX512_VNNI = 1 | REPACK = 1 | ", True)):
+        monkeypatch.setattr(low, "llama_print_system_info", lambda info=info: info)
+        out = llamacpp_generate(str(tiny), [1, 2, 3, 4, 5], 3, 0.0, 0, 1.0, [], 0, 1, n_ctx=64 + extra)
+        llm = llamacpp_peers._LOADED[(str(tiny), 0, 1, 64 + extra)]
+        assert llm.model_params.use_extra_bufts is extra and len(out["token_ids"]) == 3
+    assert low.llama_model_default_params().use_extra_bufts  # the patch ends with the load
+
+
 def _run(label, tps, prompt):
     return dict(label=label, method=label, dataset="humaneval", temperature=0.0, prompt_key=prompt, error=None,
                 committed_per_step=[1], accepted_per_step=[0], drafted_per_step=[0], tokens_per_s=tps, wall=1.0,

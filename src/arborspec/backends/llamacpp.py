@@ -282,7 +282,7 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     settings = LlamaCppSettings(n_ctx, n_batch, n_seq_max, n_threads, n_threads_batch, bool(flash_attn), kv_type)
     lib = bindings()
     _log.errors.clear()
-    handle = lib.llama_model_load_from_file(os.fsencode(path), lib.llama_model_default_params())
+    handle = lib.llama_model_load_from_file(os.fsencode(path), model_params(lib))
     if not handle:
         raise ValueError(f"llama.cpp could not load {path}: {llama_error('llama_model_load_from_file failed')}")
     for check, what in ((lib.llama_model_has_encoder, "has an encoder"), (lib.llama_model_is_recurrent, "is recurrent"),
@@ -294,6 +294,22 @@ def load_llamacpp(path: str | Path, n_threads: int | None = None, n_threads_batc
     model = LlamaCppModel(path.resolve(), handle, info, settings)
     lib.llama_free(model.new_context())  # fail now, not at the first generate, if no context can be made
     return model
+
+
+def model_params(lib, defaults=None):
+    """llama.cpp's default model parameters, without its extra weight buffers where the build has AMX kernels.
+
+    Why: the AMX matrix product of the pinned llama.cpp (ggml-cpu/amx, reached through the extra buffer types) loads
+    a tile configuration the compiler leaves half unset, and the first forward of more than one token dies of a
+    general protection fault (`ldtilecfg`): seen on a 2-core Intel Xeon with AMX-INT8 (family 6 model 167,
+    2026-11-29), in every tree forward, the test suite included; llama.cpp PR 26954 describes the same fault.
+    scripts/setup.sh builds llama.cpp without AMX, so this applies to builds made elsewhere; the cost is llama.cpp's
+    repacked weight layouts, which the same switch turns off. `defaults`: the function that makes the defaults
+    (lib's own unless given)."""
+    params = (defaults or lib.llama_model_default_params)()
+    if b"AMX_INT8 = 1" in lib.llama_print_system_info():
+        params.use_extra_bufts = False
+    return params
 
 
 def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -22,6 +22,9 @@ import re
 import shutil
 import subprocess
 import time
+from unittest import mock
+
+from arborspec.backends.llamacpp import model_params
 
 LOOKAHEAD_ENV = "ARBORSPEC_LLAMA_LOOKAHEAD"  # path of llama.cpp's llama-lookahead program (llamacpp-lookahead)
 
@@ -38,9 +41,19 @@ def _llama(path: str, lookup: int, n_threads: int, n_ctx: int):
             raise ValueError("the llama.cpp peers need llama-cpp-python: pip install 'arborspec[llamacpp]' "
                              "(in a checkout, bash scripts/setup.sh)") from exc
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
-        _LOADED[key] = Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                             draft_model=draft, verbose=False)
+        with _without_amx_buffers():
+            _LOADED[key] = Llama(model_path=path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                 draft_model=draft, verbose=False)
     return _LOADED[key]
+
+
+def _without_amx_buffers():
+    """Llama() loads with llama.cpp's default model parameters and lets no caller change them; while it loads, they are
+    the ones backends.llamacpp.model_params gives (on a build with AMX kernels, no extra weight buffers: see there)."""
+    import llama_cpp.llama_cpp as low
+
+    defaults = low.llama_model_default_params
+    return mock.patch.object(low, "llama_model_default_params", lambda: model_params(low, defaults))
 
 
 def llamacpp_generate(path: str, ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
