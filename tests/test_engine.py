@@ -574,7 +574,12 @@ def test_a_prompt_as_long_as_the_window_can_be_scored(backend, tmp_path):
     dec = SpeculativeDecoder(target, method="ar")
     whole = dec.generate(ids, max_new_tokens=0, logprobs=1, prompt_logprobs=True).prompt_logprobs
     cut = dec.generate(ids[:-1], max_new_tokens=0, logprobs=1, prompt_logprobs=True).prompt_logprobs
-    assert [lp.token for lp in whole] == ids and whole[:-1] == cut  # causal: the last token changes no earlier row
+    assert [lp.token for lp in whole] == ids and len(whole) == len(cut) + 1
+    for a, b in zip(whole, cut):  # causal: the last token changes no earlier row (to the matmuls' rounding: on an
+        # Intel Xeon the prompt's length changes torch's blocking, a last-bit difference at one row in 512)
+        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert (a.logprob is None) == (b.logprob is None) and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
     if backend == "torch":
         with torch.no_grad():
             full = torch.log_softmax(target(torch.tensor([ids])).logits[0].float(), -1)

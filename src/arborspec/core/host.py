@@ -6,7 +6,9 @@ profile or a backend choice measured on one kind of host was read on another tha
 cache holds no other trace of the CPU). The family and model numbers and the flags line tell the parts apart: the
 2-core hosts this project is measured on report family 25 (Zen 3 and Zen 4, by model number) or 26 (Zen 5: it has
 AVX-VNNI and VP2INTERSECT besides AVX-512, which Zen 4 lacks; a host called "Zen 4" in notes up to 2026-11-26 by its
-flags reported family 26 when first checked)."""
+flags reported family 26 when first checked). An Intel host (2026-11-29: "Intel(R) Xeon(R) Processor", family 6 model
+167 under KVM, with AVX-512 VNNI and AMX; 167 is a client part without AMX, so a hypervisor's model number need not
+name the silicon) gets no core name: its line says family, model and code path, and the key holds its flags."""
 from __future__ import annotations
 
 import functools
