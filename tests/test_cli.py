@@ -231,6 +231,8 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--prompt-file", ""], "--prompt-file is empty"),
     ("generate", ["--verifier", ""], "--verifier is empty"),
     ("calibrate", ["--out", ""], "--out is empty"),
+    ("generate", ["--method", "static", "--widths", ""], "--widths is empty"),  # ran the method's default widths
+    ("generate", ["--method", "sequoia", "--acceptance-file", ""], "--acceptance-file is empty"),
     ("profile", ["--model", "/nonexistent/model", "--sizes", "1,4", "--kind", "quadratic"],
      "a quadratic fit needs at least 3"),
     ("trees", ["--out", "/tmp/trees.xyz"], "not .xyz"),

@@ -578,10 +578,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _refuse_empty(args):
-    """`args`, unless a path or name flag is the empty string: read as not given, `--prompt-file ''` ran the default
-    prompt, `--verifier ''` the default verifier and `--target ''` the current directory, each without a word."""
-    for name in ("target", "draft", "model", "prompt_file", "verifier", "out", "method"):
+    """`args`, unless a path, name or method-option flag is the empty string: read as not given, `--prompt-file ''`
+    ran the default prompt, `--verifier ''` the default verifier, `--target ''` the current directory and `--widths ''`
+    the method's default widths, each without a word."""
+    options = [name for name in vars(args) if name.startswith("opt_")]  # method options: `--widths ''` too
+    for name in ("target", "draft", "model", "prompt_file", "verifier", "out", "method", *options):
         if getattr(args, name, None) == "":
+            name = name.removeprefix("opt_")
             raise CliError(f"--{name.replace('_', '-')} is empty")
     return args
 
