@@ -232,6 +232,8 @@ def test_bad_method_names_exit_before_loading(capsys, method, extra, message):
     ("generate", ["--verifier", ""], "--verifier is empty"),
     ("calibrate", ["--out", ""], "--out is empty"),
     ("generate", ["--method", "static", "--widths", ""], "--widths is empty"),  # ran the method's default widths
+    # argparse read a list starting with a negative number as a flag: "expected one argument"
+    ("generate", ["--method", "sequoia", "--acceptance", "-0.1,0.5"], "numbers in [0, 1], got [-0.1, 0.5]"),
     ("generate", ["--method", "sequoia", "--acceptance-file", ""], "--acceptance-file is empty"),
     ("profile", ["--model", "/nonexistent/model", "--sizes", "1,4", "--kind", "quadratic"],
      "a quadratic fit needs at least 3"),

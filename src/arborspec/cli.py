@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -573,8 +574,23 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, "k
 
 def main(argv: list[str] | None = None) -> int:
     """Every command, parsed in full (the console script calls this for all but the light ones, console.py)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_negative_lists_attached(sys.argv[1:] if argv is None else argv))
     return run_command(lambda a: COMMANDS[a.command](_refuse_empty(a)), args)
+
+
+_NEGATIVE_LIST = re.compile(r"-\d*\.?\d+(e-?\d+)?(,.*)+")  # "-0.1,0.5": argparse reads it as a flag
+
+
+def _negative_lists_attached(argv: list[str]) -> list[str]:
+    """`--acceptance -0.1,0.5` as `--acceptance=-0.1,0.5`: argparse takes a lone negative number as a value but a
+    list starting with one as a flag, and said "expected one argument" instead of the option's own check."""
+    out, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg.startswith("--") and "=" not in arg and rest and _NEGATIVE_LIST.fullmatch(rest[0]):
+            arg = f"{arg}={rest.pop(0)}"
+        out.append(arg)
+    return out
 
 
 def _refuse_empty(args):
