@@ -16,17 +16,18 @@ spec="."
 .venv/bin/python -m pip install -q -c constraints.txt -e "$spec"
 # llama.cpp's CPU kernels (the `llamacpp` backend): llama-cpp-python ships as source only and compiles llama.cpp on
 # install, with this CPU's native instruction set (AVX-512/VNNI where present). The first install takes ~10-30 min on
-# 2 cores; pip keeps the built wheel in its cache, so later installs take seconds. It is built without llama.cpp's AMX
-# kernels (x86-64): the pinned version's AMX matrix product faults on its first multi-token forward (an Intel Xeon
-# with AMX-INT8, 2026-11-29; backends/llamacpp.py, model_params). A wheel built with them, installed or in pip's
-# cache, is built again.
+# 2 cores; pip keeps the built wheel in its cache, so later installs take seconds. On a CPU with AMX it is built
+# without llama.cpp's AMX kernels: the pinned version's AMX matrix product faults on its first multi-token forward (an
+# Intel Xeon with AMX-INT8, 2026-11-29; backends/llamacpp.py, model_params). A wheel built with them, installed or in
+# pip's cache, is built again.
 llama_built() {
     .venv/bin/python -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '0.3.36' \
 or b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" 2>/dev/null
 }
 build_llama() {
     local no_amx=""
-    [ "$(uname -m)" = x86_64 ] && no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    # only where -march=native would turn AMX on (a compiler older than GCC 11 does not know these flags)
+    grep -qw amx_tile /proc/cpuinfo 2>/dev/null && no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     CFLAGS="$no_amx" CXXFLAGS="$no_amx" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         .venv/bin/python -m pip install -q -c constraints.txt "$@" "llama-cpp-python==0.3.36"
