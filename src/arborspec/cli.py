@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda a: COMMANDS[a.command](_refuse_empty(a)), args)
 
 
-_NEGATIVE_LIST = re.compile(r"-\d*\.?\d+(e-?\d+)?(,.*)+")  # "-0.1,0.5": argparse reads it as a flag
+_NEGATIVE_LIST = re.compile(r"-\d*\.?\d+(e-?\d+)?,.*")  # "-0.1,0.5": argparse reads it as a flag
 
 
 def _negative_lists_attached(argv: list[str]) -> list[str]:
@@ -600,8 +600,7 @@ def _refuse_empty(args):
     options = [name for name in vars(args) if name.startswith("opt_")]  # method options: `--widths ''` too
     for name in ("target", "draft", "model", "prompt_file", "verifier", "out", "method", *options):
         if getattr(args, name, None) == "":
-            name = name.removeprefix("opt_")
-            raise CliError(f"--{name.replace('_', '-')} is empty")
+            raise CliError(f"--{name.removeprefix('opt_').replace('_', '-')} is empty")
     return args
 
 
