@@ -274,7 +274,7 @@ def test_a_second_ctrl_c_while_the_round_ends_its_steps_leaves_none_behind():
         def fork(self):
             return self
 
-        def steps(self, prompt, *args):
+        def steps(self, prompt, *args, **kwargs):
             try:
                 while True:
                     batching.forward(self.target, dict(x=1))

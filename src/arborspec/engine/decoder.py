@@ -109,7 +109,7 @@ class SpeculativeDecoder:
         `max_new_tokens` may then be 0, to score the prompt alone."""
         result = None
         for result in self.steps(prompt, max_new_tokens, stop, seed, ignore_eos, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs):
+                                 prompt_logprobs=prompt_logprobs, partial=False):
             pass
         return result
 
@@ -148,10 +148,13 @@ class SpeculativeDecoder:
     @per_call
     def steps(self, prompt, max_new_tokens: int = 128, stop: list[str] | None = None, seed: int | None = None,
               ignore_eos: bool = False, prefill_chunk: int = 0, logprobs: int | None = None,
-              prompt_logprobs: bool = False) -> Iterator[GenerationResult | None]:
+              prompt_logprobs: bool = False, partial: bool = True) -> Iterator[GenerationResult | None]:
         """Generate step by step: the result so far after every draft -> verify -> commit step (the server advances
         many requests this way, one step each in turn). `seed` None: the config's (sampling.seed); `logprobs`,
         `prompt_logprobs`: as `generate`'s (the prompt is then read in chains of forwards that keep its rows).
+        `partial` False: None in place of every result but the last, for callers that keep only the last
+        (`generate`, `generate_batch`), which then do not pay for decoding the text at every step
+        (Generation.record).
 
         `prefill_chunk` > 0 (the server's `--prefill-chunk`): each model reads a long prompt that many tokens per
         call, and the loop yields None after each such piece, before its next result. A server round then carries
@@ -166,7 +169,7 @@ class SpeculativeDecoder:
         elif prompt_logprobs:
             raise ValueError("prompt_logprobs needs logprobs (how many alternatives each token comes with)")
         run = self._start(prompt, max_new_tokens, stop, seed, ignore_eos, scoring=prompt_logprobs)
-        run.top_logprobs = logprobs
+        run.top_logprobs, run.partial = logprobs, check_bool(partial, "partial")
         policy = self.policy
         use_draft = policy.needs_draft and policy.uses_draft(len(run.context), max_new_tokens)  # auto: can it pay?
         target = yield from self._target_session(run, prefill_chunk, prompt_logprobs)

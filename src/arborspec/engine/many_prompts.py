@@ -51,14 +51,15 @@ def generate_batch(decoder, prompts: list, max_new_tokens: int = 128, stop: list
         while waiting or active:
             while waiting and len(active) < limit:  # join between rounds
                 i = waiting.popleft()
-                active[i] = decoder.fork().steps(prompts[i], max_new_tokens, stop, seeds[i], ignore_eos)
+                active[i] = decoder.fork().steps(prompts[i], max_new_tokens, stop, seeds[i], ignore_eos,
+                                                 partial=False)
             order = list(active)
             errors = run_round([partial(_advance, active[i], results, i) for i in order], batch)
             for err in errors:
                 if err is not None:
                     raise err
-            for i in order:  # leave between rounds
-                if results[i].stats.finish_reason:
+            for i in order:  # leave between rounds (a loop yields its result once, when it finishes)
+                if results[i] is not None:
                     active.pop(i).close()
     finally:
         for steps in active.values():
