@@ -66,15 +66,25 @@ def greedy_results(dec, target, prompts: list[list[int]], max_new_tokens: int) -
 
 
 def table_pair(vocab: int = 5, k: int = 2, horizon: int = 4, temperature: float = 1.0, seed: int = 0,
-               arch: str = "llama"):
+               arch: str = "llama", prompt=(1, 3), lever=None):
     """(target table, draft table, prompt, exact distribution of the first k tokens) for distribution tests: a tiny
-    target, a noisy copy as draft, both enumerated into tables (tests/verify/harness.py)."""
+    target, a noisy copy as draft (`lever`: a function that changes it first, e.g. a pruned head), both enumerated
+    into tables (tests/verify/harness.py). A repeating `prompt` gives draft-free sources something to copy."""
     target = tiny_model(arch, seed=seed, vocab=vocab, scale=1.0)
     draft = noisy_copy(target, noise=0.8, seed=seed + 7)
-    prompt = [1, 3]
+    if lever is not None:
+        draft = lever(draft)
+    prompt = list(prompt)
     t_table = TableModel.from_model(target, prompt, horizon - 1)
     d_table = TableModel.from_model(draft, prompt, horizon - 1)
     return t_table, d_table, prompt, exact_target_distribution(t_table, prompt, k, SamplingConfig(temperature))
+
+
+def assert_samples_target(dec, prompt: list[int], probs, vocab: int = 5, k: int = 2, tv: float = 0.05,
+                          seed: int = 100):
+    """`dec`'s first k tokens, sampled as often as a chi-square test at total variation `tv` needs, follow `probs`."""
+    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, tv), seed=seed)
+    return assert_same_distribution(counts, probs, tv=tv)
 
 
 def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5, k: int = 2, horizon: int = 4,
@@ -83,9 +93,7 @@ def check_distribution(method: str, verifier: str, options: dict, vocab: int = 5
     d_table.session = lambda: RenumberingTableSession(d_table)  # WETAP renumbers the draft's session after pruning
     dec = TableDecoder(t_table, d_table, method=method, verifier=verifier, temperature=temperature, horizon=horizon,
                        **options)
-    n = samples_needed(vocab**k - 1, tv)
-    counts = sample_outputs(dec, prompt, k, n, seed=seed + 100)
-    return assert_same_distribution(counts, probs, tv=tv)
+    return assert_samples_target(dec, prompt, probs, vocab, k, tv, seed + 100)
 
 
 class RenumberingTableSession(TableSession):

@@ -27,7 +27,6 @@ from arborspec.engine.verifier_choice import with_free_branches
 from arborspec.tuning import costs as forward_costs
 from arborspec.tuning.costs import CostCurve
 from arborspec.verify.naive import NaiveVerifier
-from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
 from tests.drafting.properties import check_tree
@@ -590,16 +589,14 @@ class LearningTableDecoder:
 
 @pytest.mark.parametrize("verifier", ["mbr", "traversal"])
 def test_sampled_output_follows_the_target_distribution(verifier):
-    from tests.drafting.equivalence import table_pair
-    from tests.verify.harness import TableDecoder, assert_same_distribution, sample_outputs, samples_needed
+    from tests.drafting.equivalence import assert_samples_target, table_pair
+    from tests.verify.harness import TableDecoder
 
-    vocab, k, horizon = 5, 2, 4
-    t_table, d_table, prompt, probs = table_pair(vocab, k, horizon)
+    t_table, d_table, prompt, probs = table_pair()
     policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
     dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier=verifier, temperature=1.0,
-                                            horizon=horizon))
-    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
-    assert_same_distribution(counts, probs, tv=0.05)
+                                            horizon=4))
+    assert_samples_target(dec, prompt, probs)
     actions = {g["action"] for g in policy.run["guard"]} | {a["action"] for a in policy.guard.decisions}
     assert "fallback" in actions  # the guard did switch during sampling
     assert (0, 1) in dec.shapes and any(depth >= 2 and width >= 2 for depth, width in dec.shapes)
@@ -611,25 +608,14 @@ def test_default_suffix_branches_on_bare_trees_keep_the_target_distribution():
     """auto's default at T = 1: suffix branches only on the trees auto leaves bare (guard fallbacks, steps where no
     child pays), those verified by naive, the drafted ones by traversal without them: the first tokens keep the
     target's distribution, with both kinds of step and accepted suffix nodes among the samples."""
-    from tests.verify.harness import (
-        TableDecoder,
-        TableModel,
-        assert_same_distribution,
-        exact_target_distribution,
-        sample_outputs,
-        samples_needed,
-    )
+    from tests.drafting.equivalence import assert_samples_target, table_pair
+    from tests.verify.harness import TableDecoder
 
-    vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1, 3, 1]  # the prompt repeats, so suffix branches are drafted
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    draft = noisy_copy(target, noise=0.8, seed=7)
-    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    t_table, d_table, prompt, probs = table_pair(prompt=[1, 3, 1, 3, 1])  # it repeats: suffix branches are drafted
     policy = auto(CostModel(flat(1.0), flat(0.05)), guard_window=3, guard_cooldown=2, remember=False)
     dec = LearningTableDecoder(TableDecoder(t_table, d_table, method=policy, verifier="traversal", temperature=1.0,
-                                            horizon=horizon), suffix=4)
-    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
-    assert_same_distribution(counts, probs, tv=0.05)
+                                            horizon=4), suffix=4)
+    assert_samples_target(dec, prompt, probs)
     assert (0, 1) in dec.shapes and any(depth >= 1 for depth, _ in dec.shapes)  # bare and drafted steps
     assert dec.grafted_accepted > 100
 

@@ -93,28 +93,17 @@ def test_unknown_quantization_is_refused():
 @pytest.mark.parametrize("lever", ["prune", "int8"])
 def test_cheaper_draft_keeps_the_target_distribution(lever):
     """Sampled trees from a pruned / quantized draft, verified by mbr, emit exactly the target's distribution."""
-    from arborspec.core.sampling import SamplingConfig
-    from tests.verify.harness import (
-        TableDecoder,
-        TableModel,
-        assert_same_distribution,
-        exact_target_distribution,
-        sample_outputs,
-        samples_needed,
-    )
+    from tests.drafting.equivalence import assert_samples_target, table_pair
+    from tests.verify.harness import TableDecoder
 
-    vocab, k, horizon, prompt = 5, 2, 4, [1, 3]
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    draft = noisy_copy(target, noise=0.8, seed=7)
-    draft = prune_head(draft, torch.tensor([0, 2, 3])) if lever == "prune" else quantize(draft, "int8")
-    t_table, d_table = TableModel.from_model(target, prompt, horizon - 1), TableModel.from_model(draft, prompt, horizon - 1)
+    def cheaper(draft):
+        return prune_head(draft, torch.tensor([0, 2, 3])) if lever == "prune" else quantize(draft, "int8")
+
+    t_table, d_table, prompt, probs = table_pair(lever=cheaper)
     if lever == "prune":
         assert d_table.logits(()).float().softmax(-1)[[1, 4]].max() == 0  # the draft never proposes pruned tokens
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
-    dec = TableDecoder(t_table, d_table, method="static", verifier="mbr", temperature=1.0, horizon=horizon,
-                       depth=2, branch=2)
-    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
-    assert_same_distribution(counts, probs, tv=0.05)
+    dec = TableDecoder(t_table, d_table, method="static", verifier="mbr", temperature=1.0, horizon=4, depth=2, branch=2)
+    assert_samples_target(dec, prompt, probs)
 
 
 def test_an_int8_draft_is_prepared_once_then_loaded_from_the_cache(tmp_path, monkeypatch):

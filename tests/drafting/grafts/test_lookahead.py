@@ -103,21 +103,11 @@ def test_lookahead_at_temperature_needs_an_any_tree_verifier():
 def test_lookahead_branches_keep_the_target_distribution():
     """At T = 1, root-only trees with lookahead branches (one window and pool kept across runs, so the proposals
     change from run to run), verified by `naive`, emit the target's distribution of the first tokens."""
-    from arborspec.core.sampling import SamplingConfig
-    from tests.verify.harness import (
-        TableDecoder,
-        TableModel,
-        TableResult,
-        assert_same_distribution,
-        exact_target_distribution,
-        sample_outputs,
-        samples_needed,
-    )
+    from tests.drafting.equivalence import assert_samples_target, table_pair
+    from tests.verify.harness import TableDecoder, TableResult
 
-    vocab, k, horizon, prompt = 5, 2, 5, [1, 3, 1, 3, 1]
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    table = TableModel.from_model(target, prompt, horizon - 1)
-    probs = exact_target_distribution(table, prompt, k, SamplingConfig(1.0))
+    horizon = 5
+    table, _, prompt, probs = table_pair(horizon=horizon, prompt=[1, 3, 1, 3, 1])
 
     class LookaheadDecoder(TableDecoder):
         """The engine's loop with the lookahead graft and Jacobi step, on table sessions."""
@@ -140,6 +130,5 @@ def test_lookahead_branches_keep_the_target_distribution():
             return out
 
     dec = LookaheadDecoder(table, None, method="ar", verifier="naive", temperature=1.0, horizon=horizon)
-    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
-    assert_same_distribution(counts, probs, tv=0.05)
+    assert_samples_target(dec, prompt, probs)
     assert LookaheadDecoder.lookahead.pool and LookaheadDecoder.proposed > 0  # branches really were in the trees

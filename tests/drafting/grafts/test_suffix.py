@@ -256,24 +256,13 @@ def test_suffix_at_temperature_needs_an_any_tree_verifier(registered):
 def test_suffix_drafts_keep_the_target_distribution(registered, which):
     """At T = 1, suffix trees (alone, with a store that changes them from run to run; or grafted onto sampled static
     trees) verified by `naive` emit the target's distribution of the first tokens."""
-    from arborspec.core.sampling import SamplingConfig
-    from tests.verify.harness import (
-        TableDecoder,
-        TableModel,
-        assert_same_distribution,
-        exact_target_distribution,
-        sample_outputs,
-        samples_needed,
-    )
+    from tests.drafting.equivalence import assert_samples_target, table_pair
+    from tests.verify.harness import TableDecoder
 
-    vocab, k, horizon, prompt = 5, 2, 4, [1, 3, 1, 3, 1]  # the prompt repeats, so suffix branches are drafted
-    target = tiny_model("llama", seed=0, vocab=vocab, scale=1.0)
-    draft = noisy_copy(target, noise=0.8, seed=7)
-    t_table = TableModel.from_model(target, prompt, horizon - 1)
-    d_table = TableModel.from_model(draft, prompt, horizon - 1) if which != "suffix" else None
-    probs = exact_target_distribution(t_table, prompt, k, SamplingConfig(1.0))
+    t_table, d_table, prompt, probs = table_pair(prompt=[1, 3, 1, 3, 1])  # it repeats: suffix branches are drafted
+    d_table = None if which == "suffix" else d_table
     policy = SuffixPolicy(store=32) if which == "suffix" else POLICIES[which](depth=2, branch=2)
-    dec = TableDecoder(t_table, d_table, method=policy, verifier="naive", temperature=1.0, horizon=horizon)
+    dec = TableDecoder(t_table, d_table, method=policy, verifier="naive", temperature=1.0, horizon=4)
     index, matched = dec.policy.index, []
     speculate = index.speculate
 
@@ -283,6 +272,5 @@ def test_suffix_drafts_keep_the_target_distribution(registered, which):
         return spec
 
     index.speculate = recorded
-    counts = sample_outputs(dec, prompt, k, samples_needed(vocab**k - 1, 0.05), seed=100)
-    assert_same_distribution(counts, probs, tv=0.05)
+    assert_samples_target(dec, prompt, probs)
     assert sum(matched) > len(matched) / 10  # suffix branches really were in the trees
