@@ -66,12 +66,11 @@ from .runspec import (
     parse,
 )
 from .server import add_serve_arguments, run_serve
+from .tuning.cost_plots import plot_pair, plot_profile
 from .tuning.costs import (
     WindowTooSmall,
     fitting_prefix,
     measure_forward_cost,
-    plot_pair,
-    plot_profile,
     profile_model,
     profile_path,
 )

@@ -7,7 +7,7 @@ and hybrids about t(N) = a*N^2 + b*N + c. A larger tree (N2 tokens, tau2 per ste
     tau2 / tau1 >= t(N2) / t(N1).
 
 `fit_runtime` fits the curve to measured times (`costs.measure_forward_cost`) by least squares; `larger_tree_pays`
-is the decision rule. `arborspec profile --model SPEC` measures, fits and plots (`costs.plot_profile`).
+is the decision rule. `arborspec profile --model SPEC` measures, fits and plots (`cost_plots.plot_profile`).
 """
 from __future__ import annotations
 
