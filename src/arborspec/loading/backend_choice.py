@@ -23,7 +23,8 @@ candidate again after all were profiled one after another (a first start on a bu
 native at 1064 ms against llama.cpp's 65 ms and kept that choice for good), and at each later start the winner's
 (`recheck`, ~0.5 s for the default pair). A comparison during which live forwards found the machine busy (a
 cached figure kept, while another candidate's was measured live under the same load: native timed at 100 ms against
-llama.cpp's cached 32 ms chose llama.cpp, where native decodes faster) is used for that run and not cached. A
+llama.cpp's cached 32 ms chose llama.cpp, where native decodes faster), or one of whose profiles was measured while
+other processes kept the CPUs busy (core/cpu_load.py), is used for that run and not cached. A
 candidate that cannot run the file (the native kernels cannot build, a block type they do not cover,
 llama-cpp-python not installed) drops out before anything is timed.
 """
@@ -154,8 +155,9 @@ def choose(path: Path, loaders: dict[str, Callable[[], tuple | None]], draft: Pa
     name = next(iter(loaded))
     record = {"backend": name, "figures": figures}
     if costs.busy > busy_before:
-        say("the machine was busy while the backends were compared (a cached figure kept against a live one): this "
-            "choice is not cached, and the next start compares them again", progress)
+        say("the machine was busy while the backends were compared (other processes took CPU time, or ran a live "
+            "forward slower than a cached figure): this choice is not cached, and the next start compares them again",
+            progress)
     elif len(loaders) > 1:  # also when only one could run the file: the others need not be tried again
         keep_record("backend-choice", key, record)
     why = describe(record)

@@ -26,6 +26,7 @@ import torch
 from ..backends import is_ssm_model, make_session
 from ..backends.model_info import branch_limit, context_window
 from ..backends.native import file_fingerprint
+from ..core import cpu_load
 from ..core.disk_cache import keep_record, model_fingerprint, read_record, record_path, sha256_key
 from ..core.host import machine_id
 from ..core.isotonic import pool_adjacent_violators
@@ -202,8 +203,9 @@ def profile_model(model, refresh: bool = False, sizes=DEFAULT_SIZES, prefix: int
               " for tree sizes " + ",".join(map(str, sizes)) + " ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     prefix = fitting_prefix(model, prefix, sizes, repeats)
-    times = (measure or measure_forward_cost)(model, sizes, prefix=prefix, repeats=repeats, ssm_tree=ssm_tree)
-    return save_profile(model, key, sizes, times, prefix, repeats, time.perf_counter() - start), "measured"
+    with cpu_load.OtherLoad() as load:
+        times = (measure or measure_forward_cost)(model, sizes, prefix=prefix, repeats=repeats, ssm_tree=ssm_tree)
+    return save_profile(model, key, sizes, times, prefix, repeats, time.perf_counter() - start, load.share), "measured"
 
 
 class WindowTooSmall(ValueError):
@@ -233,12 +235,18 @@ def fitting_prefix(model, prefix: int, sizes, repeats: int) -> int:
     return min(prefix, room)
 
 
-def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seconds: float) -> CostCurve:
-    """Cache `times` as the model's profile; returns its curve."""
+def save_profile(model, key: dict, sizes, times, prefix: int, repeats: int, seconds: float,
+                 others: float | None = None) -> CostCurve:
+    """Cache `times` as the model's profile; returns its curve. `others`: the share of the CPUs other processes
+    kept busy meanwhile (core/cpu_load.py); a busy one is measured again at the first quiet start (`live_agrees`),
+    and comparisons made with it are not cached (`busy`)."""
+    global busy
     curve = CostCurve.from_measurements(sizes, times)
     keep_record("cost", key, {"sizes": list(sizes), "raw_times": [float(t) for t in times], "prefix": prefix,
-                               "repeats": repeats, "seconds": seconds})
+                               "repeats": repeats, "seconds": seconds,
+                               "others": None if others is None else round(others, 3)})
     _checked.add(sha256_key(key))  # measured in this process: nothing to check it against
+    busy += cpu_load.is_busy(others)
     return curve
 
 
@@ -260,12 +268,13 @@ def profile_together(models: list, sizes=DEFAULT_SIZES, prefix: int = 200, repea
     start = time.perf_counter()
     prefixes = [fitting_prefix(m, prefix, sizes, repeats) for m in models]
     timers = [TreeTimer(m, p) for m, p in zip(models, prefixes)]  # one session each, for every round
-    for timer in timers:
-        timer.round(sizes)  # a warm-up
-    rounds = [[timer.round(sizes) for timer in timers] for _ in range(repeats)]
+    with cpu_load.OtherLoad() as load:
+        for timer in timers:
+            timer.round(sizes)  # a warm-up
+        rounds = [[timer.round(sizes) for timer in timers] for _ in range(repeats)]
     seconds = (time.perf_counter() - start) / len(models)
     return [save_profile(m, profile_key(m), sizes, [min(r[i][j] for r in rounds) for j in range(len(sizes))], p,
-                         repeats, seconds)
+                         repeats, seconds, load.share)
             for i, (m, p) in enumerate(zip(models, prefixes))]
 
 
@@ -279,7 +288,8 @@ LIVE_FLOOR = 0.002  # seconds: differences below this are Python noise on a tiny
 # never drafted, so no live step ever corrected it; Zen 4, 2026-11-26)
 LIVE_SHAPE = 1.3
 _checked: set[str] = set()  # the profiles checked (or measured) in this process: each is checked once
-busy = 0  # times live forwards found the machine busy (a cached figure kept): comparisons read it (backend_choice)
+busy = 0  # times a figure was taken or kept on a busy machine: others took CPU time while a profile was measured,
+# or live forwards ran slower than a cached figure (kept); comparisons that see it grow are not cached (backend_choice)
 
 
 def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, measure=None, force: bool = False,
@@ -290,8 +300,10 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
     else ran (a first start on a busy machine once timed the draft on native at 1064 ms against the 65 ms it runs at,
     and kept that figure for good), and is measured again. Live forwards more than `LIVE_RATIO` times slower than the
     cached figure leave it standing, with a note: load on the machine only ever slows a forward, so the faster of two
-    figures is the truer one, and one taken now would be the stale figure of the next start. `force`: check even if
-    this process checked (or measured) it already."""
+    figures is the truer one, and one taken now would be the stale figure of the next start. A profile measured while
+    other processes kept the CPUs busy (its record's `others`, core/cpu_load.py) is measured again when the live
+    forwards find the machine quiet, however close the figures. `force`: check even if this process checked (or
+    measured) it already."""
     global busy
     name = sha256_key(key)
     if name in _checked and not force:
@@ -299,8 +311,14 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
     _checked.add(name)
     window = context_window(model, default=0)
     prefix = 32 if not window else max(2, min(32, window - 3 * len(LIVE_SIZES) - max(LIVE_SIZES) - 2))
-    live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2, ssm_tree=ssm_tree)
+    with cpu_load.OtherLoad() as now:
+        live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2, ssm_tree=ssm_tree)
     label = key["name"] or type(model).__name__
+    then = (read_record("cost", key) or {}).get("others")
+    if cpu_load.is_busy(then) and now.share is not None and not cpu_load.is_busy(now.share):
+        _note(f"the cached cost of {label} was measured while other processes kept {then:.0%} of the CPUs busy: "
+              f"measuring it again on the quiet machine ({now.share:.0%})", progress)
+        return False
     for n, seconds in zip(LIVE_SIZES, live):
         cached = float(curve(n))
         if abs(seconds - cached) <= LIVE_FLOOR:
