@@ -63,3 +63,15 @@ def test_another_process_spinning_is_seen():
         child.wait()
     cpus = len(cpu_load.os.sched_getaffinity(0))
     assert load.share is not None and load.share >= 0.5 / cpus
+
+
+def test_a_stat_file_of_another_shape_means_unknown(monkeypatch):
+    """Lines with fewer fields than user..softirq (kernels before 2.6.11) raised a ValueError from every profile."""
+    old = "cpu  1 2 3 4\ncpu0 1 2 3 4\n"
+    with pytest.raises(ValueError):
+        cpu_load.busy_seconds(old, {0})
+    monkeypatch.setattr(cpu_load, "busy_seconds", lambda stat, cpus, real=cpu_load.busy_seconds: real(old, cpus))
+    assert cpu_load._snapshot({0}) is None
+    with cpu_load.OtherLoad() as load:
+        pass
+    assert load.share is None

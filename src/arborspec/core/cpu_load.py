@@ -44,11 +44,11 @@ def _snapshot(cpus: set[int]) -> tuple[float, float, float] | None:
     """(now, the CPUs' busy seconds, this process's CPU seconds), or None where /proc/stat cannot be read."""
     try:
         with open("/proc/stat") as f:
-            stat = f.read()
-    except OSError:
+            busy = busy_seconds(f.read(), cpus)
+    except (OSError, ValueError):  # no /proc, or lines of another shape (a kernel older than 2.6.11)
         return None
     own = os.times()
-    return time.monotonic(), busy_seconds(stat, cpus), own.user + own.system
+    return time.monotonic(), busy, own.user + own.system
 
 
 class OtherLoad:
