@@ -49,6 +49,7 @@ def test_results_json_records_every_run(bench_run):
         assert r["wall"] > 0 and r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
         assert r["perplexity"] is not None and r["perplexity"] >= 1
         assert r["ttft"] is not None and 0 < r["ttft"] <= r["wall"]
+        assert r["others_cpu"] is None or 0 <= r["others_cpu"] <= 1  # None: a run too short to tell
     # interleaving: the first configuration of prompt 1 is the second of prompt 0
     first = [r for r in results["runs"] if r["prompt_id"] == "fib"]
     second = [r for r in results["runs"] if r["prompt_id"] == "sum"]

@@ -110,3 +110,20 @@ def test_check_equal_holds_each_method_against_plain_decoding_on_its_own_kernels
     ok, lines = check_equal(dict(native, runs=[r for r in runs if r["label"] != "ar"]))
     assert not ok and any(line.startswith("NO AR RUN arborspec methods: no `ar` run") for line in lines)
     assert not any(line.startswith("MISMATCH") for line in lines)
+
+
+def test_runs_that_shared_the_machine_are_named_in_a_warning(monkeypatch):
+    """Other processes' share of the CPUs during a run (`others_cpu`) at 0.1 or more makes its timings slow: the
+    report says how many runs, and how busy the machine was at most."""
+    from arborspec.core import cpu_load
+
+    monkeypatch.setattr(cpu_load, "BUSY", 0.1)  # tests/conftest.py turns the rule off for the rest of the suite
+    res = results()
+    for r, share in zip(res["runs"], (0.02, None, 0.31, 0.12, "?")):
+        r["others_cpu"] = share
+    warnings = [line for line in render(res, []).splitlines() if line.startswith("> warning: other processes")]
+    assert warnings == ["> warning: other processes kept 10% or more of the CPUs busy during 2 of 5 runs (up to "
+                        "31%): their timings are slow; rerun on a quiet machine for figures to compare"]
+    for r in res["runs"]:
+        r["others_cpu"] = 0.05
+    assert "other processes" not in render(res, [])

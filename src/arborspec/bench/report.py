@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core import cpu_load
 from . import metrics, records
 from .figures import write_plots
 from .reproduction import write_reproduction
@@ -125,6 +126,17 @@ def time_lines(groups: dict) -> list[str]:
     return ["## Where the time goes", "", TIME_HEADER, *rows, ""] if rows else []
 
 
+def load_warnings(runs: list[dict]) -> list[str]:
+    """A warning where other processes kept the CPUs busy during runs (`others_cpu`, core/cpu_load.py): their
+    timings read slow, and a run that shared the machine with a spinning process at the lowest priority ran its 1.5B
+    target at half speed (interleaving spreads such load over the methods, not away)."""
+    busy = [r["others_cpu"] for r in runs if cpu_load.is_busy(r.get("others_cpu"))]
+    if not busy:
+        return []
+    return [f"other processes kept {cpu_load.BUSY:.0%} or more of the CPUs busy during {len(busy)} of {len(runs)} "
+            f"runs (up to {max(busy):.0%}): their timings are slow; rerun on a quiet machine for figures to compare"]
+
+
 def render(results: dict, plots: list[str]) -> str:
     env, st = results.get("env") or {}, results.get("settings") or {}
     lines = ["# arborspec benchmark", "",
@@ -143,11 +155,12 @@ def render(results: dict, plots: list[str]) -> str:
     if st.get("budgets"):
         lines += [f"Budgets (drafted tokens per step): {', '.join(map(str, st['budgets']))}; `method@B` is a method at "
                   "budget B (see docs/benchmarks.md for how B maps to each method's options).", ""]
-    for w in results.get("warnings", []):
+    warnings = results.get("warnings", []) + load_warnings(results["runs"])
+    for w in warnings:
         lines.append(f"> warning: {w}")
     for s in results.get("skipped", []):
         lines.append(f"> skipped {s['label']} at T={s['temperature']}: {s['reason']}")
-    if results.get("warnings") or results.get("skipped"):
+    if warnings or results.get("skipped"):
         lines.append("")
     lines += ["## Metrics", "", GLOSSARY]
     groups = tables(results)

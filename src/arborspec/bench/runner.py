@@ -17,11 +17,12 @@ None where the root's children were not sampled; its computation is left out of 
 at each depth, zero-accept share and root acceptance vs that optimum, (draft probability, accepted?) of every drafted
 node the verifier reached (DySpec Fig. 2), wall / prefill / draft / verify time, TTFT, TPOT, tokens/s (new tokens over
 the whole wall time, prefill included, for every method alike), peak RSS (getrusage, process-wide and monotone) and
-the RSS change over the run, the target's perplexity of the output, the lossy flag, the draft variant it ran with
-(`draft_quant` and `draft_vocab`: the run's --draft-quant, "auto" resolved to the variant measured fastest with its
-head size, unless the method's name carries a quantization or head lever), `sources` (per source of drafted nodes --
-the draft model, ngram, suffix, lookahead -- the nodes it proposed, the accepted ones credited to it and those it
-proposed too; engine.StepStats.sources) and the environment.
+the RSS change over the run, the share of the CPUs other processes kept busy during it (`others_cpu`,
+core/cpu_load.py: the report warns where it reached 0.1), the target's perplexity of the output, the lossy flag, the
+draft variant it ran with (`draft_quant` and `draft_vocab`: the run's --draft-quant, "auto" resolved to the variant
+measured fastest with its head size, unless the method's name carries a quantization or head lever), `sources` (per
+source of drafted nodes -- the draft model, ngram, suffix, lookahead -- the nodes it proposed, the accepted ones
+credited to it and those it proposed too; engine.StepStats.sources) and the environment.
 
 What a method name means is arborspec/runspec.py, the same for `generate`, the bench and the Python API.
 
@@ -48,6 +49,7 @@ import transformers
 from tqdm import tqdm
 
 from ..backends.model_info import context_window, eos_ids
+from ..core.cpu_load import OtherLoad
 from ..core.host import this_cpu
 from ..core.options import parse_int_list
 from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
@@ -263,7 +265,8 @@ class Bench:
         rss0 = current_rss_mb()
         try:
             rec["draft_quant"], rec["draft_vocab"] = self.variant_for(cfg.spec)  # "auto" resolved (measured once)
-            out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
+            with OtherLoad() as load:
+                out = self.generate(cfg, ids, self.s.max_new_tokens, seed)
         except Exception as err:  # one method failing must not end the benchmark
             rec.update(error=f"{type(err).__name__}: {err}", peak_rss_mb=peak_rss_mb(), env=env)
             return rec
@@ -278,6 +281,7 @@ class Bench:
             exact=not out["lossy"], peak_rss_mb=peak_rss_mb(), rss_before_mb=rss0, rss_after_mb=rss1,
             rss_delta_mb=(rss1 - rss0) if rss0 is not None and rss1 is not None else None,
             perplexity=self.perplexity(ids, out["token_ids"]), env=env,
+            others_cpu=None if load.share is None else round(load.share, 3),
         )
         return rec
 
