@@ -69,6 +69,7 @@ from .server import add_serve_arguments, run_serve
 from .tuning.cost_plots import plot_pair, plot_profile
 from .tuning.costs import (
     WindowTooSmall,
+    busy_share,
     fitting_prefix,
     measure_forward_cost,
     profile_model,
@@ -525,6 +526,9 @@ def _profile_pair(args, sizes: list[int]) -> int:
         kept = profile_path(model, args.ssm_tree)  # not there when the cache cannot be written (it was named)
         print(f"{role}: {getattr(args, role)} ({_computes_in(model, args)}): {source} profile "
               + (str(kept) if kept.exists() else "(not cached: the cache cannot be written)"))
+        if (busy := busy_share(model, args.ssm_tree)) is not None:
+            print(f"  (measured while other processes kept {busy:.0%} of the CPUs busy: its times read slow, and it is "
+                  "measured again at the first start that finds the machine quiet)")
         if source != "measured" and list(curve.sizes) != sizes:
             print(f"  (the cached profile's sizes {','.join(map(str, curve.sizes))}: --sizes and --repeats apply "
                   "when it is measured again, --refresh)")

@@ -364,6 +364,13 @@ def _note(text: str, progress: bool) -> None:
         print(f"[arborspec] note: {text}", file=sys.stderr, flush=True)
 
 
+def busy_share(model, ssm_tree: str = "packed") -> float | None:
+    """The share of the CPUs other processes kept busy while `model`'s cached profile was measured, where that made
+    it a busy machine's figure (core/cpu_load.py: measured again at the first quiet start); None otherwise."""
+    share = (read_record("cost", profile_key(model, ssm_tree)) or {}).get("others")
+    return share if cpu_load.is_busy(share) else None
+
+
 def profile_path(model, ssm_tree: str = "packed"):
     """Where `profile_model` keeps `model`'s curve (it may not exist yet)."""
     return record_path("cost", profile_key(model, ssm_tree))
