@@ -314,8 +314,8 @@ def live_agrees(model, curve: CostCurve, key: dict, progress: bool = False, meas
     with cpu_load.OtherLoad() as now:
         live = (measure or measure_forward_cost)(model, LIVE_SIZES, prefix=prefix, repeats=2, ssm_tree=ssm_tree)
     label = key["name"] or type(model).__name__
-    then = (read_record("cost", key) or {}).get("others")
-    if cpu_load.is_busy(then) and now.share is not None and not cpu_load.is_busy(now.share):
+    then = _busy_share(key)
+    if then is not None and now.share is not None and not cpu_load.is_busy(now.share):
         _note(f"the cached cost of {label} was measured while other processes kept {then:.0%} of the CPUs busy: "
               f"measuring it again on the quiet machine ({now.share:.0%})", progress)
         return False
@@ -367,7 +367,11 @@ def _note(text: str, progress: bool) -> None:
 def busy_share(model, ssm_tree: str = "packed") -> float | None:
     """The share of the CPUs other processes kept busy while `model`'s cached profile was measured, where that made
     it a busy machine's figure (core/cpu_load.py: measured again at the first quiet start); None otherwise."""
-    share = (read_record("cost", profile_key(model, ssm_tree)) or {}).get("others")
+    return _busy_share(profile_key(model, ssm_tree))
+
+
+def _busy_share(key: dict) -> float | None:
+    share = (read_record("cost", key) or {}).get("others")
     return share if cpu_load.is_busy(share) else None
 
 
