@@ -151,12 +151,40 @@ def private_cache(tmp_path_factory):
 def machine_never_busy():
     """The suite's own workers keep the CPUs busy, which would mark the profiles tests measure as taken on a busy
     machine (core/cpu_load.py: measured again when quiet, comparisons not cached) by chance: never busy here.
-    tests/core/test_cpu_load.py sets the threshold back for that rule's own tests; a subprocess has its own."""
+    The rule's own tests turn it back on (`busy_rule`, `other_load`); a subprocess has its own."""
     from arborspec.core import cpu_load
 
     before, cpu_load.BUSY = cpu_load.BUSY, float("inf")
     yield
     cpu_load.BUSY = before
+
+
+@pytest.fixture
+def busy_rule(monkeypatch):
+    """The busy-machine rule on for one test, at 0.1 of the CPUs (`machine_never_busy` turns it off)."""
+    from arborspec.core import cpu_load
+
+    monkeypatch.setattr(cpu_load, "BUSY", 0.1)
+
+
+@pytest.fixture
+def other_load(monkeypatch, busy_rule):
+    """`shares`: the share of the CPUs other processes take during each measurement (`cpu_load.OtherLoad`), one
+    popped per measurement in turn (an unexpected measurement finds the list empty and fails the test)."""
+    from arborspec.core import cpu_load
+
+    shares = []
+
+    class Load:
+        def __enter__(self):
+            self.share = shares.pop(0)
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(cpu_load, "OtherLoad", Load)
+    return shares
 
 
 @pytest.fixture(scope="session", autouse=True)

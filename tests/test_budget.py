@@ -271,31 +271,20 @@ def llama_dirs(tmp_path_factory):
     return paths
 
 
-def test_cli_profile_pair_says_which_profile_a_busy_machine_measured(llama_dirs, tmp_path, monkeypatch, capsys):
+def test_cli_profile_pair_says_which_profile_a_busy_machine_measured(llama_dirs, tmp_path, monkeypatch, capsys,
+                                                                      other_load):
     """A profile measured while other processes kept the CPUs busy says so, and a later start that finds the machine
     quiet measures it again (core/cpu_load.py; tuning/costs.py live_agrees)."""
-    from arborspec.core import cpu_load
     from arborspec.tuning import costs
 
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_load, "BUSY", 0.1)  # tests/conftest.py turns the rule off for the rest of the suite
-    share = [0.5]
-
-    class Load:  # every measurement sees others take share[0] of the CPUs
-        def __enter__(self):
-            self.share = share[0]
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(cpu_load, "OtherLoad", Load)
+    other_load[:] = [0.5] * 2  # others' share of the CPUs while the target and the draft are measured
     args = ["profile", "--pair", "--target", llama_dirs["target"], "--draft", llama_dirs["draft"], "--dtype", "fp32",
             "--sizes", "1,2,4,8", "--repeats", "1", "--prefix", "12", "--no-variants"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("measured profile") == 2 and out.count("other processes kept 50% of the CPUs busy") == 2
-    share[0] = 0.0
+    other_load[:] = [0.0] * 4  # each profile's live forwards find the machine quiet, and it is measured again
     costs._checked.clear()  # a later process: the live forwards check each cached profile again
     assert main(args) == 0
     out = capsys.readouterr().out

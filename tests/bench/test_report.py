@@ -112,12 +112,9 @@ def test_check_equal_holds_each_method_against_plain_decoding_on_its_own_kernels
     assert not any(line.startswith("MISMATCH") for line in lines)
 
 
-def test_runs_that_shared_the_machine_are_named_in_a_warning(monkeypatch):
+def test_runs_that_shared_the_machine_are_named_in_a_warning(busy_rule):
     """Other processes' share of the CPUs during a run (`others_cpu`) at 0.1 or more makes its timings slow: the
     report says how many runs, and how busy the machine was at most."""
-    from arborspec.core import cpu_load
-
-    monkeypatch.setattr(cpu_load, "BUSY", 0.1)  # tests/conftest.py turns the rule off for the rest of the suite
     res = results()
     for r, share in zip(res["runs"], (0.02, None, 0.31, 0.12, "?")):
         r["others_cpu"] = share

@@ -14,11 +14,6 @@ intr 12345
 """
 
 
-@pytest.fixture
-def busy_rule(monkeypatch):
-    monkeypatch.setattr(cpu_load, "BUSY", 0.1)  # tests/conftest.py turns it off for the rest of the suite
-
-
 def test_busy_seconds_count_the_cpus_this_process_runs_on_and_not_idle_or_stolen_time(monkeypatch):
     monkeypatch.setattr(cpu_load.os, "sysconf", lambda name: 100)
     assert cpu_load.busy_seconds(STAT, {0}) == pytest.approx((400 + 100 + 2 + 3) / 100)

@@ -74,26 +74,15 @@ def test_a_cached_profile_holding_nan_is_measured_again(tmp_path, monkeypatch):
         costs.CostCurve.from_measurements([1, 2], [0.01])
 
 
-def test_a_profile_measured_while_others_ran_is_measured_again_on_a_quiet_machine(tmp_path, monkeypatch):
+def test_a_profile_measured_while_others_ran_is_measured_again_on_a_quiet_machine(tmp_path, monkeypatch,
+                                                                                  other_load):
     """A profile taken while other processes kept the CPUs busy (a first start during the test suite read llama.cpp's
     t(1) 1.74x slow, inside what live forwards catch) is measured again when live forwards find the machine quiet,
     and kept while it is still busy; comparisons made with it are not cached (`costs.busy`)."""
-    from arborspec.core import cpu_load
     from arborspec.core.disk_cache import read_record
 
     monkeypatch.setenv("ARBORSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_load, "BUSY", 0.1)
-    shares = []
-
-    class Load:  # the share of the CPUs others take during each measurement, in turn
-        def __enter__(self):
-            self.share = shares.pop(0)
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(cpu_load, "OtherLoad", Load)
+    shares = other_load  # others' share of the CPUs during each measurement (tests/conftest.py)
     model = tiny_model("llama")
     key = costs.profile_key(model)
     busy_before, shares[:] = costs.busy, [0.45]
