@@ -194,6 +194,23 @@ def test_a_local_window_as_long_as_the_context_is_accepted():
     check_session_support(tiny_model("llama"))
 
 
+def test_a_model_off_the_cpu_is_refused_before_its_first_forward():
+    """A model whose weights are not on the CPU (a GPU, or `meta` where accelerate offloaded them) failed in its
+    first forward with torch's device error and a traceback; target or draft, it is now a ValueError up front.
+    `meta` stands in for a GPU here: the check is the same for any device but the CPU."""
+    from arborspec import SpeculativeDecoder
+
+    cpu, off = tiny_model("llama"), tiny_model("llama").to("meta")
+    with pytest.raises(ValueError, match=r"runs torch models on the CPU, and LlamaForCausalLM has weights on meta"):
+        SpeculativeDecoder(off, method="ar")
+    with pytest.raises(ValueError, match=r"has weights on meta: move it with model.to\('cpu'\)"):
+        SpeculativeDecoder(cpu, off, method="chain")
+    off.lm_head.to_empty(device="cpu")  # one layer moved back is not enough
+    with pytest.raises(ValueError, match="weights on meta"):
+        SpeculativeDecoder(off, method="ar")
+    assert SpeculativeDecoder(cpu, method="ar").generate([1, 2, 3], max_new_tokens=2).token_ids
+
+
 def test_longrope_runs_to_its_original_length_and_stops_there():
     """Past it longrope changes every key's frequencies: Phi-3's own generate recomputes its cache, and a tree
     forward cannot, so the generation ends there ("context") rather than differ from the model's own."""

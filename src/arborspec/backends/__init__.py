@@ -4,6 +4,8 @@ model's own sessions for a model object that brings them (`model.new_session(rol
 modules, e.g. llama.cpp). Every session implements `session.Session`."""
 from __future__ import annotations
 
+import itertools
+
 from .hf import TreeSession, check_cache_support, check_tree_attention
 from .session import Session
 from .ssm import SSM_MODEL_TYPES, SSMTreeSession, check_ssm_support
@@ -32,7 +34,20 @@ def check_session_support(model) -> None:
     """Raise ValueError (with a hint) unless one of the backends can run `model`."""
     if brings_sessions(model):
         return None
+    check_on_cpu(model)
     if is_ssm_model(model):
         return check_ssm_support(model)
     check_cache_support(model, f"; the state-space backend (STree) supports model types {', '.join(SSM_MODEL_TYPES)}")
     check_tree_attention(model)
+
+
+def check_on_cpu(model) -> None:
+    """ValueError for a torch model with weights off the CPU: the sessions build their tree masks, positions and
+    caches as CPU tensors (arborspec is built for CPUs), and a model on another device failed in its first forward
+    with torch's "Tensor on device meta is not on the expected device cpu!" (or "Expected all tensors to be on the
+    same device" for a GPU) and a traceback. `meta` is where accelerate leaves weights it offloaded (device_map)."""
+    off = sorted({str(t.device) for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "cpu"})
+    if off:
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        raise ValueError(f"arborspec runs torch models on the CPU, and {name} has weights on {', '.join(off)}: "
+                         "move it with model.to('cpu'), or load it without a device_map")
