@@ -66,6 +66,18 @@ def test_plain_output_prints_text_and_summary(model_dirs, capsys):
     assert "tokens/step" in out and "chain/greedy" in out
 
 
+def test_top_k_and_top_p_at_temperature_0_are_named_as_unused(model_dirs, capsys):
+    """--top-k / --top-p at the default temperature 0 changed nothing without a word: a user who set them expected
+    sampling. Given --temperature, or left at their defaults, there is no note."""
+    base = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--method", "chain",
+            "--prompt", "x = ", "--max-new-tokens", "2"]
+    note = "--top-k and --top-p shape sampling; at --temperature 0 (greedy, the default) they change nothing"
+    code, _, err = run_cli(capsys, *base, "--top-p", "0.9")
+    assert code == 0 and note in err
+    code, _, err = run_cli(capsys, *base, "--top-k", "5", "--temperature", "0.7")
+    assert code == 0 and "shape sampling" not in err
+
+
 def test_trees_draws_the_drafted_steps_not_the_prompts(model_dirs, capsys, monkeypatch, tmp_path):
     drawn = {}
 

@@ -328,6 +328,9 @@ def _check_answer_flags(args) -> None:
         raise CliError("--max-new-tokens must be at least 1")
     _check_sampling(args)
     check_seed(args.seed)  # chat checked it at each turn, and told each to /reset
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):  # transformers' generate warns the same
+        print("arborspec: note: --top-k and --top-p shape sampling; at --temperature 0 (greedy, the default) they "
+              "change nothing: give --temperature > 0 to sample", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:
