@@ -46,7 +46,8 @@ def check_on_cpu(model) -> None:
     caches as CPU tensors (arborspec is built for CPUs), and a model on another device failed in its first forward
     with torch's "Tensor on device meta is not on the expected device cpu!" (or "Expected all tensors to be on the
     same device" for a GPU) and a traceback. `meta` is where accelerate leaves weights it offloaded (device_map)."""
-    off = sorted({str(t.device) for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "cpu"})
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    off = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
     if off:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
         raise ValueError(f"arborspec runs torch models on the CPU, and {name} has weights on {', '.join(off)}: "
