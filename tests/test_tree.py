@@ -62,6 +62,7 @@ def test_subtree_keeps_distributions_and_refuses_orphans():
     sub = tree.subtree([1, 3])
     assert sub.tokens == [0, 1, 3] and sub.parents == [-1, 0, 1]
     assert sub.child_rule == {1: DrawRule.WITH_REPLACEMENT}
+    assert torch.equal(sub.child_dist[1], torch.tensor([0.5, 0.5]))  # what the verifiers read
     with pytest.raises(ValueError):
         tree.subtree([3])
 
@@ -80,6 +81,8 @@ def test_block_count_counts_nonzero_tiles():
     assert block_count(chain, prefix_len=32, block=32) == 5
     star = TokenTree.from_parents(list(range(64)), [-1] + [0] * 63)
     assert block_count(star, prefix_len=0, block=32) == 3  # column 0 in every row tile + the diagonal tiles
+    # 40 nodes: a second, partial tile of rows and columns (rounded up, not down)
+    assert block_count(chain.subtree(list(range(1, 40))), prefix_len=0, block=32) == 3
 
 
 # ---- sources: who proposed each node -----------------------------------------------------------------------------

@@ -58,3 +58,24 @@ def test_numpy_sampling_settings_run_the_default_method():
     plain = SpeculativeDecoder(target, noisy_copy(target, 0.1), temperature=0.75, top_k=5, top_p=0.5, seed=3,
                                draft_temperature=0.5)
     assert dec.generate([3, 4], max_new_tokens=6).token_ids == plain.generate([3, 4], max_new_tokens=6).token_ids
+
+
+def test_the_sampling_bounds_are_where_the_rules_say():
+    """The smallest temperature is allowed (TEMPERATURE_RULE says >=), top_p 0 is not: it would keep no token, and
+    read as greedy in all but name."""
+    from arborspec.core.sampling import MIN_TEMPERATURE, SamplingConfig
+
+    assert SamplingConfig(MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+    with pytest.raises(ValueError, match="temperature must be"):
+        SamplingConfig(MIN_TEMPERATURE / 2)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingConfig(1.0, top_p=0.0)
+
+
+def test_a_uniform_that_rounds_up_to_the_total_draws_the_last_token_with_mass(monkeypatch):
+    """sample_one's rounding guard: a uniform times the total that equals the total draws the last token with mass,
+    never a zero-mass token after it."""
+    from arborspec.core import sampling
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *args, **kwargs: torch.tensor(1.0, dtype=torch.float64))
+    assert sampling.sample_one(torch.tensor([0.3, 0.7, 0.0, 0.0], dtype=torch.float64), None) == 1

@@ -50,6 +50,14 @@ def test_top_p_edges_match_transformers(top_p):
     assert torch.equal(ours > 0, hf_probs(logits, 1.0, 0, top_p) > 0)
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 1e-3])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """Below the top token's own mass, top-p keeps that token alone: without the guard that always keeps it, every
+    token was dropped and the row came out NaN."""
+    logits = torch.log(torch.tensor([[0.125, 0.5, 0.25, 0.125]]))
+    assert warp(logits, SamplingConfig(1.0, 0, top_p)).tolist() == [[0, 1, 0, 0]]
+
+
 def test_temperature_zero_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
     assert warp(logits, SamplingConfig(0.0)).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]  # ties -> lowest id
