@@ -1,5 +1,6 @@
 """Greedy speculative decoding is token-identical to plain greedy decoding of the target."""
 import random
+import time
 
 import pytest
 import torch
@@ -112,6 +113,52 @@ def test_eos_inside_an_accepted_path_stops_there():
     assert chain.accepted > free.index(eos)  # the path ran past EOS and was cut
 
 
+def test_logprobs_of_a_step_cut_at_eos_come_from_their_own_rows():
+    """EOS in the middle of an accepted path cuts the step's tokens: each kept token's logprob is still read from the
+    row that predicts it (plain decoding's), not from the end of the path."""
+    target = tiny_model("llama", seed=0)
+    prompt = [5, 9, 14, 3]
+    free = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=30, ignore_eos=True).token_ids
+    target.generation_config.eos_token_id = free[6]
+    plain = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=30, logprobs=1)
+    spec = SpeculativeDecoder(target, noisy_copy(target, noise=0.0), method="chain", k=8).generate(
+        prompt, max_new_tokens=30, logprobs=1)
+    assert spec.token_ids == plain.token_ids and spec.stats.finish_reason == "eos"
+    assert spec.stats.steps[1].accepted > spec.stats.steps[1].committed - 1  # the path ran past EOS and was cut
+    for got, want in zip(spec.logprobs, plain.logprobs, strict=True):
+        assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_a_step_drafts_no_deeper_than_its_bonus_can_use():
+    """A tree's nodes below depth (tokens left - 1) could never be kept: the step's bonus token would not fit."""
+    target = tiny_model("llama", seed=0)
+    res = SpeculativeDecoder(target, noisy_copy(target, noise=0.0), method="chain", k=6).generate(
+        [5, 9, 14], max_new_tokens=5, ignore_eos=True)
+    left = 5
+    for step in res.stats.steps:
+        assert step.depth <= max(left - 1, 0)
+        left -= step.committed
+    assert left == 0 and res.stats.steps[1].depth == 3  # the perfect draft fills the room it has
+
+
+def test_the_first_result_is_the_first_token_and_prefill_counts_both_models():
+    """The first result of `steps` carries the time to its token (t_first_token = t_total then); a speculative
+    run's t_prefill holds the target's prompt forward and the draft's prefill after it."""
+    target = tiny_model("llama", seed=0)
+    draft = noisy_copy(target, noise=0.1)
+    dec = SpeculativeDecoder(target, draft, method="chain", k=3)
+    first = next(dec.steps([5, 9, 14], 8, ignore_eos=True))
+    assert first.stats.t_first_token == first.stats.t_total > 0
+    slow = {"forward": target.forward, "draft": draft.forward}
+    target.forward = lambda *a, **k: (time.sleep(0.2), slow["forward"](*a, **k))[1]  # noqa: E731
+    draft.forward = lambda *a, **k: (time.sleep(0.2), slow["draft"](*a, **k))[1]  # noqa: E731
+    try:
+        res = dec.generate([5, 9, 14], 2, ignore_eos=True)  # the target's first forward, then the draft's prefill
+    finally:
+        del target.forward, draft.forward
+    assert res.stats.t_prefill >= 0.4
+
+
 def test_perfect_draft_accepts_everything():
     target = tiny_model("qwen2", seed=2)
     res = SpeculativeDecoder(target, noisy_copy(target, 0.0), method="chain", k=4).generate(
@@ -171,6 +218,37 @@ def test_a_stop_string_holding_u_fffd_waits_for_a_split_character():
     assert cut([103, 0xFF, 104, 105]) == ([103, 0xFF, 104], "stop")
 
 
+def test_a_stop_string_of_multi_byte_characters_is_found_past_32_tokens():
+    """Tokens here are bytes, and the characters three each. The stop check decodes a tail of tokens; 32 of them end
+    in the 10 whole characters before them and begin with 2 bytes of a cut one (2 U+FFFD, dropped): an 11-character
+    stop string needs the tail to reach past that, which the margin for a cut character gives."""
+    from arborspec.engine.generation import Generation
+    from arborspec.engine.stats import GenerationStats
+
+    text = "".join(chr(0x4E00 + i) for i in range(40))  # 40 CJK characters, 120 bytes
+    tokens = list(text.encode())
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    stop = text[20:31]  # ends at byte 93
+    generation = Generation([65], 500, [stop], set(), 1000, decode, GenerationStats("ar", "greedy", False, 1), None,
+                            0.0)
+    assert generation._cut(tokens) == (tokens[:93], "stop")
+
+
+def test_eos_is_the_reason_even_on_the_budgets_or_the_windows_last_token():
+    """A model that ends on its own at the last token it had room for finished with "eos", not "length" or
+    "context" (the server sends that on: OpenAI's "stop", not "length")."""
+    from arborspec.engine.generation import Generation
+    from arborspec.engine.stats import GenerationStats
+
+    def cut(budget: int, window: int) -> tuple[list[int], str]:
+        stats = GenerationStats("ar", "greedy", False, 1)
+        return Generation([3], budget, None, {7}, window, None, stats, None, 0.0)._cut([5, 7, 9])
+
+    assert cut(budget=2, window=100) == ([5, 7], "eos")
+    assert cut(budget=10, window=3) == ([5, 7], "eos")
+    assert cut(budget=1, window=100) == ([5], "length")
+
+
 def test_a_stream_joins_up_to_the_text_when_the_tokenizer_cleans_up_spaces(tokenizer):
     """With clean_up_tokenization_spaces, decoding " ," gave "," once the comma came, rewriting a space the stream
     had sent: the joined stream kept the space and lost the comma."""
@@ -181,6 +259,33 @@ def test_a_stream_joins_up_to_the_text_when_the_tokenizer_cleans_up_spaces(token
     whole = dec.generate("a , b . c", 40, ignore_eos=True, seed=81).text
     assert " ," in whole  # the case: a space, then a comma in a later step
     assert "".join(dec.stream("a , b . c", 40, ignore_eos=True, seed=81)) == whole
+
+
+def byte_tokenizer():
+    """A tokenizer whose tokens are bytes (byte-level BPE without merges) and an EOS: texts can end in the middle of
+    a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0} | {c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_a_stream_sends_the_whole_text_in_pieces_that_are_never_empty():
+    """A stream holds back a text ending in U+FFFD (half a character) until the rest comes, but not at the end: a
+    generation whose budget ends mid-character still sends its last piece. A last step that adds no text (EOS)
+    sends no empty piece. Seeds 2 and 17 end these two ways (random bytes at T = 3)."""
+    model = tiny_model("llama", vocab=257)
+    model.generation_config.eos_token_id = 0
+    dec = SpeculativeDecoder(model, method="ar", tokenizer=byte_tokenizer(), temperature=3.0)
+    for seed, reason in ((2, "length"), (17, "eos")):
+        whole = dec.generate("ab", 12, seed=seed)
+        pieces = list(dec.stream("ab", 12, seed=seed))
+        assert whole.stats.finish_reason == reason and "".join(pieces) == whole.text
+        assert "" not in pieces
+    assert dec.generate("ab", 12, seed=2).text.endswith("\ufffd")  # the case: the budget ends mid-character
 
 
 def test_a_bad_seed_in_a_batch_is_refused_before_any_prompt_runs(tokenizer, monkeypatch):
@@ -229,6 +334,7 @@ def test_context_window_is_respected():
         # a tree past MAX_TREE_NODES (1024): these ran until memory ran out, on a server at one client's request
         (dict(method="static", depth=100, branch=100), "has more than a billion drafted nodes; .* at most 1024$"),
         (dict(method="static", widths="600,600"), "at most 1024"),
+        (dict(method="static", depth=10, branch=2), "has 2046 drafted nodes"),  # depth 9 (1022): the next test
         (dict(method="dyspec", budget=100_000), "at most 1024"),
         (dict(method="beam", beams=200_000), "at most"),
         (dict(method="chain", k=5000), "at most 1024"),
@@ -248,6 +354,12 @@ def test_bad_configuration_is_refused(kwargs, match):
     target = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         SpeculativeDecoder(target, noisy_copy(target, 0.1), **kwargs)
+
+
+def test_a_tree_just_under_the_node_limit_is_allowed():
+    from arborspec.drafting.static import StaticOptions
+
+    assert StaticOptions(depth=9, branch=2).depth == 9  # 1022 drafted nodes, the limit 1024
 
 
 def test_an_option_given_twice_is_refused():
