@@ -36,10 +36,21 @@ def test_a_follow_up_starts_from_the_kept_cache_and_decodes_the_same_tokens(nati
     again = kept.generate(follow_up, max_new_tokens=16, seed=4, ignore_eos=True)
     alone = fresh.generate(follow_up, max_new_tokens=16, seed=4, ignore_eos=True)
     assert again.token_ids == alone.token_ids
-    assert again.stats.cached_tokens >= len(kept.encode(FIRST))  # the first request's prompt at least
+    # the first request's prompt and every generated token but the last, which no forward has read yet
+    assert again.stats.cached_tokens == len(kept.encode(FIRST)) + len(first.token_ids) - 1
     assert cache.hits >= 1
     other = kept.generate("import os\nprint(os.getcwd())", max_new_tokens=4, seed=0, ignore_eos=True)
     assert other.stats.cached_tokens == 0  # nothing in common
+
+
+def test_a_speculative_request_that_ends_at_its_first_token_is_kept(native):
+    """The first token comes from the prompt's forward, before the draft reads anything: a request that ends there
+    (one token asked for, or EOS first) keeps its target's cache like any other."""
+    target, draft = native("target"), native("draft")
+    dec = SpeculativeDecoder(target, draft, method="static", prefix_cache=PrefixCache(1 << 30))
+    one = dec.generate(FIRST, max_new_tokens=1, ignore_eos=True)
+    again = dec.generate(dec.encode(FIRST) + one.token_ids + dec.encode(" 1"), max_new_tokens=2, ignore_eos=True)
+    assert again.stats.cached_tokens == len(dec.encode(FIRST))
 
 
 def test_what_is_kept_is_bounded_and_a_longer_conversation_replaces_its_start(native):
