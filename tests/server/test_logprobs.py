@@ -202,3 +202,17 @@ def test_a_token_a_stop_string_cuts_through_comes_with_the_last_piece_so_the_tok
     first = json.loads(streamed.text_event("x", done, "x")[len("data: "):])["choices"][0]["logprobs"]
     last = json.loads(streamed.last_events(done, "xd")[0][len("data: "):])["choices"][0]["logprobs"]
     assert [e["token"] for e in first["content"] + last["content"]] == ["x", "def"]
+
+
+def test_two_alternatives_with_one_text_keep_the_likelier_ones_value():
+    """Completions name alternatives by text: where two tokens read the same ("a" and a second spelling of it), the
+    likelier one's logprob stays, whichever comes later."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "X": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("X", "a"), decoders.Fuse()])
+    lp = Logprobs(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"), chat=False)
+    assert lp.key(1) == lp.key(2) == "a"
+    assert lp._top([(2, -0.1), (1, -2.0)]) == {"a": -0.1}  # top lists come likeliest first

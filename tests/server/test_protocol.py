@@ -238,3 +238,37 @@ def test_a_text_part_without_text_is_named_not_the_string_branch():
     err = refused({"model": "t", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, ChatRequest)
     assert err.status == 400 and "messages.0.content.0.text" in err.body()["error"]["message"]
     assert "Field required" in err.body()["error"]["message"]
+
+
+def finished(text: str, reason: str, new_tokens: int = 4, cached: int = 0):
+    from arborspec.engine.stats import GenerationResult, GenerationStats
+
+    stats = GenerationStats("chain", "greedy", False, prompt_tokens=10, new_tokens=new_tokens, finish_reason=reason,
+                            cached_tokens=cached)
+    return GenerationResult(text, [7] * new_tokens, stats)
+
+
+@pytest.mark.parametrize("reason,openai", [("eos", "stop"), ("stop", "stop"), ("length", "length"),
+                                           ("context", "length")])
+def test_the_finish_reasons_and_usage_a_client_reads(reason, openai):
+    """The engine's reasons as OpenAI's: running into the context window is "length" (the client may ask for more
+    room), a model's EOS "stop"; usage adds up and names the tokens an earlier request's cache held."""
+    from arborspec.server.output import Reply
+
+    body = Reply("m", chat=False, stop=[]).body(finished("abc", reason, cached=6))
+    assert body["choices"][0]["finish_reason"] == openai
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 6}}
+
+
+def test_text_cut_at_a_stop_string_finishes_with_stop_whatever_the_engine_said():
+    """The engine may end for another reason with a stop string in its text (one the budget's last token completed
+    in the middle of a character, which the engine's check leaves to the next token): the client gets the text cut
+    before it, and "stop", in a whole response and at the end of a stream."""
+    from arborspec.server.output import Reply
+
+    result = finished("ab STOP cd", "length")
+    body = Reply("m", chat=False, stop=["STOP"]).body(result)
+    assert body["choices"][0]["text"] == "ab " and body["choices"][0]["finish_reason"] == "stop"
+    last = Reply("m", chat=True, stop=["STOP"]).last_events(result, "ab ")[0]
+    assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
