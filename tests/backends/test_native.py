@@ -236,14 +236,16 @@ def test_greedy_speculative_output_equals_plain_decoding(native, method, options
         assert spec.stats.n_steps < ar.stats.n_steps  # the noisy draft is accepted sometimes
 
 
-@pytest.mark.parametrize("method", ["chain", "dyspec"])
-def test_a_draft_with_a_shorter_window_drafts_up_to_its_end_then_the_target_goes_on(native, method):
+@pytest.mark.parametrize("method,options", [("chain", {}), ("dyspec", {}), ("static", {"depth": 4}),
+                                            ("static", {"widths": "4,3,3,3"})])
+def test_a_draft_with_a_shorter_window_drafts_up_to_its_end_then_the_target_goes_on(native, method, options):
     """The draft's window is 40 tokens, the target's 256: trees get shallower near position 40 and are bare roots
     past it (the draft's session raised ContextOverflow there), and the output is the target's own."""
     target, draft = native("q4_k"), native("short")
     prompt = list(range(5, 25))
     ar = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=60, ignore_eos=True)
-    spec = SpeculativeDecoder(target, draft, method=method).generate(prompt, max_new_tokens=60, ignore_eos=True)
+    spec = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=60,
+                                                                                 ignore_eos=True)
     assert spec.token_ids == ar.token_ids and spec.stats.finish_reason == "length"
     steps, length = [s for s in spec.stats.steps if not s.prefill], len(prompt) + 1
     for step in steps:
