@@ -5,6 +5,7 @@ computed another way: the walk rules and traversal against their exact outcome e
 the chain rules against their outcome tables, and naive (and one walk rule, as a check of the check) against the
 mean of the real verifier's sampled paths.
 """
+import importlib
 import itertools
 
 import pytest
@@ -49,6 +50,34 @@ def test_tree_rules_match_their_outcome_enumeration(name):
         assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-12)
         checked += want > 0
     assert checked > 5
+
+
+@pytest.mark.parametrize("name", sorted(OUTCOMES))
+def test_the_bonus_comes_from_the_rules_distribution_where_the_walk_ended(name, monkeypatch):
+    """verify() draws its bonus token from what the rule's outcome enumeration gives the node where the walk ended
+    (the residual after its rejected children, the target's own row at a leaf), read off each real draw. A bonus
+    drawn from the target's plain row there keeps every path length right: only the slow chi-square tests saw it."""
+    rule, outcomes = OUTCOMES[name]
+    verifier = VERIFIERS[name]()
+    given = []
+    for module in {importlib.import_module("arborspec.verify.base"), importlib.import_module(type(verifier).__module__)}:
+        if hasattr(module, "draw"):
+            real = module.draw
+            monkeypatch.setattr(module, "draw", lambda dist, gen, real=real: (given.append(dist), real(dist, gen))[1])
+    gen, ends = torch.Generator().manual_seed(4), set()
+    p, q = random_tree_dists(7, 4, 2, zeros=False)  # every outcome possible: walks end everywhere
+    trees = list(itertools.islice(drafted_trees(q, [2, 2], rule), 600))
+    for _, tree, prefixes in trees[::max(len(trees) // 50, 1)]:
+        P = torch.stack([p[s] for s in prefixes])
+        want = {node: bonus for node, _, bonus in outcomes(tree, P)}
+        for _ in range(20):
+            given.clear()
+            path = verifier.verify(tree, P.log(), SamplingConfig(1.0), gen).path
+            end = path[-1] if path else 0
+            got = given[-1].to(torch.float64)
+            assert torch.allclose(got / got.sum(), want[end] / want[end].sum(), atol=1e-6), (name, end)
+            ends.add((end == 0, bool(tree.children_lists()[end])))
+    assert ends >= {(True, True), (False, True), (False, False)}  # at the root, inside and at a leaf
 
 
 @pytest.mark.parametrize("name,neighbor", [("sps", sps_neighbor), ("asps", asps_neighbor), ("block", block_neighbor)])
