@@ -52,6 +52,22 @@ def test_tree_rules_match_their_outcome_enumeration(name):
     assert checked > 5
 
 
+def spy_on_draws(verifier, monkeypatch) -> list[torch.Tensor]:
+    """The distributions `verifier` draws its bonus tokens from, appended as it draws (the draws themselves run)."""
+    given = []
+    for module in {importlib.import_module("arborspec.verify.base"), importlib.import_module(type(verifier).__module__)}:
+        if not hasattr(module, "draw"):  # the walk rules draw in base's multi_draft_walk
+            continue
+        real = module.draw
+        monkeypatch.setattr(module, "draw", lambda dist, gen, real=real: (given.append(dist), real(dist, gen))[1])
+    return given
+
+
+def same_distribution(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    return torch.allclose(got / got.sum(), want / want.sum(), atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(OUTCOMES))
 def test_the_bonus_comes_from_the_rules_distribution_where_the_walk_ended(name, monkeypatch):
     """verify() draws its bonus token from what the rule's outcome enumeration gives the node where the walk ended
@@ -59,11 +75,7 @@ def test_the_bonus_comes_from_the_rules_distribution_where_the_walk_ended(name, 
     drawn from the target's plain row there keeps every path length right: only the slow chi-square tests saw it."""
     rule, outcomes = OUTCOMES[name]
     verifier = VERIFIERS[name]()
-    given = []
-    for module in {importlib.import_module("arborspec.verify.base"), importlib.import_module(type(verifier).__module__)}:
-        if hasattr(module, "draw"):
-            real = module.draw
-            monkeypatch.setattr(module, "draw", lambda dist, gen, real=real: (given.append(dist), real(dist, gen))[1])
+    given = spy_on_draws(verifier, monkeypatch)
     gen, ends = torch.Generator().manual_seed(4), set()
     p, q = random_tree_dists(7, 4, 2, zeros=False)  # every outcome possible: walks end everywhere
     trees = list(itertools.islice(drafted_trees(q, [2, 2], rule), 600))
@@ -74,8 +86,7 @@ def test_the_bonus_comes_from_the_rules_distribution_where_the_walk_ended(name, 
             given.clear()
             path = verifier.verify(tree, P.log(), SamplingConfig(1.0), gen).path
             end = path[-1] if path else 0
-            got = given[-1].to(torch.float64)
-            assert torch.allclose(got / got.sum(), want[end] / want[end].sum(), atol=1e-6), (name, end)
+            assert same_distribution(given[-1], want[end]), (name, end)
             ends.add((end == 0, bool(tree.children_lists()[end])))
     assert ends >= {(True, True), (False, True), (False, False)}  # at the root, inside and at a leaf
 
@@ -87,6 +98,28 @@ def test_chain_rules_match_their_outcome_tables(name, neighbor):
         q = torch.stack([tree.child_dist[n].to(torch.float64) for n in range(len(tokens))])
         want = expected_tokens(neighbor(tokens, q, P[: len(tokens)]), tokens) - 1.0
         assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.parametrize("name,neighbor", [("sps", sps_neighbor), ("block", block_neighbor)])
+def test_a_chains_bonus_comes_from_its_rules_outcome_table(name, neighbor, monkeypatch):
+    """The same for the chain rules whose bonus depends on the accepted count alone: after i < n accepted tokens it
+    follows row i of the outcome table (less full acceptance, in the last row), after all n the target's row at the
+    chain's end. (ASpS's row i mixes several ways to end with i tokens: its chi-square tests cover it.)"""
+    verifier = VERIFIERS[name]()
+    given, gen, kept_counts = spy_on_draws(verifier, monkeypatch), torch.Generator().manual_seed(4), set()
+    p, q = random_tree_dists(7, 4, 3, zeros=False)
+    chains = list(itertools.islice(drafted_trees(q, [1, 1, 1], W), 64))
+    for _, tree, prefixes in chains[::4]:
+        P, tokens = torch.stack([p[s] for s in prefixes]), list(prefixes[-1])
+        table = neighbor(tokens, torch.stack([q[s] for s in prefixes[:-1]]), P)  # (n, vocab)
+        for _ in range(20):
+            kept = len(verifier.verify(tree, P.log(), SamplingConfig(1.0), gen).path)
+            want = P[-1] if kept == len(tokens) else table[kept].clone()
+            if kept == len(tokens) - 1:
+                want[tokens[-1]] = 0  # that cell is full acceptance
+            assert same_distribution(given[-1], want), (name, kept)
+            kept_counts.add(kept)
+    assert kept_counts == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("name,rule", [("naive", WO), ("naive", W), ("mbr", WO)])
