@@ -54,8 +54,8 @@ def test_tree_rules_match_their_outcome_enumeration(name):
 
 def spy_on_draws(verifier, monkeypatch) -> list[torch.Tensor]:
     """The distributions `verifier` draws its bonus tokens from, appended as it draws (the draws themselves run)."""
-    given = []
-    for module in {importlib.import_module("arborspec.verify.base"), importlib.import_module(type(verifier).__module__)}:
+    given, modules = [], {"arborspec.verify.base", type(verifier).__module__}
+    for module in map(importlib.import_module, modules):
         if not hasattr(module, "draw"):  # the walk rules draw in base's multi_draft_walk
             continue
         real = module.draw
