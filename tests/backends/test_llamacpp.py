@@ -656,7 +656,9 @@ def exact_first_two(model, prompt: list[int], sampling) -> torch.Tensor:
 def test_sampled_speculative_output_follows_the_target_distribution(gguf_dir, method, options, verifier):
     """At T = 1 (top-k 3, so the exact distribution of the first two tokens has few cells), the exact verifiers on
     llama.cpp sessions emit the target's distribution: a chi-square test with enough samples to catch any error of
-    total variation 0.02 with probability 0.95."""
+    total variation 0.05 with probability 0.95 (3.6k samples, ~12 s each; the draft's own distribution is 0.79
+    away). What is tested here is the backend's sessions under sampled trees; the verifiers themselves are proven to
+    0.02 on exact tables (tests/verify/test_equivalence.py), which here took 25k samples and ~85 s a case."""
     from arborspec.core.sampling import SamplingConfig
     from arborspec.engine import SpeculativeDecoder
     from tests.verify.harness import assert_same_distribution, plan_samples, sample_outputs
@@ -668,8 +670,8 @@ def test_sampled_speculative_output_follows_the_target_distribution(gguf_dir, me
     probs = exact_first_two(target.model, prompt, sampling)
     dec = SpeculativeDecoder(target, draft, method=method, temperature=1.0, top_k=3, verifier=verifier, **options)
     assert dec.verifier.name == verifier
-    counts = sample_outputs(dec, prompt, 2, plan_samples(probs), seed=11, max_new_tokens=3)
-    assert_same_distribution(counts, probs)
+    counts = sample_outputs(dec, prompt, 2, plan_samples(probs, tv=0.05), seed=11, max_new_tokens=3)
+    assert_same_distribution(counts, probs, tv=0.05)
 
 
 @needs_llama
