@@ -276,16 +276,19 @@ def byte_tokenizer():
 def test_a_stream_sends_the_whole_text_in_pieces_that_are_never_empty():
     """A stream holds back a text ending in U+FFFD (half a character) until the rest comes, but not at the end: a
     generation whose budget ends mid-character still sends its last piece. A last step that adds no text (EOS)
-    sends no empty piece. Seeds 2 and 17 end these two ways (random bytes at T = 3)."""
+    sends no empty piece. Random bytes at T = 3 end both ways within a few seeds (2 and 17 on the hosts here)."""
     model = tiny_model("llama", vocab=257)
     model.generation_config.eos_token_id = 0
     dec = SpeculativeDecoder(model, method="ar", tokenizer=byte_tokenizer(), temperature=3.0)
-    for seed, reason in ((2, "length"), (17, "eos")):
+    cases = {"mid-character": None, "eos": None}
+    for seed in range(100):
         whole = dec.generate("ab", 12, seed=seed)
-        pieces = list(dec.stream("ab", 12, seed=seed))
-        assert whole.stats.finish_reason == reason and "".join(pieces) == whole.text
-        assert "" not in pieces
-    assert dec.generate("ab", 12, seed=2).text.endswith("\ufffd")  # the case: the budget ends mid-character
+        case = "eos" if whole.stats.finish_reason == "eos" else "mid-character" if whole.text.endswith("\ufffd") else ""
+        if case and cases[case] is None:
+            cases[case] = seed
+            pieces = list(dec.stream("ab", 12, seed=seed))
+            assert "".join(pieces) == whole.text and "" not in pieces, (case, seed)
+    assert None not in cases.values(), cases
 
 
 def test_a_bad_seed_in_a_batch_is_refused_before_any_prompt_runs(tokenizer, monkeypatch):
