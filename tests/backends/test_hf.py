@@ -195,7 +195,7 @@ def test_a_local_window_as_long_as_the_context_is_accepted():
 
 
 def test_a_model_off_the_cpu_is_refused_before_its_first_forward():
-    """A model whose weights are not on the CPU (a GPU, or `meta` where accelerate offloaded them) failed in its
+    """A model whose weights are not on the CPU (a GPU, or `meta` without hooks to bring them back) failed in its
     first forward with torch's device error and a traceback; target or draft, it is now a ValueError up front.
     `meta` stands in for a GPU here: the check is the same for any device but the CPU."""
     from arborspec import SpeculativeDecoder
@@ -208,7 +208,28 @@ def test_a_model_off_the_cpu_is_refused_before_its_first_forward():
     off.lm_head.to_empty(device="cpu")  # one layer moved back is not enough
     with pytest.raises(ValueError, match="weights on meta"):
         SpeculativeDecoder(off, method="ar")
-    assert SpeculativeDecoder(cpu, method="ar").generate([1, 2, 3], max_new_tokens=2).token_ids
+    cpu.hf_device_map = {"model": "cpu", "lm_head": 0}  # what from_pretrained(device_map=...) records
+    with pytest.raises(ValueError, match="weights on GPU 0"):
+        SpeculativeDecoder(cpu, method="ar")
+
+
+def test_a_model_with_layers_offloaded_to_disk_runs_and_decodes_the_same(tmp_path):
+    """accelerate leaves weights it offloaded to disk on `meta` and loads them onto the CPU for each forward: such a
+    model runs (its device_map names only the CPU and disk) and decodes what the model in memory decodes."""
+    from transformers import AutoModelForCausalLM
+
+    from arborspec import SpeculativeDecoder
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    places = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+              "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=places,
+                                                     offload_folder=str(tmp_path / "off"))
+    assert any(p.device.type == "meta" for p in offloaded.parameters())  # the case
+    want = SpeculativeDecoder(model, method="ar").generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).token_ids
+    got = SpeculativeDecoder(offloaded, method="ar").generate([1, 2, 3], max_new_tokens=5, ignore_eos=True).token_ids
+    assert got == want
 
 
 def test_longrope_runs_to_its_original_length_and_stops_there():

@@ -44,11 +44,16 @@ def check_session_support(model) -> None:
 def check_on_cpu(model) -> None:
     """ValueError for a torch model with weights off the CPU: the sessions build their tree masks, positions and
     caches as CPU tensors (arborspec is built for CPUs), and a model on another device failed in its first forward
-    with torch's "Tensor on device meta is not on the expected device cpu!" (or "Expected all tensors to be on the
-    same device" for a GPU) and a traceback. `meta` is where accelerate leaves weights it offloaded (device_map)."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    off = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+    with torch's "Expected all tensors to be on the same device" (or, on `meta`, "Tensor on device meta is not on the
+    expected device cpu!") and a traceback. A model loaded with a `device_map` is judged by it: accelerate's hooks
+    bring weights it offloaded to disk (left on `meta` between forwards) to the CPU for each forward, which runs."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        off = sorted({f"GPU {d}" if isinstance(d, int) else str(d) for d in placed.values()} - {"cpu", "disk"})
+    else:
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        off = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
     if off:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
         raise ValueError(f"arborspec runs torch models on the CPU, and {name} has weights on {', '.join(off)}: "
-                         "move it with model.to('cpu'), or load it without a device_map")
+                         "move it with model.to('cpu'), or load it with device_map='cpu' (or none)")
