@@ -149,13 +149,9 @@ def test_the_first_result_is_the_first_token_and_prefill_counts_both_models():
     dec = SpeculativeDecoder(target, draft, method="chain", k=3)
     first = next(dec.steps([5, 9, 14], 8, ignore_eos=True))
     assert first.stats.t_first_token == first.stats.t_total > 0
-    slow = {"forward": target.forward, "draft": draft.forward}
-    target.forward = lambda *a, **k: (time.sleep(0.2), slow["forward"](*a, **k))[1]  # noqa: E731
-    draft.forward = lambda *a, **k: (time.sleep(0.2), slow["draft"](*a, **k))[1]  # noqa: E731
-    try:
-        res = dec.generate([5, 9, 14], 2, ignore_eos=True)  # the target's first forward, then the draft's prefill
-    finally:
-        del target.forward, draft.forward
+    for model in (target, draft):  # both are this test's own: nothing to restore
+        model.forward = lambda *a, forward=model.forward, **k: (time.sleep(0.2), forward(*a, **k))[1]
+    res = dec.generate([5, 9, 14], 2, ignore_eos=True)  # the target's first forward, then the draft's prefill
     assert res.stats.t_prefill >= 0.4
 
 
@@ -201,52 +197,42 @@ def test_stop_strings_and_text(tokenizer):
     assert last.text.endswith(stop) and last.stats.finish_reason == "stop"  # it read "length"
 
 
+def cut(tokens: list[int], stop: list[str] | None = None, eos=(), budget: int = 500,
+        window: int = 1000) -> tuple[list[int], str]:
+    """What a generation after a one-token prompt keeps of a step's `tokens` under the stopping rules, and why it
+    stops (Generation._cut); its text is the tokens read as UTF-8 bytes."""
+    from arborspec.engine.generation import Generation
+
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    stats = GenerationStats("ar", "greedy", False, 1)
+    return Generation([65], budget, stop, set(eos), window, decode, stats, None, 0.0)._cut(tokens)
+
+
 def test_a_stop_string_holding_u_fffd_waits_for_a_split_character():
     """Tokens here are bytes; U+008F is two, c2 8f. After the first the text ended in the U+FFFD of half a character,
     and a stop string holding U+FFFD ended the generation there. A tail decoded from the middle of a character
     begins with one too. A byte that stays invalid (ff) still matches, a token later."""
-    from arborspec.engine.generation import Generation
-    from arborspec.engine.stats import GenerationStats
-
-    def cut(tokens: list[int]) -> tuple[list[int], str]:
-        decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
-        stats = GenerationStats("ar", "greedy", False, 1)
-        return Generation([103], 200, ["\ufffd"], set(), 1000, decode, stats, None, 0.0)._cut(tokens)
-
-    assert cut([103, 0xC2, 0x8F, 104]) == ([103, 0xC2, 0x8F, 104], "")
-    assert cut([65] * 2 + [0xC2, 0x8F] * 40) == ([65] * 2 + [0xC2, 0x8F] * 40, "")  # tails that start at 8f
-    assert cut([103, 0xFF, 104, 105]) == ([103, 0xFF, 104], "stop")
+    stop = ["\ufffd"]
+    assert cut([103, 0xC2, 0x8F, 104], stop) == ([103, 0xC2, 0x8F, 104], "")
+    assert cut([65] * 2 + [0xC2, 0x8F] * 40, stop) == ([65] * 2 + [0xC2, 0x8F] * 40, "")  # tails that start at 8f
+    assert cut([103, 0xFF, 104, 105], stop) == ([103, 0xFF, 104], "stop")
 
 
 def test_a_stop_string_of_multi_byte_characters_is_found_past_32_tokens():
     """Tokens here are bytes, and the characters three each. The stop check decodes a tail of tokens; 32 of them end
     in the 10 whole characters before them and begin with 2 bytes of a cut one (2 U+FFFD, dropped): an 11-character
     stop string needs the tail to reach past that, which the margin for a cut character gives."""
-    from arborspec.engine.generation import Generation
-    from arborspec.engine.stats import GenerationStats
-
     text = "".join(chr(0x4E00 + i) for i in range(40))  # 40 CJK characters, 120 bytes
     tokens = list(text.encode())
-    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
-    stop = text[20:31]  # ends at byte 93
-    generation = Generation([65], 500, [stop], set(), 1000, decode, GenerationStats("ar", "greedy", False, 1), None,
-                            0.0)
-    assert generation._cut(tokens) == (tokens[:93], "stop")
+    assert cut(tokens, [text[20:31]]) == (tokens[:93], "stop")  # the stop string ends at byte 93
 
 
 def test_eos_is_the_reason_even_on_the_budgets_or_the_windows_last_token():
     """A model that ends on its own at the last token it had room for finished with "eos", not "length" or
     "context" (the server sends that on: OpenAI's "stop", not "length")."""
-    from arborspec.engine.generation import Generation
-    from arborspec.engine.stats import GenerationStats
-
-    def cut(budget: int, window: int) -> tuple[list[int], str]:
-        stats = GenerationStats("ar", "greedy", False, 1)
-        return Generation([3], budget, None, {7}, window, None, stats, None, 0.0)._cut([5, 7, 9])
-
-    assert cut(budget=2, window=100) == ([5, 7], "eos")
-    assert cut(budget=10, window=3) == ([5, 7], "eos")
-    assert cut(budget=1, window=100) == ([5], "length")
+    assert cut([5, 7, 9], eos={7}, budget=2) == ([5, 7], "eos")
+    assert cut([5, 7, 9], eos={7}, window=3) == ([5, 7], "eos")
+    assert cut([5, 7, 9], eos={7}, budget=1) == ([5], "length")
 
 
 def test_a_stream_joins_up_to_the_text_when_the_tokenizer_cleans_up_spaces(tokenizer):
