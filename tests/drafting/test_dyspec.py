@@ -141,3 +141,82 @@ def test_draft_calls_are_reported():
 
 def test_sampling_preserves_the_target_distribution():
     check_distribution("dyspec", "mbr", dict(budget=6))
+
+
+# ---- what the tree records, and what the draft is asked ----------------------------------------------------------
+def node_logits(session, ctx, tree, node):
+    return session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.6, 3)])
+def test_dyspec_records_the_warped_draft_distribution_and_each_token_probability(temperature, top_k):
+    """Children come from the draft's warped distribution (mbr needs it); a node's prob is its token's probability
+    there at T > 0, and under the plain softmax at T = 0 (where the warped distribution is one-hot)."""
+    session = FakeSession(vocab=9, seed=4, sharpness=1.0)
+    ctx = fake_context(session, temperature=temperature, top_k=top_k, seed=2)
+    tree = POLICIES["dyspec"](budget=12).draft(ctx)
+    kids = tree.children_lists()
+    assert any(len(k) > 1 for k in kids)  # siblings: not only first children are checked
+    for node, children in enumerate(kids):
+        if not children:
+            continue
+        logits = node_logits(session, ctx, tree, node)
+        assert torch.allclose(tree.child_dist[node], ctx.sampling.probs(logits))
+        source = logits.softmax(-1) if temperature == 0 else ctx.sampling.probs(logits)
+        for c in children:
+            assert tree.probs[c] == pytest.approx(float(source[tree.tokens[c]]), rel=1e-5)
+
+
+def test_unbatched_dyspec_calls_the_draft_once_per_node_but_not_for_the_last():
+    """Alg. 1 forwards every node it adds while pops are left: the root and the first budget - 1 drafted nodes."""
+    session = FakeSession(vocab=6, seed=1, sharpness=1.0)
+    policy = POLICIES["dyspec"](budget=10, batch=False)
+    tree = policy.draft(fake_context(session))
+    assert len(tree) - 1 == 10
+    assert session.forwards == session.rows == 10 == policy.last_calls
+
+
+class RecordingSession(FakeSession):
+    """Records, per draft call, how many nodes it forwards and how many pops were left when it was made."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, context, tree, nodes):
+        self.calls.append((len(nodes), self.budget - (len(tree) - 1)))
+        return super().forward(context, tree, nodes)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_dyspec_forwards_no_more_nodes_than_pops_left(seed):
+    """A slot below the (r-1)-th best left in the heap is never popped: its node is not forwarded (flat drafts fill
+    the heap with many unforwarded first-child slots, so the bound binds)."""
+    session = RecordingSession(vocab=3, seed=seed, sharpness=0.5)
+    session.budget = 8
+    policy = POLICIES["dyspec"](budget=8)
+    tree = policy.draft(fake_context(session))
+    assert session.calls[0] == (1, 8)  # the root alone
+    assert all(n <= left for n, left in session.calls[1:]), session.calls
+    assert policy.last_wasted == session.rows - len(set(tree.parents[1:]))
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_dyspec_wasted_rows_are_the_forwarded_nodes_never_expanded(batch):
+    session = FakeSession(vocab=10, seed=3, sharpness=2.0)
+    policy = POLICIES["dyspec"](budget=20, batch=batch)
+    tree = policy.draft(fake_context(session, temperature=0.8, seed=5))
+    expanded = set(tree.parents[1:])  # every expanded node went through the draft, once
+    assert policy.last_wasted == session.rows - len(expanded) > 0
+
+
+def test_dyspec_drafts_no_token_worth_nothing():
+    """The root's top token has float32 probability 1 and the other one 2e-11 (not 0): the second child slot is worth
+    value * (1 - 1) = 0 and never pushed, so at depth 1 the tree stops at one token rather than fill the budget
+    with a token it values at 0."""
+    session = FakeSession(vocab=2, seed=0, sharpness=20.0)
+    assert sorted(session.logits_for((3, 1, 4)).softmax(-1).tolist())[0] > 0
+    assert float(session.logits_for((3, 1, 4)).softmax(-1).max()) == 1.0
+    policy = POLICIES["dyspec"](budget=2)
+    tree = policy.draft(fake_context(session, max_depth=1))
+    assert len(tree) == 2 and all(v > 0 for v in policy.last_values)
