@@ -119,3 +119,57 @@ def test_greedy_matches_ar(pair, options):
 
 def test_sampling_preserves_the_target_distribution():
     check_distribution("dynatree", "naive", dict(budget=6, tau_h=0.6, tau_l=0.3, rho_stop=0.0, tau=0.0))
+
+
+def test_dynatree_spends_a_layer_cut_by_the_budget_on_its_most_probable_nodes():
+    """Three children a node, no pruning, budget 5: the root's 3 children fill layer 1; 2 tokens are left, so only
+    the 2 most probable layer-1 nodes are forwarded, and the first (the root's top child, node 1) takes both."""
+    session = FakeSession(vocab=6, seed=5, sharpness=1.0)
+    policy = POLICIES["dynatree"](budget=5, b_min=3, b_mid=3, b_max=3, rho_stop=0.0, rho_deep=0.0, tau=0.0)
+    ctx = fake_context(session, temperature=0.7)
+    tree = policy.draft(ctx)
+    assert tree.parents == [-1, 0, 0, 0, 1, 1]
+    assert session.rows == 1 + 2
+    for node in (0, 1):  # the recorded distribution is the draft's warped one
+        path = tuple(tree.tokens[i] for i in tree.path(node)[1:])
+        assert torch.allclose(tree.child_dist[node], ctx.sampling.probs(session.logits_for(tuple(ctx.context) + path)))
+
+
+def test_dynatree_keeps_the_root_s_most_likely_child_whatever_tau():
+    session = FakeSession(vocab=10, seed=1, sharpness=0.5)
+    d = session.logits_for((3, 1, 4)).softmax(-1)
+    assert float(d.max()) < 0.9  # so every child is below tau
+    tree = POLICIES["dynatree"](tau=0.9).draft(fake_context(session))
+    assert tree.parents == [-1, 0] and tree.tokens[1] == int(d.argmax())
+
+
+def test_dynatree_branching_thresholds():
+    """B = b_min at c >= tau_h, b_max at c < tau_l, b_mid in between (both thresholds: the confident side)."""
+    policy = POLICIES["dynatree"](b_min=1, b_mid=2, b_max=3, tau_h=0.9, tau_l=0.4)
+    assert [policy.branching(c) for c in (1.0, 0.9, 0.89, 0.4, 0.39, 0.0)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_dynatree_expandable_gates():
+    """d < min(D_max, limit), p >= rho_stop, and beyond D0 p >= rho_deep (each bound checked on both sides)."""
+    policy = POLICIES["dynatree"](d0=5, d_max=8, rho_stop=0.02, rho_deep=0.3)
+    assert policy.expandable(4, 0.02, 100) and not policy.expandable(4, 0.0199, 100)
+    assert policy.expandable(5, 0.3, 100) and not policy.expandable(5, 0.2999, 100)
+    assert policy.expandable(7, 1.0, 100) and not policy.expandable(8, 1.0, 100)
+    assert policy.expandable(2, 1.0, 3) and not policy.expandable(3, 1.0, 3)
+
+
+def test_history_adaptation_thresholds_are_inclusive():
+    high = POLICIES["dynatree"](window=1, d0=5)
+    high.update(step(7, 10))  # a_bar = 0.7 = adapt_high
+    assert high.d0 == 6
+    low = POLICIES["dynatree"](window=1, d0=5)
+    low.update(step(3, 10))  # a_bar = 0.3 = adapt_low
+    assert low.d0 == 4
+
+
+def test_history_adaptation_averages_the_last_window_only():
+    pol = POLICIES["dynatree"](window=2, d0=5)
+    pol.update(step(1, 2))
+    pol.update(step(1, 2))  # mean 0.5: no change, the window stays full
+    pol.update(step(2, 2))  # the last two: (0.5, 1) -> 0.75 >= 0.7 (all three would be 0.67)
+    assert pol.d0 == 6
