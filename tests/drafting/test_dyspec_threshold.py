@@ -1,5 +1,6 @@
 """DySpec Alg. 2 (threshold, layer by layer)."""
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,3 +65,33 @@ def test_greedy_matches_ar(pair, options):
 
 def test_sampling_preserves_the_target_distribution():
     check_distribution("dyspec-threshold", "mbr", dict(budget=6, threshold=0.05))
+
+
+def test_a_layer_cut_by_the_cap_goes_to_its_most_valuable_slot():
+    """Cap = layer 1's size + 1: layer 2 gets one token, drawn from the best first-child slot of layer 1. Such a slot
+    is worth its node's path probability, so at T = 0 that is the root's top child (node 1), and only it goes
+    through the draft."""
+    session = FakeSession(vocab=8, seed=3, sharpness=1.0)
+    layer1 = len(POLICIES["dyspec-threshold"](budget=64, threshold=0.01).draft(fake_context(session, max_depth=1))) - 1
+    session = FakeSession(vocab=8, seed=3, sharpness=1.0)
+    tree = POLICIES["dyspec-threshold"](budget=layer1 + 1, threshold=0.01).draft(fake_context(session))
+    assert layer1 >= 3 and tree.depths[1:] == [1] * layer1 + [2]
+    assert tree.probs[1] == max(tree.probs[1 : layer1 + 1])
+    assert tree.parents[-1] == 1 and session.rows == 1 + 1
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.6, 3)])
+def test_threshold_records_the_warped_draft_distribution_and_each_token_probability(temperature, top_k):
+    """As in Alg. 1: children come from the warped draft (mbr needs it); a node's prob is its token's probability
+    there at T > 0, under the plain softmax at T = 0."""
+    session = FakeSession(vocab=9, seed=4, sharpness=1.0)
+    ctx = fake_context(session, temperature=temperature, top_k=top_k, seed=2)
+    tree = POLICIES["dyspec-threshold"](budget=12).draft(ctx)
+    kids = tree.children_lists()
+    assert any(len(k) > 1 for k in kids)
+    for node, children in enumerate(kids):
+        if children:
+            logits = session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
+            assert torch.allclose(tree.child_dist[node], ctx.sampling.probs(logits))
+            source = logits.softmax(-1) if temperature == 0 else ctx.sampling.probs(logits)
+            assert [tree.probs[c] for c in children] == pytest.approx([float(source[tree.tokens[c]]) for c in children])
