@@ -149,3 +149,22 @@ def test_calibrate_stops_reading_at_an_id_the_drafts_table_lacks():
     assert calibrate(target, short, [[5, 6, 7]], max_new_tokens=20, ranks=2)["positions"] == 12 - 3
     with pytest.raises(ValueError, match="fill the draft's 12-token window"):
         calibrate(target, short, [list(range(3, 15))], max_new_tokens=20, ranks=2)
+
+
+def test_sequoia_follows_a_budget_changed_between_steps():
+    """The budget tuner (drafting/budget_tuner.py) sets `options.budget` between steps: each budget has its shape."""
+    policy = POLICIES["sequoia"](budget=6)
+    assert len(policy.draft(fake_context(FakeSession(vocab=12)))) - 1 == 6
+    policy.options.budget = 12
+    assert len(policy.draft(fake_context(FakeSession(vocab=12)))) - 1 == 12
+    assert policy.shape == sequoia_shape(policy.options.vector, 12)
+
+
+def test_sequoia_shape_is_numbered_breadth_first():
+    shape = sequoia_shape([0.5, 0.2, 0.1], 20)
+    depth = [0] * len(shape)
+    for node, kids in enumerate(shape):
+        for c in kids:
+            depth[c] = depth[node] + 1
+    assert max(depth) >= 3 and depth == sorted(depth)
+    assert [c for kids in shape for c in kids] == list(range(1, len(shape)))
