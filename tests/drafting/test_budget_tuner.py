@@ -1,8 +1,11 @@
 """budget="auto" on policies with a size knob: the tuner finds the best measured budget, follows changes, falls
 back to plain decoding, and never changes the output (greedy identity, sampled distribution)."""
+from types import SimpleNamespace
+
 import pytest
 
 from arborspec import SpeculativeDecoder
+from arborspec.core.tree import TokenTree
 from arborspec.drafting import POLICIES
 from arborspec.drafting.budget_tuner import BudgetTuner, TunedBudget, make_policy
 from tests.drafting.equivalence import check_greedy_equivalence, make_pair
@@ -82,3 +85,52 @@ def test_sampled_output_follows_the_target_distribution():
                                             horizon=4))
     assert_samples_target(dec, prompt, probs)
     assert set(policy.tuner.history) >= {0, 1, 2, 4}  # the budget really moved while sampling
+
+
+def test_ties_go_to_the_smaller_budget():
+    tuner = BudgetTuner(candidates=(0, 4, 8), start=4)
+    for b in (4, 8):
+        tuner.observe(b, 3, 1.0)
+    assert tuner.rate(4) == tuner.rate(8) == 3.0 and tuner.best() == 4
+
+
+def test_a_step_of_the_best_budget_adds_to_its_measurements():
+    """Only a probe that beats the best restarts its own measurements; the best's own good step is averaged in."""
+    tuner = BudgetTuner(candidates=(0, 4), start=4)
+    tuner.observe(4, 1, 1.0)
+    tuner.observe(4, 3, 1.0)  # faster than 4's rate so far, but 4 is the best: (1 + 3) / 2 s
+    assert tuner.rate(4) == 2.0
+
+
+def test_steps_that_took_no_measurable_time_give_no_rate():
+    tuner = BudgetTuner(candidates=(0, 4), start=4)
+    tuner.observe(4, 2, 0.0)
+    assert tuner.rate(4) is None and tuner.best() == 4 and tuner.choose() == 0  # then its untried neighbour
+
+
+class RecordingInner:
+    """A policy with a budget knob that records what it is asked."""
+
+    def __init__(self):
+        self.options = type("Options", (), {"budget": 16})()
+        self.budgets, self.updates = [], []
+
+    def draft(self, ctx):
+        self.budgets.append(self.options.budget)
+        return TokenTree.root(ctx.context[-1])
+
+    def update(self, step):
+        self.updates.append(step)
+
+
+def test_the_inner_policy_drafts_with_the_chosen_budget_and_learns_only_from_its_own_trees():
+    inner = RecordingInner()
+    policy = TunedBudget(inner, BudgetTuner(candidates=(0, 4), start=0))
+    steps = []
+    for _ in range(4):
+        policy.draft(SimpleNamespace(context=[1, 2]))
+        step = SimpleNamespace(committed=1, t_draft=0.0, t_verify=1.0, t_other=0.0, chosen=policy.chosen)
+        policy.update(step)
+        steps.append(step)
+    assert [s.chosen for s in steps] == [0, 4, 0, 0]  # start, its untried neighbour, then 0 (a tie)
+    assert inner.budgets == [4] and inner.updates == [steps[1]]
