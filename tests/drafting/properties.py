@@ -57,3 +57,22 @@ def check_greedy_children(dist: torch.Tensor, tokens: list[int], node: int) -> N
     fixed = tokens if len(tokens) == support else tokens[:-1]
     assert [float(dist[t]) for t in fixed] == top[: len(fixed)].tolist(), f"node {node}: {fixed} are not the top tokens"
     assert len(tokens) <= support
+
+
+def check_recorded_draft(tree: TokenTree, session, ctx) -> int:
+    """Every expanded node records the draft's warped distribution at that node (what verifiers read), and every
+    drafted token its probability there, under the plain softmax where the children were picked deterministically.
+    `session` is a FakeSession (its logits for any path). Returns the number of nodes checked."""
+    checked = 0
+    for node, children in enumerate(tree.children_lists()):
+        if not children:
+            continue
+        logits = session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
+        warped = ctx.sampling.probs(logits)
+        assert torch.allclose(tree.child_dist[node], warped), f"node {node}: not the warped draft distribution"
+        source = logits.softmax(-1) if tree.child_rule[node] is DrawRule.DETERMINISTIC else warped
+        got = [tree.probs[c] for c in children]
+        want = [float(source[tree.tokens[c]]) for c in children]
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5), f"node {node}: {got} != {want}"
+        checked += 1
+    return checked

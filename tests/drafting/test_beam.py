@@ -7,7 +7,7 @@ from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
 from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
-from tests.drafting.properties import check_tree
+from tests.drafting.properties import check_recorded_draft, check_tree
 
 sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
                      sharpness=st.floats(0.3, 6.0))
@@ -71,3 +71,12 @@ def test_greedy_matches_ar(pair, options):
 
 def test_sampling_preserves_the_target_distribution():
     check_distribution("beam", "naive", dict(steps=3, beams=2))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_beam_records_the_warped_draft_distribution_and_each_token_probability(temperature):
+    """Beams are picked from the plain softmax at any temperature: that is each token's recorded probability."""
+    session = FakeSession(vocab=7, seed=3, sharpness=1.0)
+    ctx = fake_context(session, temperature=temperature)
+    tree = POLICIES["beam"](steps=3, beams=3).draft(ctx)
+    assert check_recorded_draft(tree, session, ctx) >= 3

@@ -8,7 +8,7 @@ from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
 from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
-from tests.drafting.properties import check_tree
+from tests.drafting.properties import check_recorded_draft, check_tree
 
 sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
                      sharpness=st.floats(0.3, 6.0))
@@ -144,10 +144,6 @@ def test_sampling_preserves_the_target_distribution():
 
 
 # ---- what the tree records, and what the draft is asked ----------------------------------------------------------
-def node_logits(session, ctx, tree, node):
-    return session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
-
-
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.6, 3)])
 def test_dyspec_records_the_warped_draft_distribution_and_each_token_probability(temperature, top_k):
     """Children come from the draft's warped distribution (mbr needs it); a node's prob is its token's probability
@@ -155,16 +151,8 @@ def test_dyspec_records_the_warped_draft_distribution_and_each_token_probability
     session = FakeSession(vocab=9, seed=4, sharpness=1.0)
     ctx = fake_context(session, temperature=temperature, top_k=top_k, seed=2)
     tree = POLICIES["dyspec"](budget=12).draft(ctx)
-    kids = tree.children_lists()
-    assert any(len(k) > 1 for k in kids)  # siblings: not only first children are checked
-    for node, children in enumerate(kids):
-        if not children:
-            continue
-        logits = node_logits(session, ctx, tree, node)
-        assert torch.allclose(tree.child_dist[node], ctx.sampling.probs(logits))
-        source = logits.softmax(-1) if temperature == 0 else ctx.sampling.probs(logits)
-        for c in children:
-            assert tree.probs[c] == pytest.approx(float(source[tree.tokens[c]]), rel=1e-5)
+    assert any(len(k) > 1 for k in tree.children_lists())  # siblings: not only first children are checked
+    assert check_recorded_draft(tree, session, ctx) >= 3
 
 
 def test_unbatched_dyspec_calls_the_draft_once_per_node_but_not_for_the_last():

@@ -1,6 +1,5 @@
 """DySpec Alg. 2 (threshold, layer by layer)."""
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +11,7 @@ from tests.drafting.equivalence import (
     make_pair,
 )
 from tests.drafting.fake_session import FakeSession, fake_context
-from tests.drafting.properties import check_tree
+from tests.drafting.properties import check_recorded_draft, check_tree
 
 sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
                      sharpness=st.floats(0.3, 6.0))
@@ -87,11 +86,5 @@ def test_threshold_records_the_warped_draft_distribution_and_each_token_probabil
     session = FakeSession(vocab=9, seed=4, sharpness=1.0)
     ctx = fake_context(session, temperature=temperature, top_k=top_k, seed=2)
     tree = POLICIES["dyspec-threshold"](budget=12).draft(ctx)
-    kids = tree.children_lists()
-    assert any(len(k) > 1 for k in kids)
-    for node, children in enumerate(kids):
-        if children:
-            logits = session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
-            assert torch.allclose(tree.child_dist[node], ctx.sampling.probs(logits))
-            source = logits.softmax(-1) if temperature == 0 else ctx.sampling.probs(logits)
-            assert [tree.probs[c] for c in children] == pytest.approx([float(source[tree.tokens[c]]) for c in children])
+    assert any(len(k) > 1 for k in tree.children_lists())
+    assert check_recorded_draft(tree, session, ctx) >= 3
