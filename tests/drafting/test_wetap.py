@@ -86,9 +86,9 @@ def test_width_from_entropy():
     p = [0.5, 0.3, 0.2]
     h = -sum(x * math.log(x) for x in p) / math.log(3)
     assert next_width(p, 3, 6, 1.2) == round(3 + 3 * h**1.2)
-    assert next_width([1.0, 0.0, 0.5], 4, 8, 1.0) == round(4 + 4 * (math.log(3) - (1 / 3) * math.log(1 / 3)
-                                                                    - (2 / 3) * math.log(2 / 3) - math.log(3)
-                                                                    + math.log(3)) / math.log(3)) or True
+    # a node of probability 0 counts in W (H / log 3) but adds no entropy: p' = (2/3, 0, 1/3),
+    # H = -(2/3 log 2/3 + 1/3 log 1/3) = 0.6365, H / log 3 = 0.579, 4 + 4 * 0.579 = 6.32 -> 6
+    assert next_width([1.0, 0.0, 0.5], 4, 8, 1.0) == 6
 
 
 sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6),
@@ -126,3 +126,39 @@ def test_greedy_matches_ar(pair, options):
 
 def test_sampling_preserves_the_target_distribution():
     check_distribution("wetap", "naive", dict(budget=5, w_min=2, w_max=3, length=3))
+
+
+# Small trees (alpha = 0: the score is depth / D alone, ties more likely first) whose pruning shows one rule each.
+PRUNE_CASES = {
+    # depth counts as depth / D: at alpha 0.5, node 1 (the most likely, depth 1) scores 0.5 + 0.5 * 1/2 = 0.75 and
+    # node 3 (the least likely, depth 2 = D) 0 + 0.5 * 2/2 = 0.5, so node 1 is the one kept
+    "depth-is-normalised": ([-1, 0, 0, 2], [1.0, 0.4, 0.2, 0.12], 1, 0.5, [0, 1]),
+    # budget 2 keeps the deepest, 2 and 4; re-inserting 1 and 3 overshoots by 2; both leaves are in the deepest layer,
+    # so stage 3 drops none and stage 4 drops the least likely leaf twice: 4 (0.25), then its parent 3 (0.5 < 0.54)
+    "stage-3-spares-the-deepest-layer": ([-1, 0, 1, 0, 3], [1.0, 0.9, 0.54, 0.5, 0.25], 2, 0.0, [0, 1, 2]),
+    # scores (alpha 0.5, D = 3): 3: 0.67, 5: 0.5, 1: 0.41, 2 = 4: 0.35 (2 earlier); re-inserting 4 overshoots by one:
+    # of the leaves above depth 3, 3 (depth 1, likely) goes before 2 (depth 2, unlikely): shallowest first
+    "stage-3-drops-the-shallowest-leaf": ([-1, 0, 1, 0, 1, 4], [1.0, 0.3, 0.12, 0.5, 0.12, 0.108], 4, 0.5,
+                                          [0, 1, 2, 4, 5]),
+    # budget 3 keeps 3 (the deepest), 2 and 4 (the likeliest of depth 1); re-inserting 1 overshoots by one: of the
+    # depth-1 leaves 2 (0.9) and 4 (0.6) the least likely goes
+    "stage-3-drops-the-least-likely-in-a-layer": ([-1, 0, 0, 1, 0], [1.0, 0.4, 0.9, 0.08, 0.6], 3, 0.0, [0, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("case", PRUNE_CASES)
+def test_prune_rules_on_small_trees(case):
+    parents, cum, budget, alpha, kept = PRUNE_CASES[case]
+    depths = [0]
+    for v in range(1, len(parents)):
+        depths.append(depths[parents[v]] + 1)
+    assert prune(parents, depths, cum, budget, alpha) == kept
+
+
+def test_fixed_width_wetap_builds_the_beam_search_tree():
+    """w_min = w_max = M: every layer holds the M most likely paths among the children of the last, as beam search
+    with M beams; kept in the same order (grouped by parent, then by rank)."""
+    session = FakeSession(vocab=9, seed=6, sharpness=1.0)
+    a = POLICIES["wetap"](budget=64, w_min=3, w_max=3, length=4).draft(fake_context(session))
+    b = POLICIES["beam"](steps=4, beams=3).draft(fake_context(FakeSession(vocab=9, seed=6, sharpness=1.0)))
+    assert len(a) - 1 == 12 and a.tokens == b.tokens and a.parents == b.parents
