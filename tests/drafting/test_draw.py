@@ -18,7 +18,7 @@ from arborspec.drafting.layers import DRAW_RULES, greedy_children
 from arborspec.runspec import build_decoder, parse
 from tests.drafting.equivalence import check_distribution, check_greedy_equivalence, make_pair
 from tests.drafting.fake_session import FakeSession, fake_context
-from tests.drafting.properties import check_tree
+from tests.drafting.properties import check_recorded_draft, check_tree
 
 sessions = st.builds(FakeSession, vocab=st.integers(2, 14), seed=st.integers(0, 10**6), sharpness=st.floats(0.3, 6.0))
 DRAWS = sorted(DRAW_RULES)
@@ -113,3 +113,20 @@ def test_greedy_matches_ar(pair, method, options):
 ])
 def test_sampling_preserves_the_target_distribution(method, verifier, options):
     check_distribution(method, verifier, options)
+
+
+@pytest.mark.parametrize("draw", DRAWS)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drawn_children_record_the_warped_draft_and_their_probabilities(draw, temperature):
+    """At T = 0 the children are the draft's top tokens in order (of the softmax: the warped distribution is one-hot
+    there); every scheme records the warped distribution and each child's probability (check_recorded_draft)."""
+    session = FakeSession(vocab=9, seed=7, sharpness=1.0)
+    ctx = fake_context(session, temperature=temperature, top_k=5, seed=1)
+    tree = POLICIES["static"](depth=2, branch=3, draw=draw).draft(ctx)
+    assert check_recorded_draft(tree, session, ctx) == 4
+    if temperature == 0:
+        for node, kids in enumerate(tree.children_lists()):
+            if kids:
+                path = tuple(tree.tokens[i] for i in tree.path(node)[1:])
+                d = session.logits_for(tuple(ctx.context) + path).softmax(-1)
+                assert [tree.tokens[c] for c in kids] == torch.argsort(d, descending=True)[:3].tolist()
