@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arborspec import SpeculativeDecoder
+from arborspec.core.sampling import SamplingConfig
 from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
 from arborspec.drafting.layers import DRAW_RULES, greedy_children
@@ -130,3 +131,12 @@ def test_drawn_children_record_the_warped_draft_and_their_probabilities(draw, te
                 path = tuple(tree.tokens[i] for i in tree.path(node)[1:])
                 d = session.logits_for(tuple(ctx.context) + path).softmax(-1)
                 assert [tree.tokens[c] for c in kids] == torch.argsort(d, descending=True)[:3].tolist()
+
+
+@pytest.mark.parametrize("method,verifier", [("dynatree", "naive"), ("beam", "naive"), ("wetap", "naive"),
+                                             ("dyspec", "mbr"), ("dyspec-threshold", "mbr"), ("sequoia", "mbr")])
+def test_policies_default_to_the_verifier_made_for_their_drawing_rule(method, verifier):
+    """Deterministic children (top candidates) at T > 0 are verified by target sampling, drawn ones by their own."""
+    policy = POLICIES[method]()
+    assert policy.default_verifier(SamplingConfig(0.8)) == verifier
+    assert policy.default_verifier(SamplingConfig(0.0)) == "greedy"
