@@ -395,6 +395,29 @@ def test_guard_uses_measured_plain_steps_over_the_profile():
     assert Guard(enabled=False).plan() == "spec"
 
 
+def test_guard_tolerates_speculation_within_its_margin():
+    """Plain decoding profiles at 10 tokens/s (0.1 s a token); margin 0.1 lets speculation run down to 9."""
+    within, below = Guard(margin=0.1, window=2, cooldown=2), Guard(margin=0.1, window=2, cooldown=2)
+    run_guard(within, [(10.0, 95)] * 2)  # 9.5 tokens/s: slower than plain, but within the margin
+    run_guard(below, [(10.0, 85)] * 2)  # 8.5 tokens/s
+    assert within.decisions == [] and [d["action"] for d in below.decisions] == ["fallback"]
+
+
+def test_guard_backoff_doubles_up_to_its_cap():
+    guard = Guard(margin=0.1, window=1, cooldown=1, max_backoff=4)
+    run_guard(guard, [(1.0, 1)] * 30)  # 1 token/s against 10: every probe fails
+    assert [d["plain_steps"] for d in guard.decisions if d["action"] == "fallback"][:5] == [1, 2, 4, 4, 4]
+
+
+def test_guard_trusts_measured_plain_steps_from_the_second_on():
+    """One plain step (often a first call with new shapes) does not outvote the profile; two do (their median)."""
+    guard = Guard()
+    guard.observe(0.5, 1, "spec", False, model_plain=0.1)
+    assert guard.plain_time(0.1) == (0.1, "profile")
+    guard.observe(0.3, 1, "spec", False, model_plain=0.1)
+    assert guard.plain_time(0.1) == (pytest.approx(0.4), "measured")
+
+
 def test_guard_forces_a_probe_after_a_long_plain_stretch():
     guard = Guard(cooldown=3)
     for _ in range(3):
