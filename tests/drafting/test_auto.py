@@ -325,6 +325,21 @@ def test_calibrator_save_load_caps_old_evidence():
     assert not Calibrator(edges=(0, 0.5, 1)).load(cal.to_dict())  # other bins: ignored
 
 
+def test_calibrator_bins_are_closed_below_and_forget_old_evidence_proportionally():
+    cal = Calibrator(edges=(0.0, 0.5, 1.0), max_evidence=10)
+    cal.observe([0.5], [1])  # bins are [e_b, e_{b+1}): 0.5 opens the second
+    assert cal.trials.tolist() == [0, 1]
+    cal.observe([0.7] * 19, [0] * 19)  # 20 observations over a cap of 10: both counts scaled by 10 / 20
+    assert cal.trials.tolist() == [0, 10] and cal.hits[1] == pytest.approx(0.5)
+
+
+def test_calibrated_acceptance_is_flat_past_the_last_bin_centre():
+    """a(.) interpolates between bin centres and keeps the last bin's estimate up to 1 (it does not jump to 1)."""
+    cal = Calibrator()
+    last = cal.centers[-1]  # 0.975, the centre of [0.95, 1]
+    assert cal(1.0) == pytest.approx(cal.curve()[-1]) == pytest.approx(last)
+
+
 def test_update_learns_from_the_accepted_path():
     policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
     session = ConstSession([0.6, 0.2, 0.1, 0.05, 0.05])
