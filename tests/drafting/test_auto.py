@@ -162,7 +162,9 @@ def rank_trees(k: int, max_nodes: int, max_depth: int):
             return
         grow(i + 1, chosen)
         t = full[i]
-        if len(chosen) < max_nodes and (len(t) == 1 or t[:-1] in chosen) and (t[-1] == 0 or t[:-1] + (t[-1] - 1,) in chosen):
+        parent_in = len(t) == 1 or t[:-1] in chosen
+        elder_in = t[-1] == 0 or t[:-1] + (t[-1] - 1,) in chosen
+        if len(chosen) < max_nodes and parent_in and elder_in:
             chosen.add(t)
             grow(i + 1, chosen)
             chosen.remove(t)
@@ -589,7 +591,7 @@ class LearningTableDecoder:
         self.rng = random.Random(seed)
         self.shapes: set[tuple[int, int]] = set()  # (depth, widest layer) of the trees drafted
         # with `suffix`: auto's default suffix branches at T > 0, as the engine grafts them (onto bare trees only,
-        # verified by naive: engine.verifier_choice.with_free_branches); the index persists across samples, so trees vary
+        # verified by naive: engine.verifier_choice.with_free_branches); the index persists across samples: trees vary
         self.index = SuffixIndex(8, 4) if suffix else None
         self.suffix = suffix
         self.grafted_accepted = 0  # accepted suffix nodes

@@ -114,7 +114,8 @@ def test_greedy_is_optimal_app_d(vocab, seed, sharpness, budget, max_depth):
         if kids:
             path = tuple(tree.tokens[i] for i in tree.path(node)[1:])
             d = session.logits_for(tuple(ctx.context) + path).softmax(-1)
-            assert [tree.tokens[c] for c in kids] == torch.argsort(d, descending=True, stable=True)[: len(kids)].tolist()
+            ranked = torch.argsort(d, descending=True, stable=True)
+            assert [tree.tokens[c] for c in kids] == ranked[: len(kids)].tolist()
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
