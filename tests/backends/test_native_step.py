@@ -275,6 +275,67 @@ def test_the_cache_grows_as_needed_and_positions_stop_at_the_context_window(nati
     assert session.cached == ids[:21] and session.region_len == 0  # nothing ran
 
 
+def test_an_open_region_refuses_prefill_truncate_and_fork(native):
+    """Each of these acts on the committed prefix only: with tree nodes in the region, the prefix's new entries
+    would land on the region's slots (prefill), or the copy or cut would carry half a step."""
+    session = make_session(native("q4_k").model)
+    session.prefill([3, 1, 4])
+    session.forward([3, 1, 4, 1], TokenTree.root(1), [0])
+    with pytest.raises(RuntimeError, match="prefill with a non-empty region"):
+        session.prefill([5])
+    with pytest.raises(ValueError, match="needs an empty region"):
+        session.truncate(2)
+    with pytest.raises(RuntimeError, match="fork with a non-empty region"):
+        session.fork()
+    assert session.cached == [3, 1, 4] and session.region_len == 1  # nothing changed
+
+
+def test_truncate_takes_any_length_from_0_to_the_committed_prefix(native):
+    """The whole prefix is a valid length: the prefix cache (engine/prefix_cache.py) cuts a kept session to the
+    part a new prompt shares, which is all of it when the new prompt extends the old one."""
+    session = make_session(native("q4_k").model)
+    session.prefill([3, 1, 4, 1])
+    session.truncate(4)
+    assert session.cached == [3, 1, 4, 1]
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=r"0 <= length <= 4"):
+            session.truncate(bad)
+    session.truncate(0)
+    assert session.cached == []
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+def test_a_token_id_just_outside_the_vocabulary_is_refused_before_the_operator(native, bad):
+    session = make_session(native("q4_k").model)
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
+        session.prefill([1, bad])
+    assert session.cached == [] and session.forwards == 0
+
+
+def test_the_cache_grows_only_when_full(native, monkeypatch):
+    monkeypatch.setattr(native_step, "FIRST_CAPACITY", 8)
+    session = make_session(native("q4_k").model)
+    session.prefill([1, 2, 3, 4, 5])
+    session.prefill([6, 7, 8])  # exactly the 8 entries the cache has
+    assert session.keys.shape[2] == session.values.shape[2] == 8
+    session.prefill(list(range(8)))  # 16 entries: doubled once, to exactly what they need
+    assert session.keys.shape[2] == session.values.shape[2] == 16
+    session.prefill([9])
+    assert session.keys.shape[2] == session.values.shape[2] == 32
+
+
+def test_the_rotary_table_grows_when_a_position_reaches_its_end(native, monkeypatch):
+    """Step.cos_sin's table of rotary rows: a position equal to its length (here 8 rows, and the empty table of a
+    model's first forward at position 0) is a row it lacks; the table is then rebuilt up to the context window
+    (256 positions in the tiny files), each row the rotary module's own."""
+    step = native("q4_k").model.forward.step
+    want_cos, want_sin = (t[0] for t in step.rotary(torch.empty(1, dtype=torch.float32), torch.arange(256)[None]))
+    for rows, position in ((8, 8), (0, 0)):
+        monkeypatch.setattr(step, "angles", (want_cos[:rows], want_sin[:rows]))
+        cos, sin = step.cos_sin(torch.tensor([position, 1]), position)
+        assert torch.equal(cos, want_cos[[position, 1]]) and torch.equal(sin, want_sin[[position, 1]])
+        assert len(step.angles[0]) == 256
+
 def test_bad_input_is_refused_before_the_operator_and_by_it(native):
     model = native("q4_k").model
     session = make_session(model)
