@@ -374,6 +374,42 @@ def test_fast_forward_equals_transformers_forward(native, name):
         assert torch.allclose(la.keys, lb.keys, atol=1e-4) and torch.allclose(la.values, lb.values, atol=1e-4)
 
 
+def test_calls_that_are_not_a_tree_sessions_go_to_transformers_forward(native):
+    """The fast forward runs only a tree session's call (native_forward.fits: one sequence, positions, a 4-D mask, a
+    cache, the kept rows as a tensor, no other argument); any other call reaches transformers' forward with just the
+    arguments it was given (a None logits_to_keep would add an axis), also inside `many`, next to a session's call."""
+    from transformers import DynamicCache
+
+    model = native("q4_k").model
+    fast, slow = model.forward, model.forward.fallback
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    n = ids.shape[1]
+    positions = torch.arange(n)[None]
+    causal = torch.zeros(n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                            torch.finfo(torch.float32).min)[None, None]
+    session = dict(input_ids=ids, position_ids=positions, attention_mask=causal, use_cache=True,
+                   logits_to_keep=torch.arange(n))
+    others = {
+        "no cache": dict(input_ids=ids),
+        "two sequences": dict(session, input_ids=ids.repeat(2, 1), position_ids=positions.repeat(2, 1),
+                              attention_mask=causal.repeat(2, 1, 1, 1)),
+        "a 2-D mask": dict(session, attention_mask=torch.ones(1, n, dtype=torch.long)),
+        "an int of rows to keep": dict(session, logits_to_keep=2),
+        "another argument": dict(session, output_hidden_states=True),
+    }
+
+    def cached(call: dict) -> dict:  # the call with a fresh cache, where it has one
+        return call if "use_cache" not in call else dict(call, past_key_values=DynamicCache(config=model.config))
+
+    for name, call in others.items():
+        got, want = fast(**cached(call)), slow(**cached(call))
+        assert got.logits.shape == want.logits.shape and torch.equal(got.logits, want.logits), name
+    assert torch.equal(fast(**cached(others["another argument"])).hidden_states[-1],
+                       slow(**cached(others["another argument"])).hidden_states[-1])
+    together = fast.many([cached(session), cached(others["no cache"])])
+    assert torch.equal(together[0].logits, fast(**cached(session)).logits)
+    assert torch.equal(together[1].logits, slow(input_ids=ids).logits) and together[1].logits.shape == (1, n, VOCAB)
+
 def _prefix_then_tree(context: list[int], tree):
     """(ids, positions, allowed (q, kv)) of a causal prefix forward and then of a tree forward over its nodes."""
     n = len(context) - 1
@@ -428,6 +464,11 @@ def test_merged_products_keep_every_modules_bias():
         products = merge(linears)
         assert len(products) == len({qtype for qtype, _ in kinds})
         assert torch.equal(run(products, x), want)
+    # one type in two layouts (16 rows packed for the build's code, 12 rows not: not a whole group) stays two calls
+    linears = [linear(QT.Q4_K, 16, True), linear(QT.Q4_K, 12, False)]
+    assert linears[0].matrix.layout != linears[1].matrix.layout  # the case is reached (a build with AVX2 or more)
+    products = merge(linears)
+    assert len(products) == 2 and torch.equal(run(products, x), torch.cat([lin(x) for lin in linears], dim=-1))
 
 
 def test_a_config_transformers_refuses_is_a_one_line_error(tmp_path, monkeypatch):
