@@ -115,6 +115,20 @@ def test_a_failing_shared_forward_is_each_waiting_steps_own_error():
     assert len({id(e) for e in seen}) == 3 and isinstance(seen[0].__cause__, MemoryError)
 
 
+def test_each_model_gets_one_many_call_with_only_its_own_calls():
+    """Steps waiting on two models at once (two targets' requests in one round): a `many` call per model, each over
+    the calls made on it, and every step gets its own model's output."""
+    first, second, got = FakeModel(), FakeModel(), {}
+
+    def step(name, model, x):
+        def task():
+            got[name] = batching.forward(model, dict(x=x))
+        return task
+
+    assert run([step("a", first, 1), step("b", second, 2), step("c", first, 3)]) == [None] * 3
+    assert first.forward.batches == [[1, 3]] and second.forward.batches == [[2]]
+    assert got == {"a": 10, "b": 20, "c": 30}
+
 def test_draft_forwards_run_first_so_one_target_forward_holds_every_request():
     """Request a drafts two layers, b one, c none: the drafts' layers run side by side, and the target's forwards
     wait for the last draft layer, so the round has ONE target forward over all three."""
