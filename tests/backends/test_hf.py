@@ -106,6 +106,25 @@ def test_out_of_sync_context_is_refused():
     session.prefill([3, 4, 5])
     with pytest.raises(RuntimeError, match="out of sync"):
         session.forward([9, 9, 9, 9], TokenTree.root(9), [0])
+    with pytest.raises(RuntimeError, match="out of sync"):  # the root is already in the cache: it would run twice
+        session.forward([3, 4, 5], TokenTree.root(5), [0])
+    assert session.cached == [3, 4, 5] and session.region_len == 0
+
+
+def test_a_forward_the_region_cannot_take_is_refused_before_it_runs():
+    """No nodes; a root that is not the last committed token; a second tree while the region holds the first one's
+    nodes (its slots would be read as the new tree's)."""
+    session = TreeSession(tiny_model("llama"))
+    session.prefill([3, 4])
+    tree = TokenTree.from_parents([5, 6], [-1, 0])
+    with pytest.raises(ValueError, match="at least one node"):
+        session.forward([3, 4, 5], tree, [])
+    with pytest.raises(ValueError, match="root must be the last committed token"):
+        session.forward([3, 4, 7], tree, [0])
+    session.forward([3, 4, 5], tree, [0])
+    with pytest.raises(RuntimeError, match="another tree's nodes"):
+        session.forward([3, 4, 5], TokenTree.from_parents([5, 6], [-1, 0]), [1])
+    assert session.cached == [3, 4] and session.region_len == 1 and session.forwards == 2
 
 
 def test_nodes_outside_the_tree_and_cyclic_trees_are_refused_before_a_forward():
@@ -160,11 +179,12 @@ def _tiny(config_class, **kw):
 
 
 def _models_that_would_run_trees_wrong():
-    from transformers import BloomConfig, GPTNeoConfig, MptConfig, OpenAIGPTConfig, RwkvConfig
+    from transformers import BloomConfig, FalconConfig, GPTNeoConfig, MptConfig, OpenAIGPTConfig, RwkvConfig
 
     return [
         ("ALiBi", _tiny(BloomConfig, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0)),
         ("ALiBi", _tiny(MptConfig, d_model=32, n_layers=2, n_heads=4, max_seq_len=128, pad_token_id=0)),
+        ("ALiBi", _tiny(FalconConfig, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True)),
         ("local attention", _tiny(GPTNeoConfig, hidden_size=32, num_layers=2, num_heads=4, window_size=16,
                                   attention_types=[[["global", "local"], 1]], max_position_embeddings=512)),
         ("takes no past_key_values", _tiny(RwkvConfig, hidden_size=32, num_hidden_layers=2,
