@@ -87,14 +87,28 @@ def test_tree_conv_equals_causal_conv_along_each_path():
         assert torch.equal(new_conv_tail(tail, rows[:1]), torch.cat([tail[1:], rows[:1]]))
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_mixer_on_a_chain_equals_transformers_mixer(groups):
-    """tree_mixer_forward reuses the mixer's own projections, conv weights, discretisation, gating and norm."""
+def test_replaying_no_rows_leaves_the_state():
+    """SSMTreeSession.commit([]) after a forward (keep nothing of the step) replays a chain of no rows, which must
+    leave the state as it was (cum[-1] of an empty cumsum would raise)."""
+    state0 = torch.randn(4, 8, 8)
+    empty = torch.empty(0, 4)
+    assert replay_state(state0, torch.empty(0, 4, 8), empty, empty, torch.empty(0, 2, 8)) is state0
+
+
+@pytest.mark.parametrize("groups,limited", [(1, False), (2, False), (2, True)])
+def test_mixer_on_a_chain_equals_transformers_mixer(groups, limited):
+    """tree_mixer_forward reuses the mixer's own projections, conv weights, discretisation, gating and norm; with
+    `limited`, a time_step_limit that clamps a quarter of the steps from below and a quarter from above."""
     model = ssm_model("mamba2", groups=groups)
     mixer = model.backbone.layers[0].mixer
     torch.manual_seed(1)
     hidden = torch.randn(1, 11, 32)
     with torch.no_grad():
+        if limited:  # dt_raw: the in_proj's last num_heads columns (transformers' Mamba2Mixer split)
+            dt = F.softplus(mixer.in_proj(hidden)[..., -mixer.num_heads:] + mixer.dt_bias)
+            low, high = dt.quantile(0.25).item(), dt.quantile(0.75).item()
+            assert 0 < low < high
+            mixer.time_step_limit = (low, high)
         ref = mixer(hidden)  # transformers' chunked torch path, zero initial state
         T, K = 11, mixer.conv_kernel_size
         info = TreeInfo(taps=conv_taps(list(range(-1, T - 1)), K, list(range(T)))[None],
