@@ -7,7 +7,7 @@ import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.backends import check_session_support, make_session
-from arborspec.backends.model_info import check_pair, context_window, eos_ids
+from arborspec.backends.model_info import branch_limit, check_pair, context_window, eos_ids, vocab_size
 from arborspec.core.tree import TokenTree
 from arborspec.tuning import costs
 from tests.conftest import tiny_model
@@ -72,6 +72,28 @@ def test_context_window_and_eos_ids_read_any_config():
     assert eos_ids(NotTorchModel(), SimpleNamespace(eos_token_id=2)) == {7, 8}  # the config's, as generate's
     assert eos_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=2)) == {2}  # no config: the tokenizer's
     assert eos_ids(SimpleNamespace(), None) == set()
+
+
+def test_a_rescaling_rope_holds_the_context_window_to_its_original_length():
+    """longrope and dynamic RoPE change every key's frequencies past the original length (model_info.context_window);
+    another rope type, or one that names no original length, keeps max_position_embeddings."""
+    def window(rope: dict, **config) -> int:
+        return context_window(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096, rope_scaling=rope,
+                                                                     **config)))
+
+    assert window({"rope_type": "dynamic", "original_max_position_embeddings": 1024}) == 1024
+    assert window({"type": "longrope"}, original_max_position_embeddings=2048) == 2048  # the config's own field
+    assert window({"rope_type": "linear", "original_max_position_embeddings": 1024}) == 4096
+    assert window({"rope_type": "dynamic"}) == 4096
+
+
+def test_branch_limit_and_vocab_size():
+    """llama.cpp keeps one of its n_seq_max sequence ids for the committed prefix, and a tree has at least its one
+    branch; the ids every model reads are below the fewest output rows."""
+    assert [branch_limit(SimpleNamespace(n_seq_max=n)) for n in (1, 2, 8)] == [1, 1, 7]
+    assert branch_limit(SimpleNamespace()) is None
+    rows = [SimpleNamespace(config=SimpleNamespace(vocab_size=n)) for n in (10, 6)]
+    assert vocab_size(rows[0], None, rows[1]) == 6 and vocab_size(None) is None
 
 
 class SizedTokenizer:
