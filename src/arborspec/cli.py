@@ -82,6 +82,7 @@ from .viz.trees import draw_trees
 
 DEFAULT_PROMPT = 'def quicksort(arr):\n    """Sort a list of numbers in ascending order using quicksort."""\n'
 
+
 # ---- argument parsing ---------------------------------------------------------------------------------------
 def _method_option_fields() -> dict[str, list[dataclasses.Field]]:
     """Every option any policy takes, by name (one CLI flag each), with each policy's own field for it."""

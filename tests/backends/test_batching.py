@@ -129,6 +129,7 @@ def test_each_model_gets_one_many_call_with_only_its_own_calls():
     assert first.forward.batches == [[1, 3]] and second.forward.batches == [[2]]
     assert got == {"a": 10, "b": 20, "c": 30}
 
+
 def test_draft_forwards_run_first_so_one_target_forward_holds_every_request():
     """Request a drafts two layers, b one, c none: the drafts' layers run side by side, and the target's forwards
     wait for the last draft layer, so the round has ONE target forward over all three."""

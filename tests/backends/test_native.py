@@ -410,6 +410,7 @@ def test_calls_that_are_not_a_tree_sessions_go_to_transformers_forward(native):
     assert torch.equal(together[0].logits, fast(**cached(session)).logits)
     assert torch.equal(together[1].logits, slow(input_ids=ids).logits) and together[1].logits.shape == (1, n, VOCAB)
 
+
 def _prefix_then_tree(context: list[int], tree):
     """(ids, positions, allowed (q, kv)) of a causal prefix forward and then of a tree forward over its nodes."""
     n = len(context) - 1

@@ -336,6 +336,7 @@ def test_the_rotary_table_grows_when_a_position_reaches_its_end(native, monkeypa
         assert torch.equal(cos, want_cos[[position, 1]]) and torch.equal(sin, want_sin[[position, 1]])
         assert len(step.angles[0]) == 256
 
+
 def test_bad_input_is_refused_before_the_operator_and_by_it(native):
     model = native("q4_k").model
     session = make_session(model)

@@ -823,7 +823,6 @@ def test_the_first_childs_evidence_is_saved_with_the_calibration_and_capped_when
     assert (again.first_child.hits.tolist(), again.first_child.trials.tolist()) == ([75.0], [100.0])
 
 
-
 @pytest.mark.usefixtures("private_cache")
 def test_a_damaged_calibration_record_is_set_aside():
     """Fields of the record were read unchecked: child_probs "x" was an AttributeError traceback, plain_runs "abc"

@@ -29,8 +29,6 @@ def test_tree_properties(session, budget, threshold, temperature, max_depth):
     assert session.forwards == 0 or len(tree) > 1
 
 
-
-
 @given(sessions, st.sampled_from([0.02, 0.05, 0.1, 0.3]))
 @settings(max_examples=50, deadline=None)
 def test_uncapped_threshold_tree_is_alg1_with_that_many_tokens(session, threshold):

@@ -80,7 +80,6 @@ def chain_outcomes(neighbor_fn, p, q, vocab, n):
     return extend(emitted, p, vocab, n), expected, full
 
 
-
 # ---- drawing children ---------------------------------------------------------------------------------------------
 def with_replacement_draws(q, k):
     for kids in itertools.product(range(len(q)), repeat=k):

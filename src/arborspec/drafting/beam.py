@@ -41,7 +41,6 @@ class BeamPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.steps
 
-
     def draft(self, ctx: DraftContext) -> TokenTree:
         m = self.options.beams
         tree = TokenTree.root(ctx.context[-1])

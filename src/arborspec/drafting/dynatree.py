@@ -95,7 +95,6 @@ class DynaTreePolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.d_max
 
-
     # ---- drafting --------------------------------------------------------------------------------------------
     def expandable(self, depth: int, p: float, max_depth: int) -> bool:
         o = self.options

@@ -42,7 +42,6 @@ class DySpecThresholdPolicy(Policy):
     def max_tree_depth(self) -> int:
         return self.options.budget
 
-
     def draft(self, ctx: DraftContext) -> TokenTree:
         budget, t = self.options.budget, self.options.threshold
         greedy = ctx.sampling.greedy

@@ -162,7 +162,6 @@ class Logprobs:
         return self.text(token).encode("utf-8")
 
 
-
 def special_ids(tokenizer) -> set[int]:
     """The ids `decode(skip_special_tokens=True)` leaves out: the named special tokens and every added token marked
     special (Qwen2.5-Coder: 20 ids, where all_special_ids names 2)."""
