@@ -108,6 +108,44 @@ def test_best_prefix_is_the_enumerated_argmax():
         assert m == int(np.argmax(rates)) and r == pytest.approx(max(rates))
 
 
+def test_best_prefix_ties_go_to_the_smaller_prefix():
+    """Free verification and worthless candidates: every prefix has the same rate, and a node must strictly pay."""
+    m, r = best_prefix(1.0, 0.0, 0, [0.0, 0.0, 0.0], CostModel(flat(1.0), flat(0.1)))
+    assert (m, r) == (0, 1.0)
+
+
+def test_cost_model_scales_its_profiles_shares_rows_and_adds_the_overhead():
+    """t(n) = n and d(w) = 0.1 w (linear profiles); a round of 4 requests forwards 4x the rows."""
+    costs = CostModel(CostCurve.from_measurements((1, 128), (1.0, 128.0)),
+                      CostCurve.from_measurements((1, 128), (0.1, 12.8)),
+                      overhead=0.5, draft_scale=2.0, verify_scale=3.0, sharing=4)
+    assert costs.layer(2) == pytest.approx(2.0 * 0.1 * 8)  # draft_scale * d(4 * 2)
+    assert costs.verify(3) == pytest.approx(3.0 * 12)  # verify_scale * t(4 * 3)
+    assert costs.plain_step() == pytest.approx(3.0 * 4 + 0.5)  # verify_scale * t(4) + overhead
+    assert costs.raw_draft(2) == pytest.approx(0.8) and costs.raw_verify(3) == pytest.approx(12.0)
+
+
+def test_ceiling_rate_is_the_best_fully_accepted_chain():
+    """Flat t = 1, d = 0.1, c = 0.1: a chain of k nodes commits k + 1 tokens in 1.1 + 0.1 k seconds, a rate that
+    rises with k, so the best chain is the longest allowed."""
+    from arborspec.drafting.auto.objective import ceiling_rate
+
+    costs = CostModel(flat(1.0), flat(0.1), overhead=0.1)
+    assert ceiling_rate(costs) == pytest.approx(17 / 2.7)  # k = 16
+    assert ceiling_rate(costs, max_depth=4) == pytest.approx(5 / 1.5)
+
+
+def test_expected_ceiling_accepts_chain_node_i_at_the_first_childs_rate_to_the_power_i():
+    """Flat t = 1, d = 0.1, c = 0.1, acceptance 0.5 per token: k nodes commit 1 + 0.5 + ... + 0.5^k = 2 - 0.5^k
+    tokens in 1.1 + 0.1 k seconds: 1.5/1.2, 1.75/1.3, 1.875/1.4, ... (best k = 2). The measured first-child rate
+    replaces a(c_1^i) entirely; without it, a(x) = x with c_1 = 0.5 gives the same chain."""
+    from arborspec.drafting.auto.objective import expected_ceiling
+
+    costs = CostModel(flat(1.0), flat(0.1), overhead=0.1)
+    assert expected_ceiling(costs, lambda x: 1.0, 0.9, first_accept=0.5) == pytest.approx(1.75 / 1.3)
+    assert expected_ceiling(costs, lambda x: x, 0.5) == pytest.approx(1.75 / 1.3)
+
+
 def test_cost_curve_interpolates_extrapolates_and_smooths_noise():
     c = CostCurve.from_measurements((1, 2, 4, 8), (1.0, 0.8, 0.9, 0.85))  # t(1) > t(2) is real; t(8) < t(4) noise
     assert c(1) == 1.0 and c(2) == 0.8
