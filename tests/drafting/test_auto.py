@@ -314,6 +314,105 @@ def test_the_child_predictor_learns_from_the_roots_rows_only(temperature):
     assert policy.child_probs[greedy][0] > root_top - 0.03
 
 
+class RecordingSession(FakeSession):
+    """A FakeSession that keeps the nodes of every forward call."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calls: list[list[int]] = []
+
+    def forward(self, context, tree, nodes):
+        self.calls.append(list(nodes))
+        return super().forward(context, tree, nodes)
+
+
+def build_tree(ctx, costs: CostModel, acceptance=None, force=False, **options):
+    """One TreeBuilder step with the default predictor (tree_builder.py without the policy around it)."""
+    from arborspec.drafting.auto.options import AutoOptions
+    from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS
+    from arborspec.drafting.auto.tree_builder import TreeBuilder
+
+    builder = TreeBuilder(ctx, costs, acceptance or Calibrator(enabled=False), np.array(DEFAULT_CHILD_PROBS),
+                          AutoOptions(**options), force=force)
+    return builder.run(), builder
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_probe_step_drafts_one_child_even_when_none_pays(temperature):
+    """A guard probe (force) must put a drafted token on the tree to measure speculation. t(n) = n seconds, draft
+    layers of 2: once the call is made, a first child of gain 0.3 turns 1 token in 3 s into 1.3 in 4 s, which does
+    not pay."""
+    linear = CostCurve.from_measurements((1, 128), (1.0, 128.0))
+    p = [0.3, 0.25, 0.2, 0.15, 0.1]
+    for force in (True, False):
+        session = ConstSession(p)
+        tree, builder = build_tree(ctx_for(session, temperature=temperature), CostModel(linear, flat(2.0)), force=force)
+        assert len(tree) == (2 if force else 1) and session.forwards == force and builder.wasted == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_node_records_its_own_path_probability_and_its_rows_draft_distribution(temperature):
+    """A node's x_u (which scores its children and orders the frontier) is the product of its path's draft
+    probabilities, and the distribution recorded for its children (what traversal/mbr verify against) is the
+    warped draft row of that node, also when one call forwards several nodes."""
+    checked_wide = False
+    for seed in range(4):
+        session = RecordingSession(10, seed, 1.0)
+        ctx = fake_context(session, temperature=temperature, seed=seed)
+        tree, builder = build_tree(ctx, CostModel(flat(1.0), flat(0.001)), max_children=4, max_nodes=24)
+        assert tree.depth >= 2
+        for i in range(1, len(tree)):
+            assert builder.path_probs[i] == pytest.approx(tree.path_prob(i), rel=1e-5)
+        for node, dist in tree.child_dist.items():
+            row = session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
+            assert torch.allclose(dist, ctx.sampling.probs(row[None])[0])
+        checked_wide |= any(len(c) > 1 and sum(n in tree.child_dist for n in c[1:]) for c in session.calls)
+    assert checked_wide
+
+
+def test_sampled_frontier_forwards_its_likeliest_nodes():
+    """At T > 0 a layer's children come out in order of their expected scores; the next call must forward the
+    frontier nodes with the largest drawn path probabilities."""
+    narrowed = 0
+    for seed in range(8):
+        session = RecordingSession(10, seed, 1.0)
+        tree, _ = build_tree(fake_context(session, temperature=1.0, seed=seed), CostModel(T_CPU, flat(0.02)))
+        for before, call in zip(session.calls, session.calls[1:]):
+            layer = [n for n in range(1, len(tree)) if tree.parents[n] in before]
+            rest = [tree.path_prob(n) for n in layer if n not in call]
+            assert min(tree.path_prob(n) for n in call) >= max(rest, default=0.0)
+            narrowed += bool(rest)
+    assert narrowed > 0  # some call forwarded part of its frontier
+
+
+def test_children_of_equal_gain_are_added_likeliest_first():
+    """A flat calibration (every score accepted half the time): which children pay depends only on how many, and the
+    ones added are the draft's top tokens."""
+    p = [0.4, 0.25, 0.15, 0.1, 0.05, 0.05]
+    tree, builder = build_tree(ctx_for(ConstSession(p)), CostModel(T_CPU, D_CPU),
+                               acceptance=lambda s: np.full(np.shape(s), 0.5), max_layers=1)
+    assert len(tree) > 2
+    assert [tree.tokens[c] for c in tree.children(0)] == list(range(len(tree) - 1))
+
+
+def test_growth_stops_at_max_nodes_and_says_so():
+    tree, builder = build_tree(ctx_for(ConstSession([0.95, 0.02, 0.01, 0.01, 0.01])), CostModel(T_CPU, D_CPU),
+                               max_nodes=2)
+    assert len(tree) - 1 == 2 and builder.stop == "max nodes"
+
+
+def test_a_free_draft_call_predicted_to_add_nothing_is_not_made():
+    """The draft call must be predicted to raise the rate strictly: with a free draft and a predictor that expects
+    worthless children, forwarding leaves the predicted rate exactly equal, so no call (though the draft is sure)."""
+    from arborspec.drafting.auto.options import AutoOptions
+    from arborspec.drafting.auto.tree_builder import TreeBuilder
+
+    session = ConstSession([0.95, 0.02, 0.01, 0.01, 0.01])
+    builder = TreeBuilder(ctx_for(session), CostModel(flat(1.0), flat(0.001), draft_scale=0.0), Calibrator(enabled=False), np.zeros(8),
+                          AutoOptions())
+    assert len(builder.run()) == 1 and session.forwards == 0
+
+
 def test_draws_without_replacement_have_the_residual_distribution():
     """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, draws once
     from q with the taken tokens zeroed): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
