@@ -408,8 +408,8 @@ def test_a_free_draft_call_predicted_to_add_nothing_is_not_made():
     from arborspec.drafting.auto.tree_builder import TreeBuilder
 
     session = ConstSession([0.95, 0.02, 0.01, 0.01, 0.01])
-    builder = TreeBuilder(ctx_for(session), CostModel(flat(1.0), flat(0.001), draft_scale=0.0), Calibrator(enabled=False), np.zeros(8),
-                          AutoOptions())
+    free = CostModel(flat(1.0), flat(0.001), draft_scale=0.0)
+    builder = TreeBuilder(ctx_for(session), free, Calibrator(enabled=False), np.zeros(8), AutoOptions())
     assert len(builder.run()) == 1 and session.forwards == 0
 
 
