@@ -734,3 +734,30 @@ def test_a_conversation_is_encoded_in_the_chat_template_with_its_own_special_tok
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template|has none"):
         dec.encode([{"role": "user", "content": "hi"}])
+
+
+def test_only_a_tree_that_got_free_branches_goes_to_the_free_branches_verifier():
+    """with_free_branches: naive (the free verifier) accepts fewer of a sampled draft's tokens than traversal, so a
+    tree the branches left as drafted keeps the drafted trees' verifier; with `bare_only` a drafted tree is not
+    grafted at all."""
+    from arborspec.core.tree import TokenTree
+    from arborspec.engine.verifier_choice import with_free_branches
+
+    drafted_verifier, free_verifier = object(), object()
+
+    def nothing(tree):
+        return tree
+
+    def one_branch(tree):
+        tree.add(0, 9, source="suffix")
+        return tree
+
+    for bare_only in (False, True):
+        tree, verifier = with_free_branches(TokenTree.root(5), nothing, bare_only, drafted_verifier, free_verifier)
+        assert len(tree) == 1 and verifier is drafted_verifier
+        tree, verifier = with_free_branches(TokenTree.root(5), one_branch, bare_only, drafted_verifier, free_verifier)
+        assert len(tree) == 2 and verifier is free_verifier
+    drafted = TokenTree.root(5)
+    drafted.add(0, 7)
+    tree, verifier = with_free_branches(drafted, one_branch, True, drafted_verifier, free_verifier)
+    assert len(tree) == 2 and verifier is drafted_verifier
