@@ -79,6 +79,9 @@ def models():
            r"nodes no draft model drew .* exact alternatives: greedy, naive, or drop the branches")
           for v in ("mbr", "traversal", "mss", "greedy-draft")],
         (dict(method="suffix", verifier="mbr", temperature=0.0), r"method 'suffix'.* alternatives: greedy, naive$"),
+        # a chain with branches is a tree, and what a chain-only rule is told to use instead must read no draft rows
+        (dict(method="chain", k=3, verifier="sps", ngram=3, temperature=0.0),
+         r"chains only.*exact alternatives: greedy, naive$"),
         (dict(method="wetap", budget=8, verifier="wetap", allow_lossy=True, lookahead=4),
          r"nodes no draft model drew.*exact alternatives: naive, or drop"),
     ],

@@ -82,13 +82,15 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; choose one of: {', '.join(sorted(VERIFIERS))}")
     cls = VERIFIERS[name]
+    undrawn = free or not (policy.needs_draft or policy.plain)  # some nodes have no draft distribution to read
     if not sampling.greedy and name == "greedy":
         raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
     # at T=0 every rule is greedy, so only the tree shape matters; with no tree drafted there is none to fit
     if not drafts_no_tree(policy, free) and not fits(cls, set() if sampling.greedy else rules, chain):
         alternatives = sorted(
             n for n, v in VERIFIERS.items()
-            if v.exact and (n != "greedy" or sampling.greedy) and fits(v, set() if sampling.greedy else rules, chain)
+            if v.exact and (n != "greedy" or sampling.greedy) and not (undrawn and v.reads_draft)
+            and fits(v, set() if sampling.greedy else rules, chain)
         )
         what = (
             "trees with several children per node (it handles chains only)" if cls.chain_only and not chain
@@ -98,7 +100,7 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
             f"verifier {name!r} is not exact for {what} (method {policy.name!r} with these options and "
             f"sampling settings); exact alternatives: {', '.join(alternatives) or 'none'}"
         )
-    if (free or not (policy.needs_draft or policy.plain)) and cls.reads_draft:  # (at T = 0 `fits` sees shapes only)
+    if undrawn and cls.reads_draft:  # (at T = 0 `fits` sees shapes only)
         alternatives = ("greedy, naive" if sampling.greedy else "naive") + (
             ", or drop the branches (e.g. +suffix0 on auto)" if free else "")
         raise ValueError(f"verifier {name!r} reads the draft distribution of every node's children, and nodes no draft "
