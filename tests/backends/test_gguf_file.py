@@ -114,6 +114,7 @@ GOOD = {"qwen2.attention.layer_norm_rms_epsilon": 1e-6, "qwen2.embedding_length"
     ({"tokenizer.ggml.padding_token_id": 10**6}, "tokenizer.ggml.padding_token_id is 1000000, not a token id of its "
                                                  "vocabulary of 261"),
     ({"tokenizer.ggml.eos_token_id": -5}, "tokenizer.ggml.eos_token_id is -5"),
+    ({"tokenizer.ggml.bos_token_id": 261}, "tokenizer.ggml.bos_token_id is 261, not a token id"),  # ids are 0..260
 ])
 def test_header_values_llamacpp_aborts_on_are_a_corrupt_file(changes, message):
     """llama.cpp aborted the process on each (GGML_ASSERT, under --backend auto too); native ignored some and raised
@@ -188,3 +189,119 @@ def test_a_nan_or_inf_in_a_float_vector_is_a_corrupt_file(tmp_path, name, value)
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=f"corrupt GGUF file: tensor {name} holds a NaN or inf"):
         read_gguf_info(path)
+
+
+def test_arrays_of_any_item_size_are_skipped_whole(tmp_path):
+    """Only an array's length is kept: the keys and the tensor table after arrays of 1- and 8-byte numbers, of
+    strings and of arrays still read as gguf's reader reads them (the tiny files' arrays hold 4-byte items only)."""
+    kind = gguf.GGUFValueType
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    writer.add_key_value("test.u8", [1, 2, 3], kind.ARRAY, sub_type=kind.UINT8)
+    writer.add_key_value("test.u64", [1, 2], kind.ARRAY, sub_type=kind.UINT64)
+    writer.add_key_value("test.f64", [0.5], kind.ARRAY, sub_type=kind.FLOAT64)
+    writer.add_key_value("test.strings", ["a", "bcd"], kind.ARRAY, sub_type=kind.STRING)
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_uint32("qwen2.after", 7)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = read_gguf(tmp_path / "m.gguf")
+    lengths = {key: file.metadata[key] for key in ("test.u8", "test.u64", "test.f64", "test.strings", "test.nested")}
+    assert lengths == {"test.u8": 3, "test.u64": 2, "test.f64": 1, "test.strings": 2, "test.nested": 2}
+    assert all(isinstance(n, gguf_file.ArrayLength) for n in lengths.values())
+    assert file.metadata["qwen2.after"] == 7
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert [(t.name, t.shape, t.offset) for t in file.tensors] == [
+        (t.name, (4, 8), t.data_offset) for t in reader.tensors]
+
+
+def test_only_a_v2_or_v3_gguf_is_read(tmp_path):
+    """A v1 file's strings have 4-byte lengths: read as v3 it would give garbage, so it is refused up front."""
+    data = bytearray(write_tiny_gguf(tmp_path / "m.gguf").read_bytes())
+    assert data[:4] == b"GGUF" and int.from_bytes(data[4:8], "little") == 3
+    data[4:8] = (1).to_bytes(4, "little")
+    (tmp_path / "v1.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not a GGUF v2/v3 file .* version 1"):
+        read_gguf(tmp_path / "v1.gguf")
+
+
+def test_an_alignment_of_zero_is_refused_not_divided_by(tmp_path):
+    odd = write_tiny_gguf(tmp_path / "zero.gguf", extra={"general.alignment": (0, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(ValueError, match="general.alignment 0 is not a power of two"):
+        read_gguf(odd)
+
+
+def test_a_nan_in_a_float16_vector_is_a_corrupt_file(tmp_path):
+    """The tiny files keep vectors F32; a converter may write them F16, and those are checked too."""
+    norm = np.ones(8, np.float16)
+    norm[3] = np.nan
+    path = _write(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None),
+                                        "blk.0.attn_norm.weight": (norm, None, None)}, block_count=1)
+    assert read_gguf(path).tensors[1].qtype == gguf.GGMLQuantizationType.F16
+    with pytest.raises(ValueError, match="tensor blk.0.attn_norm.weight holds a NaN or inf"):
+        read_gguf_info(path)
+
+
+def test_only_vectors_are_read_for_the_nan_check(tmp_path, monkeypatch):
+    """The matrices (hundreds of MB on a real model) are not read when the header is checked."""
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    read = []
+    original = gguf_file.GgufTensor.read
+    monkeypatch.setattr(gguf_file.GgufTensor, "read", lambda self: read.append(self.shape) or original(self))
+    read_gguf_info(path)
+    assert read and all(len(shape) == 1 for shape in read)
+
+
+def test_one_layer_more_than_the_file_holds_is_a_corrupt_file(tmp_path):
+    plain = {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None),
+             "blk.0.attn_norm.weight": (np.ones(8, np.float32), None, None),
+             "blk.1.attn_norm.weight": (np.ones(8, np.float32), None, None)}
+    with pytest.raises(ValueError, match="qwen2.block_count is 3, but it holds tensors for 2 layers"):
+        read_gguf_info(_write(tmp_path / "three.gguf", plain, block_count=3))
+
+
+def test_a_file_without_layer_tensors_is_not_checked_for_layers(tmp_path):
+    """No blk.* tensor: nothing to count layers by, so block_count stands (no error from an empty max())."""
+    path = _write(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None)},
+                  block_count=2)
+    assert read_gguf_info(path).arch == "qwen2"
+
+
+def test_the_least_usable_sizes_pass(tmp_path):
+    """One layer, one head, a context of 2 (SIZES' floors), an integer rope base, a zero norm epsilon."""
+    sizes = {f"qwen2.{key}": low for key, low in gguf_file.SIZES.items()}
+    gguf_file._check_sizes("m.gguf", "qwen2", {**sizes, "qwen2.rope.freq_base": 10000}.get)
+    gguf_file._check_values("m.gguf", "qwen2", {**GOOD, "qwen2.attention.layer_norm_rms_epsilon": 0.0}.get)
+    with pytest.raises(ValueError, match="qwen2.context_length is 1"):
+        gguf_file._check_sizes("m.gguf", "qwen2", {**sizes, "qwen2.context_length": 1}.get)
+
+
+def test_heads_that_do_not_share_key_value_heads_evenly_are_a_corrupt_file():
+    field = {"qwen2.attention.head_count": 6, "qwen2.attention.head_count_kv": 4}.get
+    with pytest.raises(ValueError, match="6 attention heads do not share 4 key/value heads evenly"):
+        gguf_file._check_sizes("m.gguf", "qwen2", field)
+    gguf_file._check_sizes("m.gguf", "qwen2", {"qwen2.attention.head_count": 6, "qwen2.attention.head_count_kv": 3}.get)
+
+
+def test_query_rows_are_checked_against_heads_times_key_size_not_the_width(tmp_path):
+    """Heads narrower than width / heads (as Mistral Nemo's): a query of 4 heads x 8 = 32 rows on a 64-wide model is
+    whole; 33 rows is not."""
+    keys = {"embedding_length": 64, "attention.head_count": 4, "attention.key_length": 8,
+            "attention.value_length": 8, "rope.dimension_count": 8}
+    for rows, ok in ((32, True), (33, False)):
+        path = _write(tmp_path / f"q{rows}.gguf", {
+            "token_embd.weight": (np.zeros((4, 64), np.float32), None, None),
+            "blk.0.attn_q.weight": (np.zeros((rows, 64), np.float32), None, None)}, block_count=1, **keys)
+        if ok:
+            assert read_gguf_info(path).arch == "qwen2"
+        else:
+            with pytest.raises(ValueError, match="has 33 rows, not 4 heads x a key size of 8"):
+                read_gguf_info(path)
+
+
+def test_weight_type_names_the_file_type_without_mostly_else_the_commonest_matrix_type():
+    assert gguf_file.weight_type(15, ["F32"]) == "Q4_K_M"  # gguf.LlamaFileType(15) is MOSTLY_Q4_K_M
+    assert gguf_file.weight_type(None, ["Q6_K", "Q4_K", "Q4_K"]) == "Q4_K"
+    assert gguf_file.weight_type(None, []) == "unknown"
