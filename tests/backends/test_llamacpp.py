@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -708,3 +709,98 @@ def test_a_file_whose_name_is_not_utf8_loads(gguf_dir, tmp_path):
     shutil.copy(gguf_dir / "target.gguf", odd)
     model = load_llamacpp(odd, n_threads=1, n_ctx=64)
     assert model.n_vocab == VOCAB
+
+
+@needs_llama
+def test_a_prefill_longer_than_n_batch_keeps_counting_positions(gguf_dir, target):
+    """Each llama_decode call of a long prefill continues where the last one stopped: positions 0..n-1 on sequence
+    0, and the next forward's logits are those of a session that prefilled in one call."""
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_batch=7, kv_type="f32")
+    rng = random.Random(12)
+    context = [rng.randrange(VOCAB) for _ in range(20)]
+    session = small.new_session()
+    session.prefill(context[:-1])  # 19 tokens: decodes of 7, 7 and 5
+    assert session.forwards == 3
+    assert session.lib.llama_memory_seq_pos_max(session.mem, 0) == len(context) - 2
+    tree = random_tree(rng, context[-1], 5)
+    ref = target.new_session()
+    ref.prefill(context[:-1])
+    torch.testing.assert_close(session.forward(context, tree, list(range(5))),
+                               ref.forward(context, tree, list(range(5))), atol=ATOL, rtol=0)
+    small.close()
+
+
+@needs_llama
+def test_commit_of_nothing_after_a_forward_drops_the_root_too(target):
+    """The root (the context's last token) was forwarded as a tree node: rejecting every node drops its cell as well,
+    so the next step forwards it again without a second cell at its position."""
+    context = [3, 1, 4, 1, 5]
+    session = target.new_session()
+    session.prefill(context[:-1])
+    session.forward(context, random_tree(random.Random(13), context[-1], 6), list(range(6)))
+    session.commit([])
+    reference = target.new_session()
+    reference.prefill(context[:-1])
+    assert_clean(session, reference)
+
+
+@needs_llama
+def test_prefill_with_a_forwarded_tree_is_refused(target):
+    session = target.new_session()
+    session.prefill([3, 1])
+    session.forward([3, 1, 4], TokenTree.root(4), [0])
+    with pytest.raises(RuntimeError, match="prefill with a non-empty region"):
+        session.prefill([5])
+
+
+@needs_llama
+def test_renumber_carries_evicted_nodes_to_their_new_numbers(gguf_dir):
+    """A node an eviction dropped keeps being known as evicted under its new number: committing a path through it
+    keeps the path up to it (the rest rides in front of the next forward) instead of failing in check_path."""
+    small = load_llamacpp(gguf_dir / "target.gguf", n_threads=1, n_seq_max=4, kv_type="f32")
+    rng = random.Random(11)
+    context = [rng.randrange(VOCAB) for _ in range(9)]
+    tree = random_tree(rng, context[-1], 40, max_children=4)
+    session = small.new_session()
+    session.prefill(context[:-1])
+    for node in parents_first_shuffle(tree, rng):
+        session.forward(context, tree, [node])
+    gone = max(n for n in range(len(tree)) if not session.has(n))
+    leaf = next(n for n in range(1, gone) if not tree.children(n) and n not in tree.path(gone))
+    kept = [n for n in range(len(tree)) if n != leaf]  # every node after `leaf` moves down by one
+    evicted = set(session.evicted)
+    session.renumber(kept)
+    assert session.evicted == {new for new, old in enumerate(kept) if old in evicted} and gone - 1 in session.evicted
+    path = [kept.index(n) for n in tree.path(gone)]
+    cut = next(i for i, n in enumerate(path) if not session.has(n))
+    session.commit(path)
+    assert session.cached == context[:-1] + [tree.tokens[kept[n]] for n in path[:cut]]
+    small.close()
+
+
+def test_llama_error_prefers_the_loading_reason_then_the_first_line(monkeypatch):
+    from arborspec.backends import llamacpp
+    monkeypatch.setattr(llamacpp._log, "errors", ["first", "llama_model_load: error loading model: bad tensor", "x"])
+    assert llamacpp.llama_error("none") == "bad tensor"
+    monkeypatch.setattr(llamacpp._log, "errors", ["first", "second"])
+    assert llamacpp.llama_error("none") == "first"
+    assert llamacpp.llama_error("none") == "none"  # the lines are consumed
+
+
+@needs_llama
+def test_a_full_kv_cache_is_named_as_such(target, monkeypatch):
+    """llama_decode returns 1 when no cells are free for the batch (llama.h): said as a full cache, not a failure."""
+    session = target.new_session()
+    monkeypatch.setattr(session, "lib", SimpleNamespace(llama_decode=lambda ctx, batch: 1))
+    with pytest.raises(RuntimeError, match=r"target KV cache is full \(256 \+ \d+ cells\)"):
+        session.prefill([3, 1, 4])
+
+
+@needs_llama
+def test_default_context_and_batch_threads(gguf_dir, tmp_path):
+    """n_ctx defaults to min(4096, trained); n_threads_batch to n_threads; n_seq_max past 256 is refused here."""
+    long = load_llamacpp(write_tiny_gguf(tmp_path / "long.gguf", context=8192), n_threads=1, n_seq_max=2)
+    assert long.n_ctx == 4096 and long.settings.n_threads_batch == 1
+    long.close()
+    with pytest.raises(ValueError, match=r"n_seq_max must be an integer in \[1, 256\], got 257"):
+        load_llamacpp(gguf_dir / "target.gguf", n_seq_max=257)
