@@ -485,3 +485,22 @@ def test_a_config_transformers_refuses_is_a_one_line_error(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="m.gguf: transformers cannot build the model its header describes "
                                          r"\(Padding_idx must be within num_embeddings\)"):
         load_native(path)
+
+
+def test_a_file_that_leaves_a_module_empty_or_says_no_rope_scaling(tmp_path):
+    """A missing norm weight is refused when loading (it would stay on the meta device until the first forward);
+    a rope scaling type of "none" is no scaling and loads."""
+    holed = write_tiny_gguf(tmp_path / "holed.gguf", dtype="q4_k", skip=("blk.1.ffn_norm.weight",), **K_QUANT)
+    with pytest.raises(NotNative, match="the file leaves model.layers.1.post_attention_layernorm.weight"):
+        load_native(holed)
+    plain = {"qwen2.rope.scaling.type": ("none", GGUFValueType.STRING)}
+    assert is_native(load_native(write_tiny_gguf(tmp_path / "none.gguf", dtype="q4_k", extra=plain, **K_QUANT)))
+
+
+def test_a_pruned_head_takes_ids_of_the_vocabulary_once(native):
+    from arborspec.backends.native import with_pruned_head
+    model = native("q4_k").model
+    with pytest.raises(ValueError, match=f"keeps token ids in \\[0, {VOCAB}\\)"):
+        with_pruned_head(model, [0, VOCAB])  # VOCAB itself is one past the last id
+    with pytest.raises(ValueError, match="pruned already"):
+        with_pruned_head(with_pruned_head(model, [1, 2]), [1])
