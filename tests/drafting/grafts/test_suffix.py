@@ -145,6 +145,28 @@ def test_speculation_sizes_by_match_and_probability():
     assert ix.speculate(budget=10, max_depth=0).nodes == []  # no room left in the context window / token budget
 
 
+def test_speculation_keeps_nodes_at_exactly_min_prob():
+    ix = SuffixIndex(8, 4)
+    ix.follow([5, 6, 1, 2, 5, 6, 1, 3, 5, 6])  # "5 6" -> 1 (prob 1), then 2 or 3 (path prob 0.5 each)
+    assert [c.token for c in ix.speculate(budget=10, max_depth=2, min_prob=0.5).nodes] == [1, 2, 3]
+
+
+def test_speculation_never_goes_deeper_than_the_index_max_depth():
+    """A caller's max_depth above the index's is capped: a short match leaves room in the trie for more."""
+    ix = SuffixIndex(8, 2)
+    ix.follow([1, 2, 3, 4, 5, 6, 1])  # "1" matched, followed by the chain 2 3 4 5 6
+    assert [c.token for c in ix.speculate(budget=10, max_depth=5).nodes] == [2, 3]
+
+
+def test_speculation_size_by_match_is_not_rounded_up_by_float_error():
+    """factor * match = 25/11 * 11 is 25.000000000000004 in floats: the tree gets 25 nodes, not 26."""
+    suffix = list(range(1, 12))
+    ix = SuffixIndex(11, 1)
+    ix.follow([tok for t in range(100, 130) for tok in suffix + [t]] + suffix)  # 30 continuations of the suffix
+    spec = ix.speculate(budget=40, factor=25 / 11)
+    assert spec.match == 11 and len(spec.nodes) == 25
+
+
 @settings(max_examples=40, deadline=None)
 @given(outputs=st.lists(streams, max_size=8), capacity=st.integers(0, 60), depth=st.integers(1, 5))
 def test_store_evicts_whole_outputs_oldest_first(outputs, capacity, depth):
@@ -171,6 +193,14 @@ def test_index_moves_finished_outputs_to_the_store():
     assert [c.token for c in ix.speculate(4).nodes] == [8, 9]
     with pytest.raises(ValueError, match="store"):
         SuffixIndex(store=-1)
+
+
+def test_index_following_the_same_context_again_keeps_the_request():
+    ix = SuffixIndex(4, 4, store=8)
+    ix.follow([1, 2])
+    ix.follow([1, 2, 7, 8])
+    ix.follow([1, 2, 7, 8])  # a step that committed nothing new: still the same request
+    assert list(ix.store.outputs) == [] and ix.tokens == [1, 2, 7, 8] and ix.prompt_len == 2
 
 
 # ---- grafting ----------------------------------------------------------------------------------------------------
