@@ -304,3 +304,15 @@ def test_suffix_drafts_keep_the_target_distribution(registered, which):
     index.speculate = recorded
     assert_samples_target(dec, prompt, probs)
     assert sum(matched) > len(matched) / 10  # suffix branches really were in the trees
+
+
+def test_suffix_trees_stay_within_the_depth_the_step_leaves():
+    """Near the end of a generation (or the context window) the engine asks for shallower trees: ctx.max_depth caps
+    the suffix tree below the policy's own max_depth."""
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.drafting.base import DraftContext
+
+    context = [5, 6, 7, 8, 9] * 4  # every suffix continues for many tokens
+    deep = SuffixPolicy(max_depth=8).draft(DraftContext(None, context, SamplingConfig(0.0), None, 8))
+    capped = SuffixPolicy(max_depth=8).draft(DraftContext(None, context, SamplingConfig(0.0), None, 2))
+    assert max(deep.depths) > 2 and max(capped.depths) == 2
