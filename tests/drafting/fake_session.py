@@ -2,7 +2,8 @@
 
 The drafting half of the `models.session.Session` protocol (`forward`, `has`, `renumber`), enforcing the same
 contract: every ancestor of a node must have been forwarded in an earlier call of this step (same tree) or come
-earlier in `nodes`. It counts calls (`forwards`) and rows (`rows`).
+earlier in `nodes`. It counts calls (`forwards`) and rows (`rows`), and keeps each call's nodes with the tree's
+size at that call (`calls`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class FakeSession:
         self.vocab, self.seed, self.sharpness = vocab, seed, sharpness
         self.forwards = 0
         self.rows = 0
+        self.calls: list[tuple[list[int], int]] = []  # (nodes, len(tree)) of each forward
         self.tree: TokenTree | None = None
         self.slot: dict[int, int] = {}
 
@@ -47,6 +49,7 @@ class FakeSession:
         for node in nodes:
             self.slot[node] = len(self.slot)
         self.forwards += 1
+        self.calls.append((list(nodes), len(tree)))
         self.rows += len(nodes)
         return torch.stack(rows)
 

@@ -314,18 +314,6 @@ def test_the_child_predictor_learns_from_the_roots_rows_only(temperature):
     assert policy.child_probs[greedy][0] > root_top - 0.03
 
 
-class RecordingSession(FakeSession):
-    """A FakeSession that keeps the nodes of every forward call."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.calls: list[list[int]] = []
-
-    def forward(self, context, tree, nodes):
-        self.calls.append(list(nodes))
-        return super().forward(context, tree, nodes)
-
-
 def build_tree(ctx, costs: CostModel, acceptance=None, force=False, **options):
     """One TreeBuilder step with the default predictor (tree_builder.py without the policy around it)."""
     from arborspec.drafting.auto.options import AutoOptions
@@ -357,7 +345,7 @@ def test_each_node_records_its_own_path_probability_and_its_rows_draft_distribut
     warped draft row of that node, also when one call forwards several nodes."""
     checked_wide = False
     for seed in range(4):
-        session = RecordingSession(10, seed, 1.0)
+        session = FakeSession(10, seed, 1.0)
         ctx = fake_context(session, temperature=temperature, seed=seed)
         tree, builder = build_tree(ctx, CostModel(flat(1.0), flat(0.001)), max_children=4, max_nodes=24)
         assert tree.depth >= 2
@@ -366,7 +354,7 @@ def test_each_node_records_its_own_path_probability_and_its_rows_draft_distribut
         for node, dist in tree.child_dist.items():
             row = session.logits_for(tuple(ctx.context) + tuple(tree.tokens[i] for i in tree.path(node)[1:]))
             assert torch.allclose(dist, ctx.sampling.probs(row[None])[0])
-        checked_wide |= any(len(c) > 1 and sum(n in tree.child_dist for n in c[1:]) for c in session.calls)
+        checked_wide |= any(len(c) > 1 and sum(n in tree.child_dist for n in c[1:]) for c, _ in session.calls)
     assert checked_wide
 
 
@@ -375,9 +363,10 @@ def test_sampled_frontier_forwards_its_likeliest_nodes():
     frontier nodes with the largest drawn path probabilities."""
     narrowed = 0
     for seed in range(8):
-        session = RecordingSession(10, seed, 1.0)
+        session = FakeSession(10, seed, 1.0)
         tree, _ = build_tree(fake_context(session, temperature=1.0, seed=seed), CostModel(T_CPU, flat(0.02)))
-        for before, call in zip(session.calls, session.calls[1:]):
+        calls = [nodes for nodes, _ in session.calls]
+        for before, call in zip(calls, calls[1:]):
             layer = [n for n in range(1, len(tree)) if tree.parents[n] in before]
             rest = [tree.path_prob(n) for n in layer if n not in call]
             assert min(tree.path_prob(n) for n in call) >= max(rest, default=0.0)

@@ -165,28 +165,16 @@ def test_unbatched_dyspec_calls_the_draft_once_per_node_but_not_for_the_last():
     assert session.forwards == session.rows == 10 == policy.last_calls
 
 
-class RecordingSession(FakeSession):
-    """Records, per draft call, how many nodes it forwards and how many pops were left when it was made."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls: list[tuple[int, int]] = []
-
-    def forward(self, context, tree, nodes):
-        self.calls.append((len(nodes), self.budget - (len(tree) - 1)))
-        return super().forward(context, tree, nodes)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_batched_dyspec_forwards_no_more_nodes_than_pops_left(seed):
     """A slot below the (r-1)-th best left in the heap is never popped: its node is not forwarded (flat drafts fill
     the heap with many unforwarded first-child slots, so the bound binds)."""
-    session = RecordingSession(vocab=3, seed=seed, sharpness=0.5)
-    session.budget = 8
+    session = FakeSession(vocab=3, seed=seed, sharpness=0.5)
     policy = POLICIES["dyspec"](budget=8)
     tree = policy.draft(fake_context(session))
-    assert session.calls[0] == (1, 8)  # the root alone
-    assert all(n <= left for n, left in session.calls[1:]), session.calls
+    calls = [(len(nodes), 8 - (size - 1)) for nodes, size in session.calls]  # (nodes forwarded, pops left then)
+    assert calls[0] == (1, 8)  # the root alone
+    assert all(n <= left for n, left in calls[1:]), calls
     assert policy.last_wasted == session.rows - len(set(tree.parents[1:]))
 
 
