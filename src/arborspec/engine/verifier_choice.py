@@ -86,11 +86,12 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
     if not sampling.greedy and name == "greedy":
         raise ValueError("verifier 'greedy' needs temperature 0; use a sampling verifier (e.g. 'naive')")
     # at T=0 every rule is greedy, so only the tree shape matters; with no tree drafted there is none to fit
-    if not drafts_no_tree(policy, free) and not fits(cls, set() if sampling.greedy else rules, chain):
+    drawn = set() if sampling.greedy else rules
+    if not drafts_no_tree(policy, free) and not fits(cls, drawn, chain):
         alternatives = sorted(
             n for n, v in VERIFIERS.items()
-            if v.exact and (n != "greedy" or sampling.greedy) and not (undrawn and v.reads_draft)
-            and fits(v, set() if sampling.greedy else rules, chain)
+            if v.exact and (n != "greedy" or sampling.greedy) and fits(v, drawn, chain)
+            and not (undrawn and v.reads_draft)
         )
         what = (
             "trees with several children per node (it handles chains only)" if cls.chain_only and not chain
