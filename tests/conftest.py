@@ -109,8 +109,8 @@ def loaded_pair():
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`--dist loadgroup`), tests that share a session-wide resource stay in one worker, in file
-    order: the real pair (GBs, loaded once) and the live servers (started once a session; the last test of
-    test_capacity_and_shutdown.py stops one of them). Everything else is spread test by test: the statistical tests
+    order: the real pair (GBs, loaded once), the live servers (started once a session; the last test of
+    test_capacity_and_shutdown.py stops one of them) and the emulated AVX-512 kernels (built once). Everything else is spread test by test: the statistical tests
     are single-threaded Python (`one_thread`), ~60% of the suite's time.
     First among the hooks: xdist's own (a plugin registered after this file, so called before it) reads the groups
     off the markers; the markers added after it grouped nothing, and two workers each started the Ray deployment in
@@ -120,6 +120,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("real"))
         elif item.nodeid.startswith("tests/server/"):
             item.add_marker(pytest.mark.xdist_group("server"))
+        elif "emulated" in item.nodeid:  # one worker compiles it (~40 s); split, the other waited that on its lock
+            item.add_marker(pytest.mark.xdist_group("emulated"))
 
 
 @pytest.fixture(scope="session")

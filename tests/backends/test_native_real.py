@@ -30,21 +30,29 @@ def pair():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def plain(pair) -> list[list[int]]:
+    """Plain greedy decoding of each prompt on the step: the reference every test below compares with, decoded once
+    (~5 s of the target a test on one core)."""
+    target = pair[0]
+    assert isinstance(target.model.new_session(), NativeSession)
+    return [SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True).token_ids
+            for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("method,options", [("chain", {"k": 4}), ("static", {"depth": 3, "branch": 2}),
                                             ("dyspec", {"budget": 16}), ("sequoia", {})])
-def test_speculation_on_the_step_is_plain_greedy_decoding(pair, method, options):
+def test_speculation_on_the_step_is_plain_greedy_decoding(pair, plain, method, options):
     target, draft = pair
-    assert isinstance(target.model.new_session(), NativeSession)
-    for prompt in PROMPTS:
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+    for prompt, ref in zip(PROMPTS, plain):
         res = SpeculativeDecoder(target, draft, method=method, **options).generate(prompt, max_new_tokens=N_TOKENS,
                                                                                    ignore_eos=True)
-        assert res.token_ids == ref.token_ids
+        assert res.token_ids == ref
         assert res.stats.tokens_per_step > 1.5  # the real draft is accepted most of the time
 
 
 @pytest.mark.parametrize("kind,vocab", [("q4_0", 0), ("iq4_nl", 32768)])
-def test_a_lean_draft_on_the_step_is_plain_greedy_decoding(pair, kind, vocab):
+def test_a_lean_draft_on_the_step_is_plain_greedy_decoding(pair, plain, kind, vocab):
     """The draft requantized to a lean 4-bit file (tuning/gguf_requant.py; built once, cached), with and without a
     pruned head: a different draft, the same output."""
     from arborspec.loading.pair import prepare_draft
@@ -52,9 +60,8 @@ def test_a_lean_draft_on_the_step_is_plain_greedy_decoding(pair, kind, vocab):
     target, draft = pair
     lean, quant, _ = prepare_draft(target, draft, kind, vocab=vocab, progress=False)
     assert quant == kind and lean.source.endswith(".gguf") and kind in lean.source
-    for prompt in PROMPTS:
-        ref = SpeculativeDecoder(target, method="ar").generate(prompt, max_new_tokens=N_TOKENS, ignore_eos=True)
+    for prompt, ref in zip(PROMPTS, plain):
         res = SpeculativeDecoder(target, lean, method="dyspec", budget=16).generate(prompt, max_new_tokens=N_TOKENS,
                                                                                     ignore_eos=True)
-        assert res.token_ids == ref.token_ids
+        assert res.token_ids == ref
         assert res.stats.tokens_per_step > 1.5  # the lean draft still agrees with the target most of the time

@@ -10,13 +10,14 @@ variation would fail it with probability >= 0.95 (`harness.assert_same_distribut
 deliberately wrong verifiers (including a block, a traversal and a greedy multi-draft verifier that skip their
 residual correction; 0.075-0.48 TV off, so they are tried with the samples of a 0.05-TV test), and measures how far
 the lossy WETAP rule drifts. The sampled tests are marked `slow`
-(each ~30-90 CPU-seconds; `-m "not slow"` skips them).
+(each ~15-60 CPU-seconds; `-m "not slow"` skips them).
 """
 import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.core.sampling import SamplingConfig
+from arborspec.core.tree import DrawRule
 from arborspec.drafting import POLICIES
 from arborspec.verify import VERIFIERS
 from arborspec.verify.base import Verdict, chain_nodes, draft_dist, draw, multi_draft_walk, target_probs
@@ -45,7 +46,7 @@ from tests.verify.harness import (
     goodness_of_fit,
     plan_samples,
     sample_outputs,
-    single_thread,
+    sampling_mode,
 )
 from tests.verify.test_greedy_draft import residual_free_plan
 
@@ -79,27 +80,26 @@ def run(tables, method, verifier, setting, seed, n=None, tv=0.02, **options):
     return counts, probs
 
 
-# (verifier, drafting, setting): every exact verifier with every drawing rule it covers, across the warps
+# (verifier, drafting, setting): every exact verifier with every drawing rule it covers, across the warps. Sampled
+# multi-child trees are drawn by the library's own schemes (static's `draw` option); the test-only policies
+# (harness.IIDTreePolicy, GreedyDraftTreePolicy) serve the wrong verifiers below. Each case is 15-60 CPU-seconds, so
+# a (verifier, drawing rule) pair is tried at one or two warps, not at all four.
 EXACT = [
     ("sps", ("chain", dict(k=3)), "T1"),
     ("sps", ("chain", dict(k=3)), "T1.3,k5,p0.9,dT0.8"),
     ("asps", ("chain", dict(k=3)), "p0.8"),
     ("asps", ("static", dict(depth=3, branch=1)), "T1.3,k5,p0.9,dT0.8"),
-    ("mss", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # with replacement, duplicates common
+    ("mss", ("static", dict(depth=2, branch=3, draw="iid")), "p0.8"),  # with replacement, duplicates common
     ("mss", ("chain", dict(k=3)), "T0.7,k4"),  # a chain's single child counts as drawn with replacement
     ("mbr", ("static", dict(depth=3, branch=2)), "p0.8"),  # without replacement
     ("mbr", ("static", dict(depth=2, branch=4)), "T0.7,k4"),  # branch = support: the draft runs out
     ("naive", ("static", dict(widths="3,2,2")), "p0.8"),  # deterministic
-    ("naive", ("iid", dict(depth=2, branch=2)), "T1.3,k5,p0.9,dT0.8"),
+    ("naive", ("static", dict(depth=2, branch=2, draw="iid")), "T1.3,k5,p0.9,dT0.8"),
     ("block", ("chain", dict(k=3)), "T1.3,k5,p0.9,dT0.8"),
-    ("traversal", ("iid", dict(depth=2, branch=3)), "T0.7,k4"),  # with replacement (the paper's setting)
+    ("traversal", ("static", dict(depth=2, branch=3, draw="iid")), "T0.7,k4"),  # with replacement (the paper's)
     ("traversal", ("static", dict(depth=3, branch=2)), "p0.8"),  # without replacement (our variant)
-    ("greedy-draft", ("greedy_draft", dict(depth=3, branch=2)), "T1"),  # top-1 plus one sample
-    # the library's own drawing schemes (static's `draw` option), not the test-only policies above
-    ("greedy-draft", ("static", dict(depth=3, branch=2, draw="greedy")), "T1.3,k5,p0.9,dT0.8"),
+    ("greedy-draft", ("static", dict(depth=3, branch=2, draw="greedy")), "T1.3,k5,p0.9,dT0.8"),  # top-1 + a sample
     ("greedy-draft", ("static", dict(depth=2, branch=4, draw="greedy")), "T0.7,k4"),  # branch = support: no draw left
-    ("mss", ("static", dict(depth=2, branch=3, draw="iid")), "p0.8"),
-    ("traversal", ("static", dict(depth=2, branch=3, draw="iid")), "T1"),
 ]
 
 
@@ -109,6 +109,24 @@ TEST_POLICIES = {"iid": IIDTreePolicy, "greedy_draft": GreedyDraftTreePolicy}
 def policy(drafting):
     method, options = drafting
     return (TEST_POLICIES[method](**options), {}) if method in TEST_POLICIES else (method, options)
+
+
+def test_every_exact_verifier_is_tried_on_every_drawing_rule_it_reads():
+    """EXACT covers each sampling verifier (a new one is a file and a registry line: this asks for its case too), and
+    each drawing rule a multi-child verifier that reads the draft's distribution declares it is exact for."""
+    sampling = SamplingConfig(1.0)
+    tried: dict[str, set] = {}
+    for verifier, drafting, _ in EXACT:
+        method, options = policy(drafting)
+        tree_policy = POLICIES[method](**options) if isinstance(method, str) else method
+        tried.setdefault(verifier, set()).update(tree_policy.draw_rules(sampling))
+    for name, cls in VERIFIERS.items():
+        if not cls.exact or name == "greedy":  # greedy: T = 0 only (tests/verify/test_engine_verifiers.py)
+            continue
+        assert name in tried, f"no chi-square case for the exact verifier {name}"
+        if cls.reads_draft and not cls.chain_only:
+            missing = set(cls.accepts) - {DrawRule.DETERMINISTIC} - tried[name]
+            assert not missing, f"{name} is never tried on trees drawn {', '.join(r.name for r in missing)}"
 
 
 @pytest.mark.slow
@@ -282,7 +300,7 @@ def test_simulated_acceptance_matches_expectation(tables):
     for name in ("sps", "asps", "block"):
         dec = TableDecoder(target, draft, "chain", name, temperature=1.0, horizon=HORIZON, k=3)
         gen = torch.Generator().manual_seed(5)
-        with single_thread():
+        with sampling_mode():
             acc = [dec.generate(PROMPT, 1, generator=gen).accepted[0] for _ in range(4000)]
         mean, sd = sum(acc) / len(acc), torch.tensor(acc, dtype=torch.float64).std().item()
         assert abs(mean - (e[name] - 1)) < 4 * sd / len(acc) ** 0.5

@@ -65,9 +65,8 @@ def sampled_children(q: torch.Tensor, k: int, draw: str, generator: torch.Genera
 def greedy_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
     """Greedy multi-draft (Hu et al., ICLR 2025): the k-1 most probable tokens of q (among those q can draw), then
     one sample from q with those tokens zeroed, last. When nothing is left to sample, only the top tokens."""
-    fixed = torch.topk(q, min(k - 1, int((q > 0).sum()))).indices.tolist()
-    rest = q.clone()
-    rest[fixed] = 0
-    if rest.sum() <= 0:
-        return fixed
-    return fixed + sample(rest / rest.sum(), generator)
+    fixed = torch.topk(q, min(k - 1, int(torch.count_nonzero(q)))).indices
+    rest = q.index_fill(0, fixed, 0.0)
+    if float(rest.sum()) <= 0:
+        return fixed.tolist()
+    return fixed.tolist() + sample(rest, generator)

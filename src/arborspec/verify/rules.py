@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.sampling import sample_one
+
 _EMPTY = -math.inf
 
 
@@ -395,7 +397,7 @@ def sample_neighbor(log_neighbor: torch.Tensor, generator: torch.Generator | Non
     """Draw (row, token) from a log outcome distribution."""
     flat = log_neighbor.flatten()
     w = torch.exp(flat - flat.max())
-    idx = int(torch.multinomial(w, 1, generator=generator))
+    idx = sample_one(w, generator)  # n x vocab outcomes: a multinomial would draw an exponential for each
     return divmod(idx, log_neighbor.shape[1])
 
 
