@@ -110,8 +110,9 @@ def loaded_pair():
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`--dist loadgroup`), tests that share a session-wide resource stay in one worker, in file
     order: the real pair (GBs, loaded once), the live servers (started once a session; the last test of
-    test_capacity_and_shutdown.py stops one of them) and the emulated AVX-512 kernels (built once). Everything else is spread test by test: the statistical tests
-    are single-threaded Python (`one_thread`), ~60% of the suite's time.
+    test_capacity_and_shutdown.py stops one of them) and the emulated AVX-512 kernels (built once). Everything else
+    is spread test by test: the statistical tests are single-threaded Python (`one_thread`), ~50% of the suite's
+    time.
     First among the hooks: xdist's own (a plugin registered after this file, so called before it) reads the groups
     off the markers; the markers added after it grouped nothing, and two workers each started the Ray deployment in
     one Ray namespace, the second replacing the first's replicas (their metrics read 0 tokens, 2026-11-28)."""

@@ -15,6 +15,8 @@ ROOT = Path(__file__).parents[2]
     ("stree_packed_vs_unrolled.py", ["--configs", "garbage"], "unknown config 'garbage'; choose from 130m, 370m"),
     ("policies.py", ["--methods", "foo", "--target", "/nonexistent"], "unknown method 'foo'"),
     ("verifiers_same_trees.py", ["--prompts", "-1"], "--prompts must be at least 1, got -1"),  # ran none, exit 0
+    ("draws.py", ["--vocabs", "8,x"], "--vocabs must be a comma-separated list of integers, got '8,x'"),
+    ("draws.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
 ])
 def test_a_bad_value_is_one_line_and_exit_2(script, args, message):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,

@@ -99,14 +99,15 @@ def successive_sampling(q: torch.Tensor, k: int) -> dict[tuple[int, ...], float]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_distinct_draws_from_a_large_vocabulary_follow_successive_sampling(dtype):
-    """sample(..., replacement=False) past MULTINOMIAL_BELOW: redraws until new while a quarter of the mass is left
-    (token 0 then 1 leave 0.45, then 0.25), then one draw from the rest alone. The ordered triples follow the
-    exact law (chi-square at 1e-3, power 0.95 against a TV error of 0.05); zero-mass tokens are never drawn."""
-    from arborspec.core.sampling import MULTINOMIAL_BELOW, sample
+    """sample(..., replacement=False) past DISTINCT_BY_MULTINOMIAL_BELOW: redraws until new while a quarter of the
+    mass is left (token 0 then 1 leave 0.45, then 0.25), then one draw from the rest alone. The ordered triples
+    follow the exact law (chi-square at 1e-3, power 0.95 against a TV error of 0.05); zero-mass tokens are never
+    drawn."""
+    from arborspec.core.sampling import DISTINCT_BY_MULTINOMIAL_BELOW, sample
     from tests.verify.harness import assert_same_distribution, plan_samples
 
-    q = torch.zeros(4 * MULTINOMIAL_BELOW, dtype=dtype)
-    support = [3, 700, 701, 1500, 2047]
+    q = torch.zeros(2 * DISTINCT_BY_MULTINOMIAL_BELOW, dtype=dtype)
+    support = [3, 700, 701, 1500, 4095]
     q[support] = torch.tensor([0.55, 0.2, 0.12, 0.08, 0.05], dtype=dtype) * 3  # unnormalised
     law = successive_sampling(q.double(), 3)
     outcomes = list(law)
@@ -119,20 +120,21 @@ def test_distinct_draws_from_a_large_vocabulary_follow_successive_sampling(dtype
     assert_same_distribution(counts, probs, tv=0.05)
 
 
-def test_one_draw_from_a_large_vocabulary_is_sample_one():
-    from arborspec.core.sampling import MULTINOMIAL_BELOW, sample, sample_one
+@pytest.mark.parametrize("vocab", [8, 4096])
+def test_one_draw_is_sample_one(vocab):
+    from arborspec.core.sampling import sample, sample_one
 
-    q = torch.rand(MULTINOMIAL_BELOW)
+    q = torch.rand(vocab)
     a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     assert [sample(q, a)[0] for _ in range(50)] == [sample_one(q, b) for _ in range(50)]
 
 
 def test_more_distinct_draws_than_the_support_holds_are_refused():
-    """Not a zero-mass token, nor a wait for one (torch's multinomial, below MULTINOMIAL_BELOW, returns one: callers
-    cap the draws at the support, drafting/layers.py)."""
-    from arborspec.core.sampling import MULTINOMIAL_BELOW, sample
+    """Not a zero-mass token, nor a wait for one (torch's multinomial, below DISTINCT_BY_MULTINOMIAL_BELOW, returns
+    one: callers cap the draws at the support, drafting/layers.py)."""
+    from arborspec.core.sampling import DISTINCT_BY_MULTINOMIAL_BELOW, sample
 
-    q = torch.zeros(2 * MULTINOMIAL_BELOW)
+    q = torch.zeros(2 * DISTINCT_BY_MULTINOMIAL_BELOW)
     q[[1, 5]] = torch.tensor([0.9, 0.1])
     assert sorted(sample(q, torch.Generator().manual_seed(0), num=2, replacement=False)) == [1, 5]
     with pytest.raises(ValueError, match="cannot draw 3 distinct tokens from a distribution over 2"):

@@ -131,7 +131,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
     return gen
 
 
-MULTINOMIAL_BELOW = 512  # sample(): torch.multinomial for distributions this small
+DISTINCT_BY_MULTINOMIAL_BELOW = 2048  # sample(): several distinct draws from fewer entries go to torch.multinomial
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None, num: int = 1, replacement: bool = True) -> list[int]:
@@ -140,13 +140,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, num: int = 1,
     a draw from the whole distribution, repeated until it is new, which is a draw from the rest renormalised.
 
     Why not `torch.multinomial` throughout: for one draw, and for any draw without replacement, it draws an
-    exponential for every token, 3.1-3.4 ms over the 152k vocabulary on one thread, where an inverse-CDF draw on
-    the cumulative sums takes 0.15-0.24 ms (Intel Xeon host, 2026-11-29). DySpec drew every child that way at T > 0,
-    so a 16-node tree paid ~50 ms of drawing, a step of the target. Several draws with replacement keep torch's
-    own, which already goes by the cumulative sums (0.16 ms for two), and so do distributions of fewer than
-    MULTINOMIAL_BELOW entries, where its exponentials are cheaper than this loop's Python (13 us against 32-92 us for
-    2-4 distinct draws from 8 entries; even at 512)."""
-    if (num > 1 and replacement) or len(probs) < MULTINOMIAL_BELOW:
+    exponential for every token, 3.1-3.4 ms over the 152k vocabulary on one thread, where this takes 0.12-0.18 ms
+    for 1-4 tokens (19-25x; `python benchmarks/draws.py`, Intel Xeon host, 2026-11-29). DySpec drew every child that
+    way at T > 0, so a 16-node tree paid ~50 ms of drawing, about a step of the target. Several draws with
+    replacement keep torch's own, which already goes by the cumulative sums, and so do several distinct draws from
+    fewer than DISTINCT_BY_MULTINOMIAL_BELOW entries, where its exponentials cost less than this loop's Python (28
+    against 64 us for 4 tokens of 512; 640 against 74 of 32768)."""
+    if num == 1:
+        return [sample_one(probs, generator)]
+    if replacement or len(probs) < DISTINCT_BY_MULTINOMIAL_BELOW:
         return torch.multinomial(probs, num, replacement=replacement, generator=generator).tolist()
     cdf = torch.cumsum(probs, 0)
     tokens = [inverse_cdf(cdf, probs, generator)]
