@@ -137,5 +137,27 @@ def test_more_distinct_draws_than_the_support_holds_are_refused():
     q = torch.zeros(2 * DISTINCT_BY_MULTINOMIAL_BELOW)
     q[[1, 5]] = torch.tensor([0.9, 0.1])
     assert sorted(sample(q, torch.Generator().manual_seed(0), num=2, replacement=False)) == [1, 5]
-    with pytest.raises(ValueError, match="cannot draw 3 distinct tokens from a distribution over 2"):
+    with pytest.raises(ValueError, match="the 2 with probability are all drawn"):
         sample(q, torch.Generator().manual_seed(0), num=3, replacement=False)
+
+
+def test_a_new_draw_has_the_residual_distribution():
+    """draw_new (auto's tree builder draws each child with it): from q by inverse CDF with repeats rejected, or, with
+    less than a quarter of the mass left, once from q with the taken tokens zeroed; both R(y) = q(y) / (1 - q(taken))
+    exactly: every token within four standard errors (at worst) over 6000 draws."""
+    import numpy as np
+
+    from arborspec.core.sampling import draw_new
+
+    gen = torch.Generator().manual_seed(0)
+    for q, taken in (([0.5, 0.3, 0.15, 0.05], [1]), ([0.995, 0.004, 0.001], [0]), ([0.6, 0.2, 0.2], [])):
+        qt = torch.tensor(q, dtype=torch.float64)
+        cdf = torch.cumsum(qt, 0)
+        n = 6000
+        counts = np.bincount([draw_new(qt, cdf, taken, gen) for _ in range(n)], minlength=len(q))
+        expect = np.array(q) / (1 - sum(q[t] for t in taken))
+        expect[taken] = 0
+        assert counts[taken].sum() == 0
+        assert np.abs(counts / n - expect).max() < 4 * np.sqrt(0.25 / n)
+    with pytest.raises(ValueError, match="the 2 with probability are all drawn"):
+        draw_new(torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.5, 1.0, 1.0]), [0, 1], gen)

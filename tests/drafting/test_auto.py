@@ -19,7 +19,6 @@ from arborspec.drafting import POLICIES, DraftContext
 from arborspec.drafting.auto.acceptance import Calibrator
 from arborspec.drafting.auto.guard import Guard
 from arborspec.drafting.auto.objective import CostModel, best_prefix, tree_rate
-from arborspec.drafting.auto.tree_builder import draw_new
 from arborspec.drafting.grafts.suffix import graft_suffix_branches
 from arborspec.drafting.grafts.suffix_index import SuffixIndex
 from arborspec.engine import StepStats
@@ -400,22 +399,6 @@ def test_a_free_draft_call_predicted_to_add_nothing_is_not_made():
     free = CostModel(flat(1.0), flat(0.001), draft_scale=0.0)
     builder = TreeBuilder(ctx_for(session), free, Calibrator(enabled=False), np.zeros(8), AutoOptions())
     assert len(builder.run()) == 1 and session.forwards == 0
-
-
-def test_draws_without_replacement_have_the_residual_distribution():
-    """The sampled selection draws from q by inverse CDF and rejects repeats (or, when little mass is left, draws once
-    from q with the taken tokens zeroed): both must give R(y) = q(y) / (1 - q(taken)) exactly."""
-    gen = make_generator(0)
-    for q, taken in (([0.5, 0.3, 0.15, 0.05], [1]), ([0.995, 0.004, 0.001], [0])):
-        qt = torch.tensor(q, dtype=torch.float64)
-        cdf = torch.cumsum(qt, 0).numpy()
-        n = 6000
-        counts = np.bincount([draw_new(qt, cdf, float(cdf[-1]), taken, gen) for _ in range(n)],
-                             minlength=len(q))
-        expect = np.array(q) / (1 - sum(q[t] for t in taken))
-        expect[taken] = 0
-        assert counts[taken].sum() == 0
-        assert np.abs(counts / n - expect).max() < 4 * np.sqrt(0.25 / n)
 
 
 # ---- calibration --------------------------------------------------------------------------------------------------

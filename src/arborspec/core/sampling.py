@@ -151,22 +151,27 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, num: int = 1,
     if replacement or len(probs) < DISTINCT_BY_MULTINOMIAL_BELOW:
         return torch.multinomial(probs, num, replacement=replacement, generator=generator).tolist()
     cdf = torch.cumsum(probs, 0)
-    tokens = [inverse_cdf(cdf, probs, generator)]
-    total = float(cdf[-1])
-    left = total - float(probs[tokens[0]])
+    tokens: list[int] = []
     while len(tokens) < num:
-        if left > 0.25 * total:  # a new token within 4 tries on average
-            y = inverse_cdf(cdf, probs, generator)
-            if y in tokens:
-                continue
-        else:  # what is left is too rare to wait for: draw from it alone
-            rest = probs.index_fill(0, torch.tensor(tokens), 0.0)
-            if not bool(rest.any()):
-                raise ValueError(f"cannot draw {num} distinct tokens from a distribution over {len(tokens)}")
-            y = sample_one(rest, generator)
-        tokens.append(y)
-        left -= float(probs[y])
+        tokens.append(draw_new(probs, cdf, tokens, generator))
     return tokens
+
+
+def draw_new(probs: torch.Tensor, cdf: torch.Tensor, taken: list[int], generator: torch.Generator | None) -> int:
+    """One draw from (vocab,) `probs` restricted to the tokens not in `taken`, renormalised; `cdf`: probs' cumulative
+    sums. While a quarter of the mass or more is left, a draw from the whole by inverse CDF, repeated until it is new
+    (4 tries at most on average, ~5 us each); below that, one draw from probs with the taken tokens zeroed (a cumsum
+    over the vocabulary, ~0.1 ms of 152k). Shared by `sample` and auto's tree builder, which draws children one at
+    a time between other nodes' draws."""
+    total = float(cdf[-1])
+    if total - sum(float(probs[t]) for t in taken) >= 0.25 * total:
+        while (y := inverse_cdf(cdf, probs, generator)) in taken:
+            pass
+        return y
+    rest = probs.index_fill(0, torch.tensor(taken, dtype=torch.long), 0.0)
+    if not bool(rest.any()):
+        raise ValueError(f"no token is left to draw: the {len(taken)} with probability are all drawn")
+    return sample_one(rest, generator)
 
 
 def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
