@@ -161,3 +161,43 @@ def test_a_new_draw_has_the_residual_distribution():
         assert np.abs(counts / n - expect).max() < 4 * np.sqrt(0.25 / n)
     with pytest.raises(ValueError, match="the 2 with probability are all drawn"):
         draw_new(torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.5, 1.0, 1.0]), [0, 1], gen)
+
+
+@pytest.mark.parametrize("vocab", [8, 4096])
+def test_draws_with_replacement_repeat_tokens(vocab):
+    """sample(..., replacement=True) is i.i.d. at any vocabulary size (SpecInfer's children, verifier mss): six draws
+    from a two-token support must repeat, where a distinct-draw path would fail or run out of tokens."""
+    from arborspec.core.sampling import sample
+
+    q = torch.zeros(vocab)
+    q[[1, vocab - 2]] = torch.tensor([0.6, 0.4])
+    tokens = sample(q, torch.Generator().manual_seed(0), num=6, replacement=True)
+    assert len(tokens) == 6 and set(tokens) <= {1, vocab - 2}
+
+
+def test_distinct_draws_from_a_small_vocabulary_follow_successive_sampling():
+    """Below DISTINCT_BY_MULTINOMIAL_BELOW (torch.multinomial's path) the draws come back in drawing order: the
+    ordered pairs follow successive sampling (a reversed or sorted order would not, and mbr reads the order)."""
+    from arborspec.core.sampling import sample
+    from tests.verify.harness import assert_same_distribution, plan_samples
+
+    q = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.15, 0.05])
+    law = successive_sampling(q.double(), 2)
+    outcomes = list(law)
+    probs = torch.tensor([law[o] for o in outcomes], dtype=torch.float64)
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(plan_samples(probs, tv=0.05)):
+        counts[index[tuple(sample(q, gen, num=2, replacement=False))]] += 1
+    assert_same_distribution(counts, probs, tv=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_uniform_of_zero_never_draws_a_leading_zero_mass_token(monkeypatch, dtype):
+    """inverse_cdf takes the first cumulative sum *above* the uniform (searchsorted right=True): a uniform of exactly
+    0 lands past the leading zero-mass tokens (their sums are 0), on the first token with mass."""
+    from arborspec.core import sampling
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *args, **kwargs: torch.tensor(0.0, dtype=dtype))
+    assert sampling.sample_one(torch.tensor([0.0, 0.0, 0.3, 0.0, 0.7], dtype=dtype), None) == 2

@@ -74,3 +74,14 @@ def test_target_rows_are_the_rows_of_target_probs(temperature, top_k, top_p):
         for i in reversed(range(len(whole))):
             assert rows[i].dtype == torch.float64 and torch.equal(rows[i], whole[i])
         assert rows[0] is rows[0]  # warped once
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 10, 0.9), (0.0, 0, 1.0)])
+def test_half_precision_logits_warp_in_float32(dtype, temperature, top_k, top_p):
+    """A half-precision model's logits are warped in float32 (SamplingConfig.probs says so): the same probabilities
+    as warping the float32 copy, not a top-p cut and softmax rounded to 8 or 11 bits."""
+    logits = (torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    cfg = SamplingConfig(temperature, top_k, top_p)
+    ours = warp(logits, cfg)
+    assert ours.dtype == torch.float32 and torch.equal(ours, warp(logits.float(), cfg))
