@@ -140,3 +140,55 @@ def test_policies_default_to_the_verifier_made_for_their_drawing_rule(method, ve
     policy = POLICIES[method]()
     assert policy.default_verifier(SamplingConfig(0.8)) == verifier
     assert policy.default_verifier(SamplingConfig(0.0)) == "greedy"
+
+
+def test_iid_children_may_repeat_a_token():
+    """draw=iid draws with replacement (SpecInfer's rule, verified by mss): with top_k = 1 the warped draft holds one
+    token, and all `branch` children are that token, not fewer (a distinct draw) nor an error."""
+    session = FakeSession(vocab=9, seed=3, sharpness=1.0)
+    ctx = fake_context(session, temperature=1.0, top_k=1, seed=0)
+    tree = POLICIES["static"](depth=1, branch=3, draw="iid").draft(ctx)
+    top = int(session.logits_for(tuple(ctx.context)).argmax())
+    assert [tree.tokens[c] for c in tree.children_lists()[0]] == [top] * 3
+    assert tree.child_rule[0] is DrawRule.WITH_REPLACEMENT
+
+
+def test_distinct_children_stop_where_the_support_runs_out():
+    """draw=sample asks for no more distinct tokens than the warped draft can draw: with top_k = 2 and branch 4 the
+    node gets the two tokens of the support (torch.multinomial refuses more; the redraw loop would fail)."""
+    session = FakeSession(vocab=9, seed=3, sharpness=1.0)
+    ctx = fake_context(session, temperature=1.0, top_k=2, seed=0)
+    tree = POLICIES["static"](depth=2, branch=4, draw="sample").draft(ctx)
+    top2 = set(torch.topk(session.logits_for(tuple(ctx.context)), 2).indices.tolist())
+    assert {tree.tokens[c] for c in tree.children_lists()[0]} == top2
+    assert tree.widths() == [1, 2, 4]  # the root, then two children for each of the two nodes
+    check_tree(tree, max_depth=2, rules={DrawRule.WITHOUT_REPLACEMENT})
+
+
+@pytest.mark.parametrize("options,layers", [(dict(depth=4, branch=2), 4), (dict(widths="3,2,2,2,2"), 5)])
+def test_static_trees_stop_at_the_steps_max_depth(options, layers):
+    """ctx.max_depth (the tokens left to generate, or the context window) caps the tree's depth below the policy's
+    own: a deeper tree would draft past the end. max_tree_depth (the engine's context-window check) is the number of
+    layers: the widths' count, not the unused depth option (4)."""
+    policy = POLICIES["static"](**options)
+    assert policy.max_tree_depth == layers
+    assert policy.draft(fake_context(FakeSession(vocab=9, seed=1), max_depth=2)).depth == 2
+    assert policy.draft(fake_context(FakeSession(vocab=9, seed=1), max_depth=100)).depth == layers
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_widths_trees_record_the_warped_draft_and_plain_probabilities(temperature):
+    """A widths tree picks its children deterministically (by the plain softmax's path probability) but records the
+    warped draft at each expanded node: sps reads it on widths=1,1,... chains (check_recorded_draft)."""
+    session = FakeSession(vocab=9, seed=5, sharpness=1.0)
+    ctx = fake_context(session, temperature=temperature, top_k=5, seed=1)
+    tree = POLICIES["static"](widths="3,2,2").draft(ctx)
+    assert tree.widths() == [1, 3, 2, 2] and set(tree.child_rule.values()) == {DrawRule.DETERMINISTIC}
+    assert check_recorded_draft(tree, session, ctx) >= 3  # the root and at least one parent per deeper layer
+
+
+def test_widths_trees_are_never_chains():
+    """draws_chains lets chain-only verifiers (sps, asps, block) take the trees: a widths tree with branch=1 set
+    alongside (branch applies to k-ary trees only) is still a tree."""
+    assert POLICIES["static"](depth=3, branch=1).draws_chains
+    assert not POLICIES["static"](widths="3,2", branch=1).draws_chains
