@@ -201,3 +201,15 @@ def test_a_uniform_of_zero_never_draws_a_leading_zero_mass_token(monkeypatch, dt
 
     monkeypatch.setattr(sampling.torch, "rand", lambda *args, **kwargs: torch.tensor(0.0, dtype=dtype))
     assert sampling.sample_one(torch.tensor([0.0, 0.0, 0.3, 0.0, 0.7], dtype=dtype), None) == 2
+
+
+def test_a_seed_picks_its_own_reproducible_stream():
+    """make_generator: the same seed gives the same draws, different seeds different ones (a request's seed is the
+    only way two runs differ on purpose); None is torch's global generator."""
+    from arborspec.core.sampling import make_generator
+
+    def draws(seed):
+        return torch.rand(8, generator=make_generator(seed)).tolist()
+
+    assert draws(3) == draws(3) and draws(3) != draws(4) and draws(-1) != draws(0)
+    assert make_generator(None) is None
