@@ -2,10 +2,11 @@
 import random
 
 import pytest
+import torch
 
 from arborspec import SpeculativeDecoder
 from arborspec.core.tree import DrawRule, TokenTree
-from arborspec.drafting.grafts.ngram import graft, lookup
+from arborspec.drafting.grafts.ngram import add_ngram_branch, graft, lookup
 from tests.conftest import noisy_copy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # ar prices free branches by a profile: not in ~/.cache
@@ -26,6 +27,31 @@ def test_graft_reuses_existing_children_and_marks_them_deterministic():
     assert [tree.tokens[n] for n in chain] == [7, 8, 9] and len(tree) == 5
     assert tree.child_rule[1] == DrawRule.DETERMINISTIC and tree.child_rule[3] == DrawRule.DETERMINISTIC
     tree.validate()
+
+
+def test_lookup_sees_an_occurrence_that_overlaps_the_tail():
+    """The most recent earlier occurrence may end one token before the tail does (start = len - n - 1): here the
+    unigram 5 just before the last 5, followed by that 5, not the older 5 followed by 8."""
+    assert lookup([5, 8, 5, 5], max_ngram=2, length=2) == [5]
+
+
+def test_a_unigram_lookup_grafts_a_branch():
+    """max_ngram = 1 is a valid size (lookup falls back to it anyway): the branch is grafted, not skipped."""
+    tree = add_ngram_branch(TokenTree.root(3), [3, 4, 3], max_ngram=1, length=2)
+    assert tree.tokens == [3, 4, 3] and tree.sources[1:] == ["ngram", "ngram"]
+
+
+def test_graft_records_the_draft_probability_and_credits_a_reproposed_node():
+    """A new child under a node with a draft distribution records that distribution's probability of its token (0 where
+    no distribution is recorded: the draft never proposed it); a child that already existed stays credited to its
+    first source, with the graft's source recorded in `also` (core/tree.py's crediting)."""
+    tree = TokenTree.from_parents([0, 7], [-1, 0])
+    tree.set_children_dist(0, torch.tensor([0.0, 0.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.75]), DrawRule.WITH_REPLACEMENT)
+    chain = graft(tree, [7, 5])
+    assert chain == [1, 2] and tree.sources == ["", "draft", "ngram"] and tree.also == {1: ["ngram"]}
+    assert tree.probs[2] == 0.0  # node 1 has no recorded distribution
+    (node,) = graft(tree, [2])
+    assert tree.probs[node] == 0.25 and tree.child_rule[0] == DrawRule.DETERMINISTIC
 
 
 @pytest.mark.parametrize("method,options", [("ar", {}), ("chain", {"k": 3}), ("static", {"depth": 2, "branch": 2})])
