@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
-from arborspec.core.tree import DrawRule, TokenTree
+from arborspec.core.tree import MAX_TREE_NODES, DrawRule, TokenTree
 from arborspec.drafting.grafts.lookahead import Lookahead
 from tests.conftest import noisy_copy, tiny_model
 from tests.drafting.equivalence import greedy_results, repetitive_prompts
@@ -61,6 +61,57 @@ def test_room_limits_what_is_proposed():
     la.observe(torch.zeros(len(tree), 8))  # no window this step: nothing to learn
     assert la.levels == [[1, 2, 3]]
     assert Lookahead(2, 2, 2).graft(TokenTree.root(7), [7], room=0).tokens == [7]
+
+
+def test_the_first_window_cycles_the_tokens_before_the_root():
+    """A context shorter than the window fills level 0 by cycling the tokens before the root (3 4 3 4 3), not by
+    repeating the last of them."""
+    la = Lookahead(window=5, ngram=2, guesses=1)
+    tree = la.graft(TokenTree.root(9), [3, 4, 9], room=10)
+    assert la.levels == [[3, 4, 3, 4, 3]] and tree.tokens == [9, 3, 4, 3, 4, 3]
+
+
+def test_room_and_node_limits_are_exact():
+    """The window (span W + levels - 1 deep, W x levels nodes) goes in when room and nodes are exactly enough and
+    stays out one short; a pool n-gram is cut to `room` tokens and goes in when it fills `nodes` exactly."""
+    def primed() -> Lookahead:
+        la = Lookahead(window=2, ngram=3, guesses=4)
+        la.levels, la.pool = [[1, 2], [3, 4]], {7: {(5, 6): None}}  # span 3, 4 window nodes; a 2-token pool n-gram
+        return la
+    la = primed()
+    tree = la.graft(TokenTree.root(7), [7], room=3, nodes=6)  # 2 pool nodes + 4 window nodes: exactly enough
+    assert tree.tokens == [7, 5, 6, 1, 2, 3, 4] and la.nodes == [[3, 4], [5, 6]]
+    la = primed()
+    assert la.graft(TokenTree.root(7), [7], room=3, nodes=5).tokens == [7, 5, 6] and la.nodes == []  # 1 node short
+    la = primed()
+    assert la.graft(TokenTree.root(7), [7], room=2, nodes=6).tokens == [7, 5, 6] and la.nodes == []  # 1 level short
+    assert primed().graft(TokenTree.root(7), [7], room=1).tokens == [7, 5]  # the n-gram cut to the room
+    assert primed().graft(TokenTree.root(7), [7], room=3, nodes=2).tokens == [7, 5, 6]  # the n-gram fills `nodes`
+    assert primed().graft(TokenTree.root(7), [7], room=3, nodes=1).tokens == [7]  # ... or is left out whole
+
+
+def test_an_ngram_produced_again_becomes_the_most_recent():
+    """The pool keeps the `guesses` most recently *produced* n-grams: one produced again moves to the front of the
+    proposals and outlives an older one produced once."""
+    la = Lookahead(window=1, ngram=2, guesses=2)
+    for cont in ((4,), (5,), (4,), (6,)):
+        la._remember(3, cont)
+    assert list(la.pool[3]) == [(4,), (6,)]  # (5,) was the least recently produced
+    assert la.graft(TokenTree.root(3), [3], room=0).tokens == [3]  # (no room: nothing)
+    la.levels = [[8]]
+    assert la.graft(TokenTree.root(3), [3], room=1).tokens == [3, 6, 4, 8]  # most recent first
+
+
+def test_option_bounds_are_inclusive():
+    """guesses = 0 (a window, no pool n-grams) is valid, and so is a step of exactly MAX_TREE_NODES tokens."""
+    la = Lookahead(window=1, ngram=2, guesses=0)
+    for _ in range(3):
+        tree = la.graft(TokenTree.root(9), [9, 9], room=4)
+        la.observe(logits_for(tree, {la.nodes[-1][0]: 9}))
+    assert all(not grams for grams in la.pool.values())
+    assert Lookahead(window=MAX_TREE_NODES // 2, ngram=3, guesses=0).window == MAX_TREE_NODES // 2
+    with pytest.raises(ValueError, match="at most 1024"):
+        Lookahead(window=MAX_TREE_NODES // 2, ngram=3, guesses=1)
 
 
 @pytest.mark.parametrize("bad", [dict(window=0), dict(ngram=1), dict(guesses=-1), dict(window=2.5)])
