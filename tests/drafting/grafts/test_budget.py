@@ -1,12 +1,14 @@
 """The budget of draft-free branches (drafting/grafts/budget.py): grafted rows are kept only where they pay."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from arborspec import SpeculativeDecoder
 from arborspec.core.tree import TokenTree
 from arborspec.drafting.auto.objective import CostModel
-from arborspec.drafting.grafts.budget import WARMUP, GraftBudget
+from arborspec.drafting.grafts.budget import PATIENCE, WARMUP, GraftBudget
 from arborspec.tuning.costs import CostCurve
 from tests.drafting.equivalence import make_pair
 
@@ -223,3 +225,92 @@ def test_in_a_shared_forward_a_row_must_pay_for_every_request_it_delays():
                               [1.0, float(model.verify(1))], scores)
         lengths.append(len(out))
     assert lengths[1] < lengths[0]
+
+
+def test_a_sources_acceptance_has_one_hit_and_one_miss_as_prior():
+    """acceptance = (accepted + 1) / (proposed + 2): 1/2 before anything is measured, then the counts dominate."""
+    budget = GraftBudget(costs(0.01))
+    assert budget.acceptance("ngram") == 0.5
+    assert seasoned(budget, "ngram", 10, 4).acceptance("ngram") == 5 / 12
+
+
+def test_a_branch_that_only_matches_the_trees_rate_is_left_out():
+    """Rows are kept when they *raise* the rate: at acceptance 1/2, one row costing exactly half a step's seconds for
+    half a token of a one-token step leaves E / T where it was, so it is not kept (exact in binary floats)."""
+    flat = SimpleNamespace(verify=lambda n: 0.25 * n)  # t(1 + 0 + 1) - t(1) = 0.25
+    budget = seasoned(GraftBudget(flat), "ngram", WARMUP, WARMUP // 2)  # acceptance 9 / 18
+    assert not budget.pays("ngram", 1, 0, 1.0, 0.5)
+    assert budget.pays("ngram", 1, 0, 1.0, 0.51)
+    scores = {}  # a scored branch of zero gain on free rows: no prefix beats the tree, none is kept
+    out, kept = judged(GraftBudget(costs(0.0)), [(10, 5)]).graft(
+        TokenTree.root(1), "suffix", chain_graft([10, 11], scores, prob=0.0), [1.0, 0.05], scores)
+    assert len(out) == 1 and not kept
+
+
+def test_a_kept_branch_adds_its_expected_tokens_and_its_rows_seconds_to_the_estimate():
+    """An unscored branch kept whole adds m * acceptance tokens and t(1 + N + m) - t(1 + N) seconds, so the next
+    source is judged against the tree as it now stands."""
+    budget = seasoned(GraftBudget(costs(0.005)), "ngram", 40, 38)  # acceptance 39 / 42
+    tree = TokenTree.root(5)
+    tree.add(0, 6)
+    estimate = [1.5, 0.055]
+    out, kept = budget.graft(tree, "ngram", lambda t: [t.add(0, 7, source="ngram"), t.add(2, 8, source="ngram")],
+                             estimate)
+    assert kept and len(out) == 4
+    assert abs(estimate[0] - (1.5 + 2 * 39 / 42)) < 1e-12 and abs(estimate[1] - (0.055 + 2 * 0.005)) < 1e-12
+
+
+def test_rows_are_priced_after_the_drafted_nodes_on_a_curve_with_a_knee():
+    """The extra seconds of m rows on a tree of N drafted nodes are t(1 + N + m) - t(1 + N): with t flat up to 4
+    tokens and steep after, one row on a 2-node tree is free (kept), one more position to the right it would not be."""
+    knee = CostCurve.from_measurements([1, 4, 5, 8], [0.05, 0.05, 0.15, 0.45])
+    budget = GraftBudget(CostModel(knee, knee))
+    assert budget.extra_seconds(2, 1) == 0.0 and abs(budget.extra_seconds(3, 1) - 0.1) < 1e-12
+    tree = TokenTree.from_parents([1, 2, 3], [-1, 0, 0])
+    scores, estimate = {}, [1.0, 0.05]
+    out, kept = budget.graft(tree, "suffix", chain_graft([10], scores), estimate, scores)
+    assert kept and out.tokens == [1, 2, 3, 10] and estimate == [1.5, 0.05]
+
+
+def test_without_an_estimate_or_without_costs_the_branch_is_grafted_whole_onto_the_tree():
+    """Either missing (a policy without a cost model) means no pricing: the tree itself gets the whole branch."""
+    for budget, estimate in ((GraftBudget(costs(0.05)), None), (GraftBudget(None), [1.0, 0.05])):
+        tree = TokenTree.root(5)
+        out, kept = budget.graft(tree, "ngram", lambda t: [t.add(0, 7, source="ngram")], estimate)
+        assert out is tree and kept and tree.tokens == [5, 7]
+
+
+def test_an_undecided_left_out_branch_is_counted_after_patience_steps():
+    """Steps that commit nothing decide nothing: the left-out branch waits exactly PATIENCE steps, then its nodes
+    count as proposed and not accepted."""
+    budget = seasoned(GraftBudget(costs(0.05)), "ngram", 40, 0)
+    _, kept = budget.graft(TokenTree.root(5), "ngram", lambda t: [t.add(0, 7, source="ngram")], [1.0, 0.05])
+    assert not kept
+    for _ in range(PATIENCE - 1):
+        budget.settle([])
+    assert budget.proposed["ngram"] == 40
+    budget.settle([])
+    assert budget.proposed["ngram"] == 41 and budget.accepted["ngram"] == 0
+
+
+def test_a_left_out_branch_is_counted_once_the_walk_ends_on_a_leaf():
+    """A walk that ends on a leaf decides every node (the other children of its nodes were rejected), even above
+    the branch's deepest node: 7 committed decides the branch {7, 9 -> 10} at once."""
+    budget = seasoned(GraftBudget(costs(0.05)), "ngram", 40, 0)
+    _, kept = budget.graft(TokenTree.root(5), "ngram", lambda t: [t.add(0, 7, source="ngram"),
+                                                                 t.add(0, 9, source="ngram"),
+                                                                 t.add(2, 10, source="ngram")], [1.0, 0.05])
+    assert not kept
+    budget.settle([7])
+    assert budget.proposed["ngram"] == 43 and budget.accepted["ngram"] == 1
+
+
+def test_the_account_lists_the_free_sources_only_and_eight_depths_at_most():
+    """describe() is GenerationStats.policy["grafts"]: the draft model's counts are not a graft's, and a scored
+    source's calibration is shown for depths 1..8."""
+    budget = judged(GraftBudget(costs(0.01)), [(10, 9)] * 12)
+    budget.observe({"draft": {"proposed": 10, "accepted": 5}, "ngram": {"proposed": 4, "accepted": 1}})
+    out = budget.describe()
+    assert set(out) == {"suffix", "ngram"} and out["ngram"] == {"proposed": 4, "accepted": 1, "acceptance": 0.3333,
+                                                                "dropped": 0}
+    assert len(out["suffix"]["by_depth"]) == 8 and "by_depth" not in out["ngram"]
