@@ -97,27 +97,35 @@ def successive_sampling(q: torch.Tensor, k: int) -> dict[tuple[int, ...], float]
     return out
 
 
+def assert_draws_follow_successive_sampling(q: torch.Tensor, k: int, seed: int) -> None:
+    """The ordered k-tuples `sample(q, num=k, replacement=False)` draws follow the exact law (chi-square at 1e-3,
+    power 0.95 against a TV error of 0.05); a zero-mass or repeated token is a KeyError."""
+    from arborspec.core.sampling import sample
+    from tests.verify.harness import assert_same_distribution, plan_samples
+
+    law = successive_sampling(q.double(), k)
+    outcomes = list(law)
+    probs = torch.tensor([law[o] for o in outcomes], dtype=torch.float64)
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(plan_samples(probs, tv=0.05)):
+        counts[index[tuple(sample(q, gen, num=k, replacement=False))]] += 1
+    assert_same_distribution(counts, probs, tv=0.05)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_distinct_draws_from_a_large_vocabulary_follow_successive_sampling(dtype):
     """sample(..., replacement=False) past DISTINCT_BY_MULTINOMIAL_BELOW: redraws until new while a quarter of the
     mass is left (token 0 then 1 leave 0.45, then 0.25), then one draw from the rest alone. The ordered triples
     follow the exact law (chi-square at 1e-3, power 0.95 against a TV error of 0.05); zero-mass tokens are never
     drawn."""
-    from arborspec.core.sampling import DISTINCT_BY_MULTINOMIAL_BELOW, sample
-    from tests.verify.harness import assert_same_distribution, plan_samples
+    from arborspec.core.sampling import DISTINCT_BY_MULTINOMIAL_BELOW
 
     q = torch.zeros(2 * DISTINCT_BY_MULTINOMIAL_BELOW, dtype=dtype)
     support = [3, 700, 701, 1500, 4095]
     q[support] = torch.tensor([0.55, 0.2, 0.12, 0.08, 0.05], dtype=dtype) * 3  # unnormalised
-    law = successive_sampling(q.double(), 3)
-    outcomes = list(law)
-    probs = torch.tensor([law[o] for o in outcomes], dtype=torch.float64)
-    index = {o: i for i, o in enumerate(outcomes)}
-    counts = torch.zeros(len(outcomes), dtype=torch.float64)
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(plan_samples(probs, tv=0.05)):
-        counts[index[tuple(sample(q, gen, num=3, replacement=False))]] += 1  # KeyError: a zero-mass or repeated token
-    assert_same_distribution(counts, probs, tv=0.05)
+    assert_draws_follow_successive_sampling(q, 3, seed=3)
 
 
 @pytest.mark.parametrize("vocab", [8, 4096])
@@ -178,19 +186,7 @@ def test_draws_with_replacement_repeat_tokens(vocab):
 def test_distinct_draws_from_a_small_vocabulary_follow_successive_sampling():
     """Below DISTINCT_BY_MULTINOMIAL_BELOW (torch.multinomial's path) the draws come back in drawing order: the
     ordered pairs follow successive sampling (a reversed or sorted order would not, and mbr reads the order)."""
-    from arborspec.core.sampling import sample
-    from tests.verify.harness import assert_same_distribution, plan_samples
-
-    q = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.15, 0.05])
-    law = successive_sampling(q.double(), 2)
-    outcomes = list(law)
-    probs = torch.tensor([law[o] for o in outcomes], dtype=torch.float64)
-    index = {o: i for i, o in enumerate(outcomes)}
-    counts = torch.zeros(len(outcomes), dtype=torch.float64)
-    gen = torch.Generator().manual_seed(4)
-    for _ in range(plan_samples(probs, tv=0.05)):
-        counts[index[tuple(sample(q, gen, num=2, replacement=False))]] += 1
-    assert_same_distribution(counts, probs, tv=0.05)
+    assert_draws_follow_successive_sampling(torch.tensor([0.0, 0.5, 0.3, 0.0, 0.15, 0.05]), 2, seed=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -7,8 +7,8 @@ import pytest
 from arborspec.core.tree import MAX_TREE_NODES, TokenTree
 from arborspec.drafting.auto.objective import CostModel
 from arborspec.drafting.grafts import FreeBranches
-from arborspec.tuning.costs import CostCurve
 from arborspec.runspec import parse
+from arborspec.tuning.costs import CostCurve
 
 
 def test_the_grafts_fill_a_step_up_to_the_node_bound_and_no_further():
