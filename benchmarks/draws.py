@@ -2,7 +2,7 @@
 
 Every sampled tree pays one draw per expanded node (DySpec: one per child; static, beam and the greedy multi-draft
 rule: one set of children per node), so at T > 0 over the default pair's 152k-token vocabulary a multinomial's
-exponential per token (3.0-3.1 ms a draw, Intel Xeon host, 2026-11-29) cost a 16-node DySpec tree ~50 ms, about a
+exponential per token (3.1-3.4 ms a draw, Intel Xeon host, 2026-11-29) cost a 16-node DySpec tree ~50 ms, about a
 step of the target. `sample` draws one token by inverse CDF on the cumulative sums, and distinct tokens from large
 vocabularies by redrawing until new; this prints both, per vocabulary size and draw, in microseconds (the median of
 `--repeats` calls), with the host.

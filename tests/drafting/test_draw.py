@@ -155,7 +155,8 @@ def test_iid_children_may_repeat_a_token():
 
 def test_distinct_children_stop_where_the_support_runs_out():
     """draw=sample asks for no more distinct tokens than the warped draft can draw: with top_k = 2 and branch 4 the
-    node gets the two tokens of the support (torch.multinomial refuses more; the redraw loop would fail)."""
+    node gets the two tokens of the support (torch 2.13's multinomial would return a zero-mass token for the third, and
+    core/sampling.py's redraw loop refuses it)."""
     session = FakeSession(vocab=9, seed=3, sharpness=1.0)
     ctx = fake_context(session, temperature=1.0, top_k=2, seed=0)
     tree = POLICIES["static"](depth=2, branch=4, draw="sample").draft(ctx)
