@@ -88,11 +88,7 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
     # at T=0 every rule is greedy, so only the tree shape matters; with no tree drafted there is none to fit
     drawn = set() if sampling.greedy else rules
     if not drafts_no_tree(policy, free) and not fits(cls, drawn, chain):
-        alternatives = sorted(
-            n for n, v in VERIFIERS.items()
-            if v.exact and (n != "greedy" or sampling.greedy) and fits(v, drawn, chain)
-            and not (undrawn and v.reads_draft)
-        )
+        alternatives = exact_alternatives(sampling, drawn, chain, undrawn)
         what = (
             "trees with several children per node (it handles chains only)" if cls.chain_only and not chain
             else f"trees whose children are drawn {'/'.join(sorted(r.value for r in rules))}"
@@ -102,7 +98,7 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
             f"sampling settings); exact alternatives: {', '.join(alternatives) or 'none'}"
         )
     if undrawn and cls.reads_draft:  # (at T = 0 `fits` sees shapes only)
-        alternatives = ("greedy, naive" if sampling.greedy else "naive") + (
+        alternatives = ", ".join(exact_alternatives(sampling, drawn, chain, undrawn)) + (
             ", or drop the branches (e.g. +suffix0 on auto)" if free else "")
         raise ValueError(f"verifier {name!r} reads the draft distribution of every node's children, and nodes no draft "
                          f"model drew (n-gram, suffix or lookahead branches, method {policy.name!r}) have none; exact "
@@ -113,6 +109,15 @@ def pick_verifier(policy, sampling: SamplingConfig, draft_sampling: SamplingConf
             "to use it anyway"
         )
     return cls()
+
+
+def exact_alternatives(sampling: SamplingConfig, drawn: set[DrawRule], chain: bool, undrawn: bool) -> list[str]:
+    """The registered verifiers a refusal offers instead: exact, for `sampling` ('greedy' at temperature 0 only),
+    for trees drawn by the rules `drawn` (chains only with `chain`), reading no draft row where some nodes have none
+    (`undrawn`). Derived from the registry, so a new verifier is offered where it fits without a word here."""
+    return sorted(n for n, v in VERIFIERS.items()
+                  if v.exact and (n != "greedy" or sampling.greedy) and fits(v, drawn, chain)
+                  and not (undrawn and v.reads_draft))
 
 
 def with_free_branches(tree: TokenTree, graft: Callable[[TokenTree], TokenTree], bare_only: bool, verifier,
