@@ -4,10 +4,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from arborspec import SpeculativeDecoder
-from arborspec.core.tree import TokenTree
+from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.drafting.auto.objective import CostModel
+from arborspec.drafting.grafts import ngram
 from arborspec.drafting.grafts.budget import PATIENCE, WARMUP, GraftBudget
 from arborspec.tuning.costs import CostCurve
 from tests.drafting.equivalence import make_pair
@@ -169,6 +171,27 @@ def test_a_scored_branch_is_cut_where_its_expected_gain_stops_paying():
             assert out.tokens[1:] == list(range(10, 10 + len(out) - 1))  # a prefix of the chain
             assert estimate[0] > plain[0]
     assert kept_rows == {0.005: 5, 0.0: 12, 0.05: 0}
+
+
+def test_a_cut_branch_gives_its_parents_back_the_rule_their_children_were_drawn_by():
+    """Grafting marks each parent of a new node DETERMINISTIC; where the cut leaves a parent none of them, it gets
+    back its drafted rule (or none, as a drafted leaf), and a kept node whose children were all cut has no rule."""
+    tree = TokenTree.root(1)
+    for node in (0, 1):
+        tree.set_children_dist(node, torch.full((40,), 1 / 40), DrawRule.WITHOUT_REPLACEMENT)
+        tree.add(node, 5 + node, 1 / 40)  # root -> 5 -> 6: drafted, without replacement
+
+    def add(trial: TokenTree) -> None:  # a chain 10 .. 14 under the root, then 30 under node 1, 31 under leaf 2
+        scores.update({n: 1.0 for n in ngram.graft(trial, [10, 11, 12, 13, 14], "suffix")})
+        scores.update({n: 1e-6 for n in ngram.graft(trial, [30], "suffix", under=1)})
+        scores.update({n: 1e-6 for n in ngram.graft(trial, [31], "suffix", under=2)})
+
+    budget, scores = judged(GraftBudget(costs(0.005)), [(100, 95)] * 6), {}
+    out, kept = budget.graft(tree, "suffix", add, [1.0, 0.05], scores)
+    assert kept and out.tokens == [1, 5, 6, 10, 11, 12, 13, 14]  # the low-scored 30 and 31 are cut
+    assert out.child_rule == {0: DrawRule.DETERMINISTIC, 1: DrawRule.WITHOUT_REPLACEMENT,
+                              **{n: DrawRule.DETERMINISTIC for n in range(3, 7)}}  # 14 (node 7): a leaf, no rule
+    assert out.child_dist[1] is tree.child_dist[1]
 
 
 def test_a_scored_source_needs_no_warm_up_its_prior_decides_from_the_first_step():

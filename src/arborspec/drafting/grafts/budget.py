@@ -210,7 +210,23 @@ class GraftBudget:
         if kept:
             estimate[0] += gain
             estimate[1] += self.extra_seconds(first - 1, kept)
-        return (trial if kept == new else trial.select(list(range(first + kept)))), True
+        return (trial if kept == new else _cut(tree, trial, first + kept)), True
+
+
+def _cut(tree: TokenTree, trial: TokenTree, end: int) -> TokenTree:
+    """`trial` (= `tree` + a branch) cut to its first `end` nodes. A node left with none of the branch's children
+    gets back the drawing rule it had in `tree`: grafting marked it DETERMINISTIC, which no longer says how its
+    children were drawn (a stale mark would not lose exactness, only make the tree look less drawn than it is)."""
+    out = trial.select(list(range(end)))
+    parents_of_new = {out.parents[i] for i in range(len(tree), end)}
+    for node in range(end):
+        if node in parents_of_new:
+            continue
+        if node < len(tree) and node in tree.child_rule:
+            out.child_rule[node] = tree.child_rule[node]
+        else:
+            out.child_rule.pop(node, None)
+    return out
 
 
 def _walk(tree: TokenTree, kids: list[list[int]], tokens: list[int]) -> tuple[set[int], bool]:
