@@ -47,14 +47,23 @@ def test_a_size_out_of_range_is_a_corrupt_file_for_both_readers(tmp_path, key, v
     writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen2")
     writer.add_key_value(f"qwen2.{key}", value, kind)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     with pytest.raises(ValueError, match=f"is a corrupt GGUF file: qwen2.{key} is"):
         read_gguf_info(tmp_path / "bad.gguf")
     with pytest.raises(ValueError, match=f"is a corrupt GGUF file: qwen2.{key} is"):
         gguf_file._info_by_gguf(tmp_path / "bad.gguf")
+
+
+EMBEDDING = {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None)}  # name: (array, raw shape, type)
+TWO_LAYERS = {**EMBEDDING, "blk.0.attn_norm.weight": (np.ones(8, np.float32), None, None),
+              "blk.1.attn_norm.weight": (np.ones(8, np.float32), None, None)}
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def _write(path, tensors: dict, **keys):
@@ -63,10 +72,7 @@ def _write(path, tensors: dict, **keys):
         writer.add_uint32(f"qwen2.{key}", value)
     for name, (array, raw_shape, qtype) in tensors.items():
         writer.add_tensor(name, array, raw_shape=raw_shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path
 
 
@@ -74,12 +80,9 @@ def test_a_tensor_table_no_model_can_have_is_a_corrupt_file_for_both_readers(tmp
     """Refused when the header is read: rows that are not whole blocks (the size read rounded down in silence and
     native failed later naming neither file nor tensor), and more layers declared than the file holds (native built
     every declared one first: a block_count of 100000 ran out of memory)."""
-    plain = {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None),
-             "blk.0.attn_norm.weight": (np.ones(8, np.float32), None, None),
-             "blk.1.attn_norm.weight": (np.ones(8, np.float32), None, None)}
     # a Q4_K matrix of 2 rows of 256 values (144 bytes each), its rows then said to hold 288: not whole blocks
     q4k = {"blk.1.ffn_down.weight": (np.zeros((2, 144), np.uint8), (2, 144), gguf.GGMLQuantizationType.Q4_K)}
-    rows = _write(tmp_path / "rows.gguf", {**plain, **q4k}, block_count=2)
+    rows = _write(tmp_path / "rows.gguf", {**TWO_LAYERS, **q4k}, block_count=2)
     data = bytearray(rows.read_bytes())
     name = b"blk.1.ffn_down.weight"
     at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4  # past the name and n_dims
@@ -87,7 +90,7 @@ def test_a_tensor_table_no_model_can_have_is_a_corrupt_file_for_both_readers(tmp
     data[at:at + 8] = (288).to_bytes(8, "little")
     rows.write_bytes(bytes(data))
     cases = {
-        "layers": (_write(tmp_path / "layers.gguf", plain, block_count=100000),
+        "layers": (_write(tmp_path / "layers.gguf", TWO_LAYERS, block_count=100000),
                    "qwen2.block_count is 100000, but it holds tensors for 2 layers"),
         "rows": (rows, "tensor blk.1.ffn_down.weight has rows of 288 values, not a multiple of Q4_K's block of 256"),
     }
@@ -96,7 +99,7 @@ def test_a_tensor_table_no_model_can_have_is_a_corrupt_file_for_both_readers(tmp
             read_gguf_info(path)
         with pytest.raises(ValueError, match="corrupt GGUF file"):
             gguf_file._info_by_gguf(path)
-    assert read_gguf_info(_write(tmp_path / "good.gguf", plain, block_count=2)).arch == "qwen2"
+    assert read_gguf_info(_write(tmp_path / "good.gguf", TWO_LAYERS, block_count=2)).arch == "qwen2"
 
 
 GOOD = {"qwen2.attention.layer_norm_rms_epsilon": 1e-6, "qwen2.embedding_length": 256, "qwen2.attention.head_count": 4,
@@ -203,10 +206,7 @@ def test_arrays_of_any_item_size_are_skipped_whole(tmp_path):
     writer.add_array("test.nested", [[1, 2], [3]])
     writer.add_uint32("qwen2.after", 7)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     file = read_gguf(tmp_path / "m.gguf")
     lengths = {key: file.metadata[key] for key in ("test.u8", "test.u64", "test.f64", "test.strings", "test.nested")}
     assert lengths == {"test.u8": 3, "test.u64": 2, "test.f64": 1, "test.strings": 2, "test.nested": 2}
@@ -237,8 +237,7 @@ def test_a_nan_in_a_float16_vector_is_a_corrupt_file(tmp_path):
     """The tiny files keep vectors F32; a converter may write them F16, and those are checked too."""
     norm = np.ones(8, np.float16)
     norm[3] = np.nan
-    path = _write(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None),
-                                        "blk.0.attn_norm.weight": (norm, None, None)}, block_count=1)
+    path = _write(tmp_path / "m.gguf", {**EMBEDDING, "blk.0.attn_norm.weight": (norm, None, None)}, block_count=1)
     assert read_gguf(path).tensors[1].qtype == gguf.GGMLQuantizationType.F16
     with pytest.raises(ValueError, match="tensor blk.0.attn_norm.weight holds a NaN or inf"):
         read_gguf_info(path)
@@ -255,17 +254,13 @@ def test_only_vectors_are_read_for_the_nan_check(tmp_path, monkeypatch):
 
 
 def test_one_layer_more_than_the_file_holds_is_a_corrupt_file(tmp_path):
-    plain = {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None),
-             "blk.0.attn_norm.weight": (np.ones(8, np.float32), None, None),
-             "blk.1.attn_norm.weight": (np.ones(8, np.float32), None, None)}
     with pytest.raises(ValueError, match="qwen2.block_count is 3, but it holds tensors for 2 layers"):
-        read_gguf_info(_write(tmp_path / "three.gguf", plain, block_count=3))
+        read_gguf_info(_write(tmp_path / "three.gguf", TWO_LAYERS, block_count=3))
 
 
 def test_a_file_without_layer_tensors_is_not_checked_for_layers(tmp_path):
     """No blk.* tensor: nothing to count layers by, so block_count stands (no error from an empty max())."""
-    path = _write(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), None, None)},
-                  block_count=2)
+    path = _write(tmp_path / "m.gguf", EMBEDDING, block_count=2)
     assert read_gguf_info(path).arch == "qwen2"
 
 
