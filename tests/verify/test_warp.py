@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from arborspec.core import top_p as top_p_module
 from arborspec.core.sampling import SamplingConfig, warp
 from arborspec.verify.base import TargetRows, target_probs
 
@@ -33,8 +34,17 @@ def logit_batches():
     yield torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
 
+@pytest.fixture(params=["sorted", "bucketed"])
+def cut_path(request, monkeypatch):
+    """Each top-p test runs on the whole sort and on the bucketed cut (core/top_p.py), which only vocabularies of
+    SORT_BELOW tokens or more take by default."""
+    if request.param == "bucketed":
+        monkeypatch.setattr(top_p_module, "SORT_BELOW", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_warp_matches_transformers(temperature, top_k, top_p):
+def test_warp_matches_transformers(temperature, top_k, top_p, cut_path):
     cfg = SamplingConfig(temperature, top_k, top_p)
     for logits in logit_batches():
         ours = warp(logits, cfg)
@@ -44,14 +54,14 @@ def test_warp_matches_transformers(temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.75, 0.875, 1 - 1e-9])
-def test_top_p_edges_match_transformers(top_p):
+def test_top_p_edges_match_transformers(top_p, cut_path):
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
     ours = warp(logits, SamplingConfig(1.0, 0, top_p))
     assert torch.equal(ours > 0, hf_probs(logits, 1.0, 0, top_p) > 0)
 
 
 @pytest.mark.parametrize("top_p", [1e-9, 1e-3])
-def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p, cut_path):
     """Below the top token's own mass, top-p keeps that token alone: without the guard that always keeps it, every
     token was dropped and the row came out NaN."""
     logits = torch.log(torch.tensor([[0.125, 0.5, 0.25, 0.125]]))
@@ -64,7 +74,7 @@ def test_temperature_zero_is_one_hot_argmax():
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS + [(0.0, 0, 1.0)])
-def test_target_rows_are_the_rows_of_target_probs(temperature, top_k, top_p):
+def test_target_rows_are_the_rows_of_target_probs(temperature, top_k, top_p, cut_path):
     """TargetRows (what traversal verification reads) warps a row when first read: the same float64 values, bit for
     bit, as warping the whole batch."""
     cfg = SamplingConfig(temperature, top_k, top_p)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import is_whole
+from .top_p import nucleus_cut
 
 # The smallest positive temperature. Below it sampling is greedy in all but name, and logits / T leave float32's range
 # (1e-40 is subnormal there: every logit became inf, the softmax NaN, and the tokens garbage or a sampling error).
@@ -103,6 +104,7 @@ def spread(small: torch.Tensor, keep: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(..., vocab) float32 probabilities: temperature, top-k, then top-p (core/top_p.py), as transformers orders them."""
     logits = logits.float()
     if cfg.greedy:
         out = torch.zeros_like(logits)
@@ -112,12 +114,7 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
     if cfg.top_p < 1:
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= 1 - cfg.top_p  # the low tail whose mass stays below 1 - top_p
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, idx, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
+        logits = logits.masked_fill(nucleus_cut(logits, cfg.top_p), -math.inf)
     return logits.softmax(dim=-1)
 
 
