@@ -104,7 +104,7 @@ def spread(small: torch.Tensor, keep: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """(..., vocab) float32 probabilities: temperature, top-k, then top-p (core/top_p.py), as transformers orders them."""
+    """(..., vocab) float32 probabilities: temperature, top-k, then top-p (core/top_p.py), in transformers' order."""
     logits = logits.float()
     if cfg.greedy:
         out = torch.zeros_like(logits)
