@@ -43,15 +43,16 @@ def _bucketed_cut(row: torch.Tensor, top_p: float) -> torch.Tensor | None:
     if math.isnan(lo) or not math.isfinite(hi):
         return None  # NaN or inf logits (the backends refuse them first): the reference says what it says
     lo = max(lo, hi - SPAN)  # (top-k's -inf, and every logit SPAN below the top, go to bucket 0)
-    probs = (row.double() - hi).exp_()
-    probs /= probs.sum()  # (vocab,) float64: the softmax
-    bucket = ((row - lo) * ((BUCKETS - 1) / max(hi - lo, 1e-30))).clamp_(0, BUCKETS - 1).to(torch.int64)
-    mass = torch.bincount(bucket, weights=probs, minlength=BUCKETS)  # (BUCKETS,): ascending logits, ties together
+    weight = (row - hi).exp_().double()  # (vocab,) the softmax before it is divided by its sum (`total`)
+    bucket = torch.sub(row, lo).mul_((BUCKETS - 1) / max(hi - lo, 1e-30)).clamp_(0, BUCKETS - 1).to(torch.int32)
+    mass = torch.bincount(bucket, weights=weight, minlength=BUCKETS)  # (BUCKETS,): ascending logits, ties together
+    total = float(mass.sum())
+    mass /= total
     under = mass.cumsum(dim=0) - mass  # the mass of the buckets below each
     top = int(mass.nonzero()[-1])  # the top token's bucket (its float32 arithmetic may not reach BUCKETS - 1)
     cut = min(int(((under + mass) <= 1 - top_p).sum()), top)  # the bucket of the first kept token
     band = (bucket == cut).nonzero().flatten()
-    kept = _cut_among(row[band], probs[band], float(under[cut]), top_p, top=cut == top)
+    kept = _cut_among(row[band], weight[band] / total, float(under[cut]), top_p, top=cut == top)
     if kept is None:
         return None
     drop = bucket <= cut  # below the cut's bucket: dropped; above it: kept; in it: as `_cut_among` says
