@@ -21,7 +21,7 @@ import torch
 
 BUCKETS = 4096  # logit buckets a row's mass is counted in; the cut's bucket is sorted (1-100 tokens on the Qwen draft)
 SPAN = 64.0  # the buckets cover the top SPAN logits: lower ones hold < 1e-22 of a row together (e^-64 x 152k)
-SORT_BELOW = 1024  # a vocabulary this small is sorted whole (cheaper than the buckets' passes)
+SORT_BELOW = 4096  # a smaller vocabulary is sorted whole: a row took 83 vs 472 us at 1024 tokens, 517 vs 367 at 4096
 
 
 def nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor:
