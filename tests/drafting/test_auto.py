@@ -1066,3 +1066,321 @@ def test_saved_evidence_capped_on_load_is_the_cap_itself():
         cal = Calibrator(edges=(0.0, 1.0))
         assert cal.load({"edges": [0.0, 1.0], "hits": [trials / 2], "trials": [trials]}, cap=16)
         assert cal.trials[0] == 16 and cal.hits[0] == pytest.approx(8)
+
+
+# ---- pins found by mutating policy.py -------------------------------------------------------------------------------
+def test_the_child_predictor_has_one_entry_per_child_slot():
+    """c_j is kept (and saved, and explained) for j = 1..max_children: the prior truncated or padded with zeros."""
+    from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS
+
+    for width in (3, len(DEFAULT_CHILD_PROBS), 11):
+        probs = POLICIES["auto"](max_children=width).explain()["child_probs"]
+        expected = list(DEFAULT_CHILD_PROBS[:width]) + [0.0] * max(0, width - len(DEFAULT_CHILD_PROBS))
+        assert probs["greedy"] == probs["sampled"] == pytest.approx(expected)
+
+
+def measured_draft_scale(ratios) -> float:
+    """The draft scale after steps whose measured draft seconds are `ratios` times the predicted ones."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.9], guard=False)
+    session = ConstSession([0.9, 0.05, 0.05])
+    for r in ratios:
+        tree = policy.draft(ctx_for(session))
+        policy.update(step_for(tree, [], t_draft=r * policy._built.draft_raw, t_verify=float(T_CPU(len(tree)))))
+    return policy.costs.draft_scale
+
+
+def test_cost_scales_start_from_two_prior_ratios_and_forget_past_their_window():
+    """The median starts from two prior ratios of 1, so a first measured stall does not rescale the draft; the
+    scale is the median of the last COST_WINDOW ratios, so a lasting change takes over once it fills that window."""
+    from arborspec.drafting.auto.policy import COST_WINDOW
+
+    assert measured_draft_scale([10.0]) == pytest.approx(1.0)  # median of 1, 1, 10
+    assert measured_draft_scale([10.0, 10.0]) == pytest.approx(5.5)  # median of 1, 1, 10, 10
+    assert measured_draft_scale([2.0] * COST_WINDOW + [4.0] * (COST_WINDOW // 2)) == pytest.approx(2.0)
+    assert measured_draft_scale([2.0] * COST_WINDOW + [4.0] * (COST_WINDOW // 2 + 1)) == pytest.approx(4.0)
+
+
+def test_a_one_off_stall_moves_neither_the_cost_scales_nor_the_overhead():
+    """Scales and overhead are medians: one step measured 50x slow among steady ones leaves them where they were."""
+    assert measured_draft_scale([2.0] * 10 + [50.0]) == pytest.approx(2.0)
+    policy = auto(CostModel(T_CPU, D_CPU), [0.9], guard=False)
+    session = ConstSession([0.9, 0.05, 0.05])
+    for other in [0.01] * 10 + [0.5]:
+        tree = policy.draft(ctx_for(session))
+        policy.update(step_for(tree, [], t_draft=policy._built.draft_raw, t_verify=float(T_CPU(len(tree))),
+                               t_other=other))
+    assert policy.costs.overhead == pytest.approx(0.01)
+
+
+def test_a_step_with_no_measured_draft_time_leaves_the_draft_scale_alone():
+    """A ratio of 0 (no draft call timed) is no measurement: it must not pull the median down."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.9], guard=False)
+    session = ConstSession([0.9, 0.05, 0.05])
+    for t_draft in (0.0, 0.0, 0.0):
+        tree = policy.draft(ctx_for(session))
+        assert len(tree) > 1 and policy._built.draft_raw > 0
+        policy.update(step_for(tree, [], t_draft=t_draft, t_verify=float(T_CPU(len(tree)))))
+    assert policy.costs.draft_scale == 1.0
+
+
+def test_the_branch_limit_is_the_smaller_of_the_two_models():
+    """A forward of either model takes at most branch_limit leaves, so the tighter one bounds the drafted nodes."""
+    from types import SimpleNamespace
+
+    from arborspec.backends.model_info import branch_limit
+
+    target, draft = SimpleNamespace(n_seq_max=9), SimpleNamespace(n_seq_max=5)
+    for pair in ((target, draft), (draft, target)):
+        policy = auto(CostModel(T_CPU, D_CPU))
+        policy._fit_branch_limit(*pair)
+        assert policy.options.max_nodes == min(branch_limit(target), branch_limit(draft))
+    policy = auto(CostModel(T_CPU, D_CPU))
+    policy._fit_branch_limit(SimpleNamespace(), draft)  # one model without a limit: the other's
+    assert policy.options.max_nodes == branch_limit(draft)
+
+
+def bind_sampled(policy, monkeypatch, overlap: float):
+    """Bind `policy` at T = 1 to stand-in models whose measured agreement and overlap are given, not computed."""
+    from types import SimpleNamespace
+
+    from arborspec.drafting.auto import policy as policy_module
+
+    monkeypatch.setattr(policy_module, "pair_agreement", lambda *a: (0.5, "stub"))
+    monkeypatch.setattr(policy_module, "pair_overlap", lambda *a: (overlap, "stub"))
+    sampling = SamplingConfig(1.0)
+    policy.bind(SimpleNamespace(), SimpleNamespace(), sampling, sampling, tokenizer=object())
+
+
+def test_the_overlap_seeds_the_first_child_only_without_enough_evidence_of_its_own(monkeypatch):
+    """At T > 0 the overlap stands in for the first child's acceptance until MIN_FIRST_EVIDENCE steps have measured
+    it; evidence that has (a saved calibration's) is kept."""
+    from arborspec.drafting.auto.policy import MIN_FIRST_EVIDENCE
+
+    fresh = auto(CostModel(T_CPU, D_CPU), remember=False)
+    fresh.first_child.set_evidence(1, MIN_FIRST_EVIDENCE - 1)
+    bind_sampled(fresh, monkeypatch, overlap=0.75)
+    assert fresh.first_child.trials[0] == MIN_FIRST_EVIDENCE
+    assert fresh.first_child.hits[0] == pytest.approx(0.75 * MIN_FIRST_EVIDENCE)
+    known = auto(CostModel(T_CPU, D_CPU), remember=False)
+    known.first_child.set_evidence(2, MIN_FIRST_EVIDENCE)
+    bind_sampled(known, monkeypatch, overlap=0.75)
+    assert (known.first_child.hits[0], known.first_child.trials[0]) == (2, MIN_FIRST_EVIDENCE)
+
+
+def prefill_threshold(policy) -> float:
+    """uses_draft's rate with a prefill of L seconds over N new tokens is N / (N / r + L); it clears the bar
+    b = (1 + margin) / t(1) iff N > L / (1 / b - 1 / r). Returns 1 / b - 1 / r."""
+    bar = (1.0 + policy.options.guard_margin) / policy.costs.plain_step()
+    rate = policy._expected_rate()
+    assert rate > bar  # speculation pays before any prefill
+    return 1 / bar - 1 / rate
+
+
+def test_uses_draft_prices_the_drafts_prefill_of_the_prompt_but_its_last_token():
+    """The draft prefills prompt_tokens - 1 tokens (the last is the root of the first tree): a one-token prompt
+    costs it nothing; a longer one one forward of that many tokens, spread over the new tokens."""
+    policy = auto(CostModel(T_CPU, D_CPU))
+    k = prefill_threshold(policy)
+    assert policy.costs.layer(0) > k  # a prefill of even 0 tokens' profiled cost would stop a one-token generation
+    assert policy.uses_draft(1, 1) and policy.uses_draft(0, 1)
+    steep = CostCurve.from_measurements((1, 2, 4, 8), (0.01, 0.5, 1.0, 2.0))  # chains cheap, prefills dear
+    policy = auto(CostModel(T_CPU, steep))
+    k = prefill_threshold(policy)
+    low, high = policy.costs.layer(2) / k, policy.costs.layer(3) / k  # a 3-token prompt prefills 2
+    assert high - low > 2
+    n = math.floor(high)
+    assert policy.uses_draft(3, n) and not policy.uses_draft(3, math.floor(low))
+
+
+def plain_pair_policy(**options):
+    """A policy for which no chain clears plain decoding by the guard's margin, though a fully accepted one would
+    (so plain generations count towards exploring); its probabilities a lever to make it pay."""
+    sizes = (1, 2, 4, 8, 16, 32)
+    verify = CostCurve.from_measurements(sizes, [0.049 * (1 + 0.25 * (n - 1)) for n in sizes])
+    policy = auto(CostModel(verify, flat(0.010)), [0.3], remember=False, **options)
+    assert not policy.uses_draft(3, 10_000) and policy.plain_runs == 1
+    return policy
+
+
+def test_a_drafting_generation_restarts_the_count_towards_exploring():
+    """EXPLORE_EVERY counts plain generations in a row: one that drafts on its own evidence resets it."""
+    from arborspec.drafting.auto.policy import EXPLORE_EVERY
+
+    policy = plain_pair_policy()
+    for _ in range(EXPLORE_EVERY - 2):
+        assert not policy.uses_draft(3, 10_000)
+    assert policy.plain_runs == EXPLORE_EVERY - 1
+    policy.child_probs[True][0] = 0.99  # now a chain pays
+    assert policy.uses_draft(3, 10_000) and policy.plain_runs == 0
+    policy.child_probs[True][0] = 0.3
+    assert not any(policy.uses_draft(3, 10_000) for _ in range(EXPLORE_EVERY - 1))
+
+
+def test_exploring_scales_both_calibrations_down_to_the_first_evidence_cap():
+    """An exploring generation decides on its own evidence: the saved calibration and first-child counts are cut to
+    MIN_FIRST_EVIDENCE observations a bin, at the same rates."""
+    from arborspec.drafting.auto.policy import EXPLORE_EVERY, MIN_FIRST_EVIDENCE
+
+    policy = plain_pair_policy()
+    policy.calibrator.observe([0.3] * 200 + [0.9] * 10, [1] * 50 + [0] * 150 + [1] * 10)
+    policy.first_child.set_evidence(20, 100)
+    before = policy.calibrator.trials.copy()
+    rates = policy.calibrator.hits[before > 0] / before[before > 0]
+    assert [policy.uses_draft(3, 10_000) for _ in range(EXPLORE_EVERY - 1)][-1]
+    trials = policy.calibrator.trials
+    assert trials.tolist() == np.minimum(before, MIN_FIRST_EVIDENCE).tolist()
+    assert policy.calibrator.hits[before > 0] / trials[before > 0] == pytest.approx(rates)
+    assert (policy.first_child.hits[0], policy.first_child.trials[0]) == (pytest.approx(0.2 * MIN_FIRST_EVIDENCE),
+                                                                          MIN_FIRST_EVIDENCE)
+
+
+def test_a_repeatable_policy_restarts_every_generation_from_the_same_evidence():
+    """Not only the second generation: the evidence a generation learns must not leak into the saved start state."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.9], repeatable=True)
+    start = policy.calibrator.trials.sum()
+    for _ in range(3):
+        policy.uses_draft(3, 100)
+        assert policy.calibrator.trials.sum() == start
+        policy.calibrator.observe([0.5] * 10, [1] * 10)
+        policy.first_child.observe([0.5], [True])
+        policy.child_probs[True][0] = 0.1
+    policy.uses_draft(3, 100)
+    assert policy.first_child.trials[0] == 0 and policy.child_probs[True][0] == pytest.approx(0.9)
+
+
+def test_the_first_childs_rate_is_read_from_exactly_min_first_evidence_steps_on():
+    from arborspec.drafting.auto.objective import expected_ceiling
+    from arborspec.drafting.auto.policy import MIN_FIRST_EVIDENCE
+
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6])
+    c1 = float(policy.child_probs[True][0])
+    policy.first_child.set_evidence(MIN_FIRST_EVIDENCE, MIN_FIRST_EVIDENCE)  # every first child accepted
+    read = expected_ceiling(policy.costs, policy.calibrator, c1, first_accept=float(policy.first_child.curve()[0]))
+    unread = expected_ceiling(policy.costs, policy.calibrator, c1)
+    assert read != pytest.approx(unread)
+    assert policy._expected_rate() == pytest.approx(read)
+    policy.first_child.set_evidence(MIN_FIRST_EVIDENCE - 1, MIN_FIRST_EVIDENCE - 1)
+    assert policy._expected_rate() == pytest.approx(unread)
+
+
+def test_predicted_rates_choose_speculation_only_past_the_margin():
+    """`rate` is the speculative one only where it beats plain decoding by more than `margin` (as uses_draft)."""
+    from arborspec.drafting.auto.policy import predicted_rates
+
+    rates = predicted_rates(T_CPU, D_CPU, margin=0.0)
+    gain = rates["speculative"] / rates["plain"] - 1
+    assert gain > 0 and rates["rate"] == rates["speculative"]
+    assert predicted_rates(T_CPU, D_CPU, margin=gain / 2)["rate"] == rates["speculative"]
+    assert predicted_rates(T_CPU, D_CPU, margin=min(0.99, gain * 2))["rate"] == rates["plain"]
+
+
+def test_update_credits_each_drafted_node_by_its_own_score():
+    """The calibration sees, for each drafted node n, the score the builder gave n and whether n is on the accepted
+    path: the hit lands in the bin of the accepted node's score. The path may also come from the recorded tree."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    tree = policy.draft(ctx_for(ConstSession([0.6, 0.2, 0.1, 0.05, 0.05])))
+    scores = list(policy._built.scores)
+    first, second = tree.children(0)[:2]
+    expected = Calibrator()
+    expected.observe(scores, [n == second for n in range(1, len(tree))])
+    shifted = Calibrator()  # had the hit gone to another node's score: another bin
+    shifted.observe(scores, [n == first for n in range(1, len(tree))])
+    assert shifted.hits.tolist() != expected.hits.tolist()
+    step = step_for(tree, [second])
+    step.path = None
+    step.tree = {"path": [second]}
+    policy.update(step)
+    assert policy.calibrator.hits.tolist() == expected.hits.tolist()
+    assert policy.calibrator.trials.tolist() == expected.trials.tolist()
+    assert (policy.first_child.hits[0], policy.first_child.trials[0]) == (0, 1)  # the root's first child: missed
+
+
+def test_without_calibration_the_policy_learns_no_acceptance_curve():
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1], calibration=False)
+    tree = policy.draft(ctx_for(ConstSession([0.6, 0.2, 0.1, 0.05, 0.05])))
+    policy.update(step_for(tree, [tree.children(0)[0]]))
+    assert policy.calibrator.trials.sum() == 0 and policy.calibrator(0.3) == pytest.approx(0.3)
+
+
+def test_a_depth_of_one_left_is_room_for_a_tree():
+    """max_depth counts the layers still allowed: 1 leaves room for one layer of children, 0 for none."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    tree = policy.draft(ctx_for(ConstSession([0.6, 0.2, 0.1, 0.05, 0.05]), max_depth=1))
+    assert len(tree) > 1 and tree.depth == 1 and policy._built.record["mode"] == "spec"
+
+
+def test_plain_steps_the_objective_chose_measure_plain_decoding_for_the_guard():
+    """A step that drafted nothing (tree_size 0) is a plain step: the guard takes its time as plain decoding's."""
+    policy = auto(CostModel(flat(1.0), flat(2.0)), [0.5], guard_cooldown=100)
+    session, context = ConstSession([0.5] + [0.1] * 5), [3, 1, 4]
+    for _ in range(3):
+        tree = policy.draft(ctx_for(session, context=context))
+        context.append(0)
+        assert len(tree) == 1
+        policy.update(step_for(tree, [], t_draft=0.0, t_verify=0.25))
+    assert policy.guard.plain_time(1.0) == (0.25, "measured")
+
+
+def test_the_calibration_is_saved_every_8_steps_and_when_a_generation_ends():
+    from arborspec.core.disk_cache import read_record
+
+    def steps(policy, n, context):
+        for _ in range(n):
+            tree = policy.draft(ctx_for(ConstSession([0.6, 0.2, 0.1, 0.05]), context=context))
+            context.append(0)
+            policy.update(step_for(tree, []))
+
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    policy._calib_key = {"test": "every 8"}
+    steps(policy, 7, [3, 1, 4])
+    assert read_record("calibration", policy._calib_key) is None
+    steps(policy, 1, [3, 1, 4] + [0] * 7)
+    assert read_record("calibration", policy._calib_key)["calibrator"]["trials"] == policy.calibrator.trials.tolist()
+    other = auto(CostModel(T_CPU, D_CPU), [0.6, 0.2, 0.1])
+    other._calib_key = {"test": "generations"}
+    steps(other, 2, [3, 1, 4])
+    assert read_record("calibration", other._calib_key) is None
+    other.draft(ctx_for(ConstSession([0.6, 0.2]), context=[3, 1, 4]))  # a new generation: the last one's evidence
+    assert read_record("calibration", other._calib_key)["calibrator"]["trials"] == other.calibrator.trials.tolist()
+
+
+def test_a_new_generation_with_a_prompt_as_long_as_the_last_context_gets_its_own_account():
+    """The context grows within a generation; one no longer than the last (the same prompt again) starts anew."""
+    policy = auto(CostModel(T_CPU, D_CPU), [0.6])
+    session = ConstSession([0.6, 0.2, 0.1, 0.1])
+    tree = policy.draft(ctx_for(session, context=[1, 2, 3]))
+    policy.update(step_for(tree, []))
+    assert len(policy.explain()["steps"]) == 1
+    policy.draft(ctx_for(session, context=[1, 2, 3]))
+    assert policy.explain()["steps"] == []
+
+
+def test_at_t0_a_lossy_verifier_keeps_a_calibration_of_its_own():
+    """At T = 0 every exact verifier accepts the same path and they share a record; a lossy one does not."""
+    from arborspec.drafting.auto.policy import _calibration_key
+    from arborspec.verify import VERIFIERS
+
+    target, draft = make_pair("llama")
+    greedy = SamplingConfig()
+    lossy = [name for name, v in VERIFIERS.items() if not v.exact]
+    assert lossy
+    keys = {name: _calibration_key(target, draft, greedy, greedy, name) for name in VERIFIERS}
+    for name, key in keys.items():
+        assert (key.get("verifier") == name) == (name in lossy), name
+    assert keys["greedy"] == keys["naive"] == _calibration_key(target, draft, greedy, greedy)
+
+
+def test_a_saved_predictor_is_read_per_side_and_clipped_to_probabilities():
+    """A record may hold one side's predictor (the other keeps its prior); saved values outside [0, 1] are clipped."""
+    from arborspec.core.disk_cache import keep_record
+    from arborspec.drafting.auto.policy import DEFAULT_CHILD_PROBS, _child_probs
+
+    assert list(_child_probs({"true": [0.5]})) == [True] and list(_child_probs({"false": [0.5]})) == [False]
+    policy = auto(CostModel(T_CPU, D_CPU))
+    policy._calib_key = {"test": "clip"}
+    keep_record("calibration", policy._calib_key, {"calibrator": Calibrator().to_dict(), "plain_runs": 0,
+                                                   "child_probs": {"true": [1.5, -0.2]}})
+    policy._load_calibration()
+    assert policy.source["calibration"] == "cache"
+    assert policy.child_probs[True][:3].tolist() == [1.0, 0.0, DEFAULT_CHILD_PROBS[2]]
+    assert policy.child_probs[False].tolist() == pytest.approx(DEFAULT_CHILD_PROBS)
