@@ -1384,3 +1384,30 @@ def test_a_saved_predictor_is_read_per_side_and_clipped_to_probabilities():
     assert policy.source["calibration"] == "cache"
     assert policy.child_probs[True][:3].tolist() == [1.0, 0.0, DEFAULT_CHILD_PROBS[2]]
     assert policy.child_probs[False].tolist() == pytest.approx(DEFAULT_CHILD_PROBS)
+
+
+# ---- pins found by mutating options.py ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_children=0), "max_children must be an integer >= 1"), (dict(max_children=2000), "at most 1024"),
+    (dict(max_layers=0), "max_layers must be an integer >= 1"), (dict(max_layers=2000), "at most 1024"),
+    (dict(guard_window=0), "guard_window must be an integer"), (dict(guard_cooldown=2.0), "guard_cooldown must be"),
+    (dict(calibration="maybe"), "calibration must be true or false"), (dict(repeatable=2), "repeatable must be"),
+    (dict(guard_margin=-0.1), r"guard_margin must be in \[0, 1\)"), (dict(guard_margin=1.0), "guard_margin must be"),
+])
+def test_auto_options_refuse_values_out_of_range(bad, match):
+    from arborspec.drafting.auto.options import AutoOptions
+
+    with pytest.raises(ValueError, match=match):
+        AutoOptions(**bad)
+
+
+def test_auto_options_take_a_zero_margin_and_default_to_the_profiled_range():
+    """A margin of 0 is plain decoding itself as the line (guard=false's); max_nodes defaults to the largest tree
+    the cost profile measures, so the default trees are priced by measurement, not extrapolation."""
+    from arborspec.drafting.auto.options import AutoOptions
+    from arborspec.tuning.costs import DEFAULT_SIZES
+
+    assert AutoOptions(guard_margin=0.0).guard_margin == 0.0
+    assert AutoOptions(calibration="false").calibration is False  # text from the command line, parsed
+    assert AutoOptions(repeatable="false").guard and AutoOptions(repeatable="true").guard is False
+    assert AutoOptions().max_nodes == max(DEFAULT_SIZES)
