@@ -80,3 +80,23 @@ def test_beam_records_the_warped_draft_distribution_and_each_token_probability(t
     ctx = fake_context(session, temperature=temperature)
     tree = POLICIES["beam"](steps=3, beams=3).draft(ctx)
     assert check_recorded_draft(tree, session, ctx) >= 3
+
+
+# ---- pins found by mutating beam.py ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, match", [(dict(beams=0), "beams must be an integer >= 1"),
+                                        (dict(beams=2.0), "beams must be an integer"),
+                                        (dict(steps=0), "steps must be an integer >= 1"),
+                                        (dict(steps=5, beams=205), "steps x beams = 1025")])
+def test_beam_options_are_checked(bad, match):
+    from arborspec.drafting.beam import BeamOptions
+
+    with pytest.raises(ValueError, match=match):
+        BeamOptions(**bad)
+
+
+def test_a_beam_tree_of_exactly_the_node_limit_is_allowed_and_as_deep_as_its_steps():
+    from arborspec.core.tree import MAX_TREE_NODES
+
+    policy = POLICIES["beam"](steps=4, beams=MAX_TREE_NODES // 4)
+    assert policy.options.beams * policy.options.steps == MAX_TREE_NODES
+    assert POLICIES["beam"](steps=5, beams=2).max_tree_depth == 5
