@@ -168,3 +168,58 @@ def test_sequoia_shape_is_numbered_breadth_first():
             depth[c] = depth[node] + 1
     assert max(depth) >= 3 and depth == sorted(depth)
     assert [c for kids in shape for c in kids] == list(range(1, len(shape)))
+
+
+# ---- pins found by mutating sequoia.py ------------------------------------------------------------------------------
+def test_acceptance_vectors_at_the_edges_of_the_rules_are_taken():
+    """Rates may be 0 or 1 and may sum to exactly 1: a perfect draft ("1") drafts a chain, a zero rank is allowed
+    as long as some rank is not."""
+    from arborspec.drafting.sequoia import parse_acceptance
+
+    assert parse_acceptance("1") == (1.0,)
+    assert all(len(k) <= 1 for k in POLICIES["sequoia"](budget=5, acceptance="1").shape)
+    assert parse_acceptance("0.5,0.5") == (0.5, 0.5)
+    assert parse_acceptance("0.5,0") == (0.5, 0.0)
+    assert parse_acceptance("0.7,0.3000004") == (0.7, 0.3000004)  # float noise in a calibrated vector's sum
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(acceptance="0.6,0.41"), "sum to at most 1, got 1.0100"),
+    (dict(acceptance="0.6,0.405"), "sum to at most 1"),
+    (dict(budget=2000), "budget must be at most 1024"),
+    (dict(draw="often"), "draw must be one of"),
+])
+def test_sequoia_options_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        POLICIES["sequoia"](**options)
+
+
+def test_an_empty_acceptance_file_is_refused_as_empty(tmp_path):
+    path = tmp_path / "acc.json"
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="non-empty list"):
+        POLICIES["sequoia"](acceptance_file=str(path))
+
+
+@pytest.mark.parametrize("acceptance", ["0.65,0.12,0.05,0.03", "0.3,0.25,0.2,0.1"])
+def test_at_t0_the_draft_follows_the_shape_rank_by_rank(acceptance):
+    """The draft's i-th token gets the shape's rank-i child and its subtree (the largest ones go to the likeliest
+    tokens): the drafted children lists are the shape's, node for node, and the depth limit is the shape's depth."""
+    policy = POLICIES["sequoia"](budget=20, acceptance=acceptance)
+    session = FakeSession(vocab=12, seed=4, sharpness=2.0)
+    tree = policy.draft(fake_context(session))
+    assert tree.children_lists() == policy.shape
+    for kids in tree.children_lists():
+        probs = [tree.probs[c] for c in kids]
+        assert probs == sorted(probs, reverse=True)
+    assert policy.max_tree_depth == tree.depth == max(tree.depths)
+
+
+@pytest.mark.parametrize("draw", ["sample", "iid", "greedy"])
+def test_the_sampled_rule_follows_the_draw_option(draw):
+    from arborspec.drafting.layers import DRAW_RULES
+
+    policy = POLICIES["sequoia"](budget=8, draw=draw)
+    assert policy.sampled_rule == DRAW_RULES[draw]
+    tree = policy.draft(fake_context(FakeSession(vocab=12, seed=1), temperature=1.0))
+    assert set(tree.child_rule.values()) == {DRAW_RULES[draw]}
