@@ -216,3 +216,18 @@ def test_two_alternatives_with_one_text_keep_the_likelier_ones_value():
     lp = Logprobs(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"), chat=False)
     assert lp.key(1) == lp.key(2) == "a"
     assert lp._top([(2, -0.1), (1, -2.0)]) == {"a": -0.1}  # top lists come likeliest first
+
+
+def test_a_chunk_whose_text_covers_no_new_token_has_null_logprobs_and_only_the_last_one_the_empty_shape(tokenizer):
+    """Mid-stream, text that completes no token's text (the start of "def", which a stop string may cut) comes with
+    `logprobs: null`, even before any entry went out; the empty lists are for a last chunk of a response that sent
+    no entry at all."""
+    from arborspec.server.output import Reply
+    ids = tokenizer("defy", add_special_tokens=False)["input_ids"]  # "def" (one token), y
+    assert [tokenizer.decode([t]) for t in ids] == ["def", "y"]
+    done = result(tokenizer, ids)
+    streamed = Reply("m", chat=True, stop=["ef"], logprobs=Logprobs(tokenizer, chat=True))
+    first = json.loads(streamed.text_event("d", done, "d")[len("data: "):])["choices"][0]
+    assert first["delta"] == {"content": "d"} and first["logprobs"] is None
+    last = json.loads(streamed.last_events(done, "d")[0][len("data: "):])["choices"][0]
+    assert [e["token"] for e in last["logprobs"]["content"]] == ["def"]  # the token the stop string cuts through
