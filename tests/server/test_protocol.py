@@ -272,3 +272,64 @@ def test_text_cut_at_a_stop_string_finishes_with_stop_whatever_the_engine_said()
     assert body["choices"][0]["text"] == "ab " and body["choices"][0]["finish_reason"] == "stop"
     last = Reply("m", chat=True, stop=["STOP"]).last_events(result, "ab ")[0]
     assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_arborspec_field_refuses_unknown_options_and_consents_to_nothing_unasked():
+    assert refused({"model": "t", "prompt": "x", "arborspec": {"methd": "chain"}}).param == "arborspec"  # a typo
+    opts = parse({"model": "t", "prompt": "x", "arborspec": {}}).arborspec
+    assert opts.allow_lossy is False and opts.return_token_ids is False and opts.method is None
+
+
+def test_stream_options_ask_for_nothing_unless_they_say_so_and_need_stream_true():
+    req = parse({"model": "t", "prompt": "x", "stream": True, "stream_options": {}})
+    check_sampling(req)
+    assert not req.stream_options.include_usage
+    for stream in (False, None):  # null is the default: no stream
+        with pytest.raises(APIError) as info:
+            check_sampling(parse({"model": "t", "prompt": "x", "stream": stream,
+                                  "stream_options": {"include_usage": True}}))
+        assert info.value.param == "stream_options"
+
+
+def test_a_seed_is_refused_outside_the_range_a_generator_takes_at_either_end():
+    from arborspec.core.sampling import SEED_RANGE
+    for seed in SEED_RANGE:
+        assert parse({"model": "t", "prompt": "x", "seed": seed}).seed == seed
+    for seed in (SEED_RANGE[0] - 1, SEED_RANGE[1] + 1):
+        assert refused({"model": "t", "prompt": "x", "seed": seed}).param == "seed"
+
+
+def test_temperature_two_is_openais_top_of_the_range():
+    check_sampling(parse({"model": "t", "prompt": "x", "temperature": 2}))
+    with pytest.raises(APIError) as info:
+        check_sampling(parse({"model": "t", "prompt": "x", "temperature": 2.001}))
+    assert info.value.param == "temperature"
+
+
+def test_a_message_with_a_legacy_function_call_is_refused():
+    call = {"name": "f", "arguments": "{}"}
+    err = refused({"model": "t", "messages": [{"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": None, "function_call": call}]},
+                  ChatRequest)
+    assert err.param == "messages" and "tool calls" in err.message
+
+
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("suffix", "}"),
+                                          ("logit_bias", {"50256": -100}), ("best_of", 2),
+                                          ("n", True), ("presence_penalty", False)])  # a bool is not a number here
+def test_openais_completion_fields_that_would_change_the_answer_are_refused(field, value):
+    assert refused({"model": "t", "prompt": "x", field: value}).param == field
+
+
+def test_max_tokens_defaults_within_the_limit_and_reaches_it_and_zero_only_scores_an_echoed_prompt():
+    assert max_tokens(parse({"model": "t", "prompt": "x"}), Limits("tiny", 10, 16, 1000)) == 10
+    assert max_tokens(parse({"model": "t", "prompt": "x", "max_tokens": 100}), LIMITS) == 100
+    assert max_tokens(parse({"model": "t", "prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 0}), LIMITS) == 0
+    for body in ({"logprobs": 1}, {"echo": True}):  # scoring needs both: the prompt back, and its logprobs
+        assert refused({"model": "t", "prompt": "x", "max_tokens": 0, **body}).param == "max_tokens"
+    chat = {"model": "t", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "max_tokens": 0}
+    assert refused(chat, ChatRequest).param == "max_tokens"  # chat has no echo
+
+
+def test_up_to_four_stop_strings_as_openai_takes_them():
+    assert stop_strings(parse({"model": "t", "prompt": "x", "stop": ["a", "b", "c", "d"]})) == ["a", "b", "c", "d"]
