@@ -110,3 +110,85 @@ def test_a_generation_stopped_early_keeps_what_it_committed_and_a_follow_up_deco
     again = kept.generate(follow_up, max_new_tokens=12, ignore_eos=True)
     assert again.token_ids == fresh.generate(follow_up, max_new_tokens=12, ignore_eos=True).token_ids
     assert again.stats.cached_tokens >= len(kept.encode(FIRST)) + len(shown.token_ids) - 1
+
+
+class Kept:
+    """A session the cache may keep, without a model: its committed tokens, a cache of `nbytes` bytes (keys and
+    values, half each), and copies that remember where they came from."""
+
+    rows_alone = True
+
+    def __init__(self, tokens, nbytes: int = 64, origin=None):
+        import numpy as np
+        self.cached = list(tokens)
+        self.keys, self.values = np.zeros(nbytes // 2, np.uint8), np.zeros(nbytes - nbytes // 2, np.uint8)
+        self.origin = origin
+
+    def fork(self):
+        return Kept(self.cached, self.keys.nbytes + self.values.nbytes, origin=self)
+
+    def truncate(self, n: int) -> None:
+        self.cached = self.cached[:n]
+
+
+def test_common_prefix_counts_the_leading_tokens_two_lists_share():
+    from arborspec.engine.prefix_cache import common_prefix
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3 and common_prefix([5], [6]) == 0 and common_prefix([], [1]) == 0
+
+
+def test_a_kept_session_is_reused_from_min_reuse_tokens_in_common_and_never_up_to_the_root():
+    model, tokens = object(), list(range(100, 100 + MIN_REUSE + 4))
+    cache = PrefixCache(1 << 20)
+    cache.keep(model, "target", kept := Kept(tokens))
+    assert cache.start(model, "target", tokens[:MIN_REUSE - 1] + [1, 2]) is None  # too little in common
+    at_least = cache.start(model, "target", tokens[:MIN_REUSE] + [1, 2])
+    assert at_least.origin is kept and at_least.cached == tokens[:MIN_REUSE]
+    longer = cache.start(model, "target", tokens + [1])
+    assert longer.cached == tokens and kept.cached == tokens  # a copy cut, the kept one whole
+    same = cache.start(model, "target", tokens)  # the last token is the next forward's root: not read from the cache
+    assert same.cached == tokens[:-1]
+    assert cache.hits == 3 and cache.reused_tokens == MIN_REUSE + len(tokens) + len(tokens) - 1
+
+
+def test_entries_are_per_model_and_role():
+    """A target's session never starts a draft (or another model's target), and a longer conversation replaces the
+    start of its own model and role only; a chat keeps the newest entry of each model and role."""
+    one, two, tokens = object(), object(), list(range(MIN_REUSE + 4))
+    cache = PrefixCache(1 << 20)
+    sessions = {(m, role): Kept(tokens) for m in (one, two) for role in ("target", "draft")}
+    for (m, role), session in sessions.items():
+        cache.keep(m, role, session)
+    for (m, role), session in reversed(sessions.items()):  # the newest first: the others come before it
+        assert cache.start(m, role, tokens + [1]).origin is session
+    cache.keep(one, "target", longer := Kept(tokens + [7, 8]))
+    remaining = [e.session for e in cache._entries]
+    assert sessions[one, "target"] not in remaining and longer in remaining
+    assert all(s in remaining for key, s in sessions.items() if key != (one, "target"))
+    cache.keep(two, "draft", other := Kept([9] * 20))  # not a continuation: both of two's drafts stay
+    cache.keep_newest()
+    assert {(id(e.model), e.role): e.session for e in cache._entries} == {
+        (id(one), "target"): longer, (id(one), "draft"): sessions[one, "draft"],
+        (id(two), "target"): sessions[two, "target"], (id(two), "draft"): other}
+
+
+def test_the_kept_bytes_are_the_keys_and_values_up_to_the_bound_and_the_least_recently_used_go_first():
+    model = object()
+    runs = [[k] * (MIN_REUSE + 2) for k in range(4)]
+    cache = PrefixCache(200)
+    cache.keep(model, "target", Kept(runs[0], nbytes=201))  # bigger than the whole cache: not kept
+    cache.keep(model, "target", Kept([], nbytes=10))  # nothing committed: nothing to reuse
+    assert cache._entries == []
+    cache.keep(model, "target", Kept(runs[0], nbytes=100))
+    cache.keep(model, "target", Kept(runs[1], nbytes=100))
+    assert cache.nbytes == 200 and len(cache._entries) == 2  # exactly full
+    assert cache.start(model, "target", runs[0] + [5]) is not None  # used: now the most recent
+    cache.keep(model, "target", Kept(runs[2], nbytes=100))
+    assert [e.tokens for e in cache._entries] == [runs[0], runs[2]]  # the one used longest ago went
+    cache.keep(model, "target", Kept(runs[3], nbytes=200))
+    assert [e.tokens for e in cache._entries] == [runs[3]]
+    cache.keep(model, "target", Kept(runs[0], nbytes=201))  # one too big for the cache leaves the others in it
+    assert [e.tokens for e in cache._entries] == [runs[3]]
+    off = PrefixCache(0)  # a cache of no bytes: nothing is kept
+    off.keep(model, "target", Kept(runs[0], nbytes=0))
+    assert off._entries == []
