@@ -79,6 +79,9 @@ def models():
            r"nodes no draft model drew .* exact alternatives: greedy, naive, or drop the branches")
           for v in ("mbr", "traversal", "mss", "greedy-draft")],
         (dict(method="suffix", verifier="mbr", temperature=0.0), r"method 'suffix'.* alternatives: greedy, naive$"),
+        # auto's default suffix branches go onto every tree at T = 0 (onto bare trees only at T > 0, verified by naive)
+        (dict(method="auto", verifier="mbr", temperature=0.0),
+         r"method 'auto'.* exact alternatives: greedy, naive, or drop the branches"),
         # a chain with branches is a tree, and what a chain-only rule is told to use instead must read no draft rows
         (dict(method="chain", k=3, verifier="sps", ngram=3, temperature=0.0),
          r"chains only.*exact alternatives: greedy, naive$"),
