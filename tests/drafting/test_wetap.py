@@ -162,3 +162,77 @@ def test_fixed_width_wetap_builds_the_beam_search_tree():
     a = POLICIES["wetap"](budget=64, w_min=3, w_max=3, length=4).draft(fake_context(session))
     b = POLICIES["beam"](steps=4, beams=3).draft(fake_context(FakeSession(vocab=9, seed=6, sharpness=1.0)))
     assert len(a) - 1 == 12 and a.tokens == b.tokens and a.parents == b.parents
+
+
+# ---- pins found by mutating wetap.py --------------------------------------------------------------------------------
+# Ties, each rule's own (parents, cumulative probabilities, budget, alpha, kept)
+PRUNE_TIE_CASES = {
+    # alpha 0: 1 and 2 score alike (depth 1); the more likely, 2, is kept
+    "stage-1-ties-go-to-the-likelier": ([-1, 0, 0], [1.0, 0.4, 0.5], 1, 0.0, [0, 2]),
+    # depths 1, 1, 2, 2; the deepest, 3 and 4, are kept, their parents come back (4 > 2); stage 3 spares depth 2;
+    # stage 4 drops 4 (the later of two equal leaves), then of 3 (depth 2) and 2 (depth 1), equally likely, the deeper
+    "stage-4-ties-drop-the-deeper": ([-1, 0, 0, 1, 2], [1.0, 0.4, 0.1, 0.1, 0.1], 2, 0.0, [0, 1, 2]),
+    # 2 and 3 (depth 2, equally likely) are kept, 1 comes back; stage 4 drops the later leaf, 3
+    "stage-4-ties-drop-the-later": ([-1, 0, 1, 1], [1.0, 0.1, 0.1, 0.1], 2, 0.0, [0, 1, 2]),
+    # 4 (depth 2) is kept with the likelier depth-1 nodes 2 and 3 (0.4 each), and its parent 1 comes back: stage 3
+    # drops one depth-1 leaf, of 2 and 3 the later
+    "stage-3-ties-drop-the-later": ([-1, 0, 0, 0, 1], [1.0, 0.1, 0.4, 0.4, 0.1], 3, 0.0, [0, 1, 2, 4]),
+    # alpha 0.3, D = 3: scores 2: 0.743, 4: 0.714, 5: 0.7, 1: 0.533, 3: 0.492. Keeping 2 and 4 brings back 1 and 3;
+    # the deepest *kept* layer is 2 (5, at depth 3, was not kept), so stage 3 drops no leaf of depth 2 and stage 4
+    # drops the least likely leaves, 4 (0.48) and then 3 (0.5)
+    "stage-3-spares-the-deepest-kept-layer": ([-1, 0, 1, 0, 3, 4], [1.0, 0.57, 0.53, 0.5, 0.48, 0.06], 2, 0.3,
+                                              [0, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("case", PRUNE_TIE_CASES)
+def test_prune_breaks_ties_as_documented(case):
+    parents, cum, budget, alpha, kept = PRUNE_TIE_CASES[case]
+    depths = [0]
+    for v in range(1, len(parents)):
+        depths.append(depths[parents[v]] + 1)
+    assert prune(parents, depths, cum, budget, alpha) == kept
+
+
+@pytest.mark.parametrize("bad, match", [(dict(w_max=2000), "w_max must be at most 1024"),
+                                        (dict(w_min=8, w_max=4), "need w_min <= w_max"),
+                                        (dict(gamma=0.0), "gamma must be > 0"),
+                                        (dict(alpha=1.5), r"alpha must be in \[0, 1\]")])
+def test_wetap_options_are_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        POLICIES["wetap"](**bad)
+
+
+def test_wetap_options_take_the_ends_of_their_ranges():
+    assert POLICIES["wetap"](alpha=0.0).options.alpha == 0.0 and POLICIES["wetap"](alpha=1.0).options.alpha == 1.0
+    assert POLICIES["wetap"](w_min=5, w_max=5).max_tree_depth == 8 == POLICIES["wetap"]().options.length
+    assert POLICIES["wetap"](length=3).max_tree_depth == 3
+
+
+def cumulative(tree, v) -> float:
+    """A node's path probability: the product of the recorded token probabilities from the root."""
+    return math.prod(tree.probs[u] for u in tree.path(v)[1:])
+
+
+def test_layer_widths_follow_eq_5_on_cumulative_probabilities():
+    """Layer 1 holds w_min children of the root (more than 8 as well); each later width is next_width of the last
+    layer's path probabilities, not of its tokens' own."""
+    policy = POLICIES["wetap"](budget=1000, w_min=10, w_max=60, length=4, gamma=1.2)
+    tree = policy.draft(fake_context(FakeSession(vocab=40, seed=0, sharpness=3.0)))
+    assert tree.widths()[1:] == policy.last_widths and policy.last_widths[0] == 10
+    for d in range(1, 4):
+        layer = [v for v in range(len(tree)) if tree.depths[v] == d]
+        want = next_width([cumulative(tree, v) for v in layer], 10, 60, 1.2)
+        assert policy.last_widths[d] == min(want, len(layer) * 40)
+    own = [next_width([tree.probs[v] for v in range(len(tree)) if tree.depths[v] == d], 10, 60, 1.2) for d in (2, 3)]
+    assert own != policy.last_widths[2:]  # the tokens' own probabilities would give other widths
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.8])
+def test_the_drafted_tree_is_the_constructed_one_pruned_with_its_alpha(alpha):
+    options = dict(w_min=3, w_max=8, length=4)
+    whole = POLICIES["wetap"](budget=1000, **options).draft(fake_context(FakeSession(vocab=12, seed=5)))
+    kept = prune(whole.parents, whole.depths, [cumulative(whole, v) for v in range(len(whole))], 9, alpha)
+    want = whole.select(kept)
+    got = POLICIES["wetap"](budget=9, alpha=alpha, **options).draft(fake_context(FakeSession(vocab=12, seed=5)))
+    assert len(whole) - 1 > 9 and (got.tokens, got.parents) == (want.tokens, want.parents)
