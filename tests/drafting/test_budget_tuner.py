@@ -134,3 +134,69 @@ def test_the_inner_policy_drafts_with_the_chosen_budget_and_learns_only_from_its
         steps.append(step)
     assert [s.chosen for s in steps] == [0, 4, 0, 0]  # start, its untried neighbour, then 0 (a tie)
     assert inner.budgets == [4] and inner.updates == [steps[1]]
+
+
+# ---- pins found by mutating budget_tuner.py -------------------------------------------------------------------------
+def test_candidates_are_sorted_sizes_and_the_start_must_be_one():
+    """Neighbours are the next smaller and larger budgets, whatever order the candidates are given in."""
+    tuner = BudgetTuner(candidates=(8, 0, 4, 4), start=4)
+    assert tuner.candidates == [0, 4, 8]
+    tuner.observe(4, 2, 1.0)
+    assert tuner.choose() == 0 and tuner.current == 0  # the smaller untried neighbour first
+    with pytest.raises(ValueError, match="start budget 5 is not a candidate"):
+        BudgetTuner(candidates=(0, 4, 8), start=5)
+
+
+def test_the_stalest_neighbour_is_the_one_measured_longest_ago():
+    """Staleness is the step of a neighbour's latest measurement, not its first: 0 was measured at steps 0 and 2,
+    8 at step 1 only, so at the probe step 8 is re-run."""
+    tuner = BudgetTuner(candidates=(0, 4, 8), start=4, probe_every=8)
+    for budget, tokens in [(0, 1), (8, 1), (0, 1)] + [(4, 5)] * 5:
+        tuner.observe(budget, tokens, 1.0)
+    assert tuner.steps == 8 and tuner.best() == 4
+    assert [tuner.obs[b][-1][2] for b in (0, 8)] == [2, 1]
+    assert tuner.choose() == 8
+
+
+def test_a_probe_only_as_fast_as_the_best_keeps_its_older_measurements():
+    """Only a probe that beats the best rate starts its budget's measurements afresh."""
+    tuner = BudgetTuner(candidates=(0, 4), start=4)
+    tuner.observe(0, 1, 1.0)
+    tuner.observe(4, 3, 1.0)  # 4 is now the best, at 3 tokens/s
+    tuner.observe(0, 3, 1.0)  # a probe of 0 at 3 tokens/s: a tie, not a win
+    assert len(tuner.obs[0]) == 2 and tuner.rate(0) == 2.0
+
+
+def test_with_nothing_measured_the_best_is_the_budget_chosen_last():
+    tuner = BudgetTuner(candidates=(0, 4, 8), start=4)
+    tuner.observe(4, 2, 0.0)  # no measurable time: no rate
+    assert tuner.choose() == 0 and tuner.best() == 0
+
+
+def test_explain_lists_the_last_64_budgets_chosen():
+    tuner = BudgetTuner(candidates=(0, 4), start=4)
+    simulate(tuner, {0: 1.0, 4: 2.0}.get, 70)
+    assert tuner.history[:64] != tuner.history[-64:]  # 70 steps: the first 64 are not the last
+    assert tuner.explain()["budgets_chosen"] == tuner.history[-64:]
+
+
+def test_the_depth_limit_is_the_largest_candidates_and_leaves_the_budget_alone():
+    """The engine sizes the window for the deepest tree any chosen budget can draft."""
+    policy = make_policy(POLICIES["sequoia"], {"budget": "auto"})
+    policy.inner.options.budget = 4
+    deepest = POLICIES["sequoia"](budget=max(policy.tuner.candidates)).max_tree_depth
+    assert deepest > POLICIES["sequoia"](budget=4).max_tree_depth
+    assert policy.max_tree_depth == deepest and policy.inner.options.budget == 4
+
+
+def test_a_step_is_timed_with_its_bookkeeping():
+    inner = RecordingInner()
+    policy = TunedBudget(inner, BudgetTuner(candidates=(0, 4), start=4))
+    policy.draft(SimpleNamespace(context=[1, 2]))
+    policy.update(SimpleNamespace(committed=3, t_draft=0.5, t_verify=1.0, t_other=0.5))
+    assert policy.tuner.rate(4) == 3 / 2.0
+
+
+@pytest.mark.parametrize("budget", ["auto", " Auto ", "AUTO"])
+def test_budget_auto_is_read_whatever_its_case_and_spacing(budget):
+    assert isinstance(make_policy(POLICIES["sequoia"], {"budget": budget}), TunedBudget)
