@@ -146,15 +146,6 @@ PRUNE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", PRUNE_CASES)
-def test_prune_rules_on_small_trees(case):
-    parents, cum, budget, alpha, kept = PRUNE_CASES[case]
-    depths = [0]
-    for v in range(1, len(parents)):
-        depths.append(depths[parents[v]] + 1)
-    assert prune(parents, depths, cum, budget, alpha) == kept
-
-
 def test_fixed_width_wetap_builds_the_beam_search_tree():
     """w_min = w_max = M: every layer holds the M most likely paths among the children of the last, as beam search
     with M beams; kept in the same order (grouped by parent, then by rank)."""
@@ -185,9 +176,10 @@ PRUNE_TIE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", PRUNE_TIE_CASES)
-def test_prune_breaks_ties_as_documented(case):
-    parents, cum, budget, alpha, kept = PRUNE_TIE_CASES[case]
+@pytest.mark.parametrize("case", [*PRUNE_CASES, *PRUNE_TIE_CASES])
+def test_prune_rules_on_small_trees(case):
+    """Each rule of the pruning, and how it breaks ties, on a tree small enough to work by hand (the comments)."""
+    parents, cum, budget, alpha, kept = {**PRUNE_CASES, **PRUNE_TIE_CASES}[case]
     depths = [0]
     for v in range(1, len(parents)):
         depths.append(depths[parents[v]] + 1)
