@@ -1,7 +1,7 @@
 """What a top-p warp costs a row: the bucketed nucleus cut (`arborspec.core.top_p`) against the whole sort, one thread.
 
 At top_p < 1 every verified row and every drafted row is warped, and sorting the 152k-token vocabulary of the default
-pair cost 13-19 ms a row (Intel Xeon host, 2026-11-29), more than a target token's forward. The rows here are real:
+pair made a warp cost 12-14 ms a row (Intel Xeon host, 2026-11-29; 1.9-2.7 with the bucketed cut), more than a target token's forward. The rows here are real:
 the model's (default: the shipped 0.5B draft on the native backend) logits for each token of the reference texts
 `auto` scores drafts on (tuning/reference_texts.py), one forward. For each temperature and top_p this prints the
 median milliseconds a row of the whole warp (`SamplingConfig.probs`) with either cut, and how many rows' cuts differ
