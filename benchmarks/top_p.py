@@ -1,11 +1,12 @@
 """What a top-p warp costs a row: the bucketed nucleus cut (`arborspec.core.top_p`) against the whole sort, one thread.
 
 At top_p < 1 every verified row and every drafted row is warped, and sorting the 152k-token vocabulary of the default
-pair made a warp cost 12-14 ms a row (Intel Xeon host, 2026-11-29; 1.9-2.7 with the bucketed cut), more than a target token's forward. The rows here are real:
-the model's (default: the shipped 0.5B draft on the native backend) logits for each token of the reference texts
-`auto` scores drafts on (tuning/reference_texts.py), one forward. For each temperature and top_p this prints the
-median milliseconds a row of the whole warp (`SamplingConfig.probs`) with either cut, and how many rows' cuts differ
-between them (the bucketed cut sums in float64 where the sort's sums are float32: core/top_p.py), with the host.
+pair made a warp cost 12-14 ms a row (Intel Xeon host, 2026-11-29; 1.9-2.7 with the bucketed cut), a fifth of a target
+token's forward. The rows here are real: the model's (default: the shipped 0.5B draft on the native backend) logits for
+each token of the reference texts `auto` scores drafts on (tuning/reference_texts.py), one forward. For each temperature
+and top_p this prints the median milliseconds a row of the whole warp (`SamplingConfig.probs`) with either cut, and how
+many rows' cuts differ between them (the bucketed cut sums in float64 where the sort's sums are float32: core/top_p.py),
+with the host.
 
     python benchmarks/top_p.py [--model qwen2.5-coder-0.5b] [--rows 96] [--temperatures 0.7,1,1.3]
                                [--top-ps 0.8,0.9,0.95,0.99] [--repeats 3]

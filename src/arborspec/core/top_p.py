@@ -7,12 +7,13 @@ reference, and what a vocabulary under SORT_BELOW tokens gets.
 Why a second path: with the whole sort a top-p warp cost 12-14 ms a row over the 152k tokens of the Qwen pair (one
 thread, Intel Xeon host, 2026-11-29), a fifth of a target token's forward, and at top_p < 1 every verified and every
 drafted row paid it; with this one 1.9-2.7 ms (`python benchmarks/top_p.py`), and the default pair on native at T = 1,
-top_p 0.9 decoded 9.7-11.2 -> 12.7-14.3 tokens/s plainly (`ar`) and 11.2-12.6 -> 17.8-19.6 with `auto`. Only the order near the cut matters, so `nucleus_cut` counts each row's mass in BUCKETS even
-logit buckets (a few passes over the row), finds the bucket the cut falls in and sorts that bucket alone (1 to ~100
-tokens on the 0.5B draft's logits). Its sums are float64 where the reference's are float32 (which part from exact
-ones by up to 8.3e-7, measured on the draft's logits at T = 3), so a token whose cumulative mass lies that close to
-1 - top_p could fall on the other side; on 63 rows of the draft's logits at T 0.7-1.3 and top_p 0.8-0.99 (756 cuts)
-no token did. A cut between two tied logits goes to the reference: torch's sort (not a stable one) orders ties.
+top_p 0.9 decoded 9.7-11.2 -> 12.7-14.3 tokens/s plainly (`ar`) and 11.2-12.6 -> 17.8-19.6 with `auto`. Only the order
+near the cut matters, so `nucleus_cut` counts each row's mass in BUCKETS even logit buckets (a few passes over the row),
+finds the bucket the cut falls in and sorts that bucket alone (1 to ~100 tokens on the 0.5B draft's logits). Its sums
+are float64 where the reference's are float32 (which part from exact ones by up to 8.3e-7, measured on the draft's
+logits at T = 3), so a token whose cumulative mass lies that close to 1 - top_p could fall on the other side; on 63 rows
+of the draft's logits at T 0.7-1.3 and top_p 0.8-0.99 (756 cuts) no token did. A cut between two tied logits goes to the
+reference: torch's sort (not a stable one) orders ties.
 """
 from __future__ import annotations
 
