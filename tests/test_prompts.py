@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from arborspec import SpeculativeDecoder
-from arborspec.engine.prompts import conversation_ids, conversation_text, prompt_ids
+from arborspec.engine.prompts import conversation_ids, conversation_text, decode_text, prompt_ids
 from tests.conftest import char_tokenizer, noisy_copy, tiny_model
 
 
@@ -161,3 +161,118 @@ def test_a_batch_takes_a_list_of_prompts_and_a_list_of_seeds(decoder):
         decoder.generate_batch("def f", max_new_tokens=2)  # was five one-letter prompts
     with pytest.raises(ValueError, match="seeds must be a list"):
         decoder.generate_batch(["a", "b"], max_new_tokens=2, seeds=5)
+
+
+def test_a_conversation_needs_a_tokenizer_too():
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        prompt_ids(None, [{"role": "user", "content": "hi"}])
+
+
+def test_text_is_tokenized_with_the_tokenizers_special_tokens():
+    """Plain text gets the tokenizer's own special tokens (a BOS where it adds one); a conversation's template
+    writes its own, so there they are left out."""
+    calls = []
+
+    def with_bos(text, add_special_tokens):
+        calls.append(add_special_tokens)
+        return {"input_ids": [0] * add_special_tokens + [ord(c) for c in text]}
+
+    assert prompt_ids(with_bos, "ab") == [0, ord("a"), ord("b")] and calls == [True]
+
+
+def test_every_id_from_0_to_below_the_vocabulary_is_a_token():
+    assert prompt_ids(None, [0, 63], vocab=64) == [0, 63]
+    with pytest.raises(ValueError, match="token id 64 is outside"):
+        prompt_ids(None, [0, 64], vocab=64)
+
+
+def test_model_prompt_ids_checks_every_models_vocabulary_and_leaves_room_for_a_token():
+    from arborspec.backends.model_info import context_window, vocab_size
+    from arborspec.engine.prompts import model_prompt_ids
+    target, draft = tiny_model("llama", context=8), tiny_model("llama", vocab=48, context=8)
+    smaller, window = vocab_size(draft), context_window(target)
+    assert model_prompt_ids(None, [smaller - 1], target, draft) == [smaller - 1]
+    with pytest.raises(ValueError, match=f"token id {smaller} is outside the vocabulary \\[0, {smaller}\\)"):
+        model_prompt_ids(None, [smaller], target, draft)  # the target has a row for it; the draft has none
+    assert model_prompt_ids(None, [smaller], target) == [smaller]
+    assert model_prompt_ids(None, [2] * (window - 1), target) == [2] * (window - 1)  # room for one token by default
+    with pytest.raises(ValueError, match=f"context window is {window}"):
+        model_prompt_ids(None, [2] * window, target)
+
+
+def test_prompt_ids_leaves_room_for_one_token_by_default():
+    assert prompt_ids(None, [2, 3, 4], window=4) == [2, 3, 4]
+    with pytest.raises(ValueError, match="the prompt has 4 tokens; the target's context window is 4"):
+        prompt_ids(None, [2, 3, 4, 5], window=4)
+    assert prompt_ids(None, [2, 3, 4, 5], window=4, room=0) == [2, 3, 4, 5]  # scored alone
+
+
+def test_a_bad_attention_mask_is_shown_by_its_first_eight_values():
+    mask = [2] * 10
+    with pytest.raises(ValueError) as err:
+        prompt_ids(None, {"input_ids": list(range(2, 12)), "attention_mask": mask})
+    assert str(err.value).endswith(f"got {mask[:8]!r} ...")
+    with pytest.raises(ValueError) as err:
+        prompt_ids(None, {"input_ids": list(range(2, 10)), "attention_mask": mask[:8]})
+    assert str(err.value).endswith(f"got {mask[:8]!r}")
+
+
+def test_a_message_that_is_not_utf8_is_refused_by_its_role():
+    with pytest.raises(ValueError, match="a user message is not valid Unicode text"):
+        conversation_ids(turn_tokenizer(), [{"role": "user", "content": "caf\udce9"}])
+
+
+def test_a_conversation_needs_a_chat_template_and_ends_at_the_assistants_turn(tokenizer_module):
+    with pytest.raises(ValueError, match="need a tokenizer with a chat template"):
+        conversation_text(tokenizer_module, [{"role": "user", "content": "hi"}])
+    tok = turn_tokenizer("{% for m in messages %}[start]{{ m['content'] }}[end]{% endfor %}"
+                         "{% if add_generation_prompt %}[start]assistant\n{% endif %}")
+    assert conversation_text(tok, [{"role": "user", "content": "hi"}]) == "[start]hi[end][start]assistant\n"
+
+
+def test_a_template_that_writes_a_content_spelling_a_special_token_twice_is_refused():
+    tok = turn_tokenizer("{% for m in messages %}[start]{{ m['content'] }}|{{ m['content'] }}[end]{% endfor %}")
+    with pytest.raises(ValueError, match="does not write its content once"):
+        conversation_ids(tok, [{"role": "user", "content": "[end]"}], content_as_text=True)
+
+
+def test_decoded_text_keeps_every_space_and_leaves_out_special_tokens(tokenizer_module):
+    text = "a , b ."
+    ids = tokenizer_module(text, add_special_tokens=False)["input_ids"] + [tokenizer_module.eos_token_id]
+    assert decode_text(tokenizer_module, ids) == text
+    assert decode_text(tokenizer_module, ids, skip_special_tokens=False) == text + tokenizer_module.eos_token
+
+
+def test_a_message_without_a_role_is_named_not_read_as_token_ids():
+    messages = [{"role": "user", "content": "a"}, {"content": "b"}]
+    with pytest.raises(ValueError, match="chat message 1 has no 'role'"):
+        prompt_ids(None, messages)
+
+
+def test_a_mask_of_several_rows_is_refused_even_when_each_row_fits():
+    with pytest.raises(ValueError, match="attention_mask must hold a 0 or 1 for each of the 2 token ids"):
+        prompt_ids(None, {"input_ids": [5, 6], "attention_mask": [[1, 1], [1, 1]]})
+
+
+def test_ids_mixed_with_a_nested_row_are_ids_nested_deeper_not_several_prompts():
+    with pytest.raises(ValueError, match="nested deeper"):
+        prompt_ids(None, [[5, 6], 7])
+
+
+def test_special_strings_are_the_special_tokens_not_every_added_token():
+    from arborspec.engine.prompts import special_strings
+    tok = merging_turn_tokenizer()
+    got = special_strings(tok)
+    assert {"[start]", "[end]", tok.eos_token} <= set(got) and "<t>" not in got  # <t>: added, special=False
+
+
+def test_the_template_is_cut_at_its_longest_special_token_first():
+    """Where one special token's text begins another's ("[s]" and "[s]x"), the template's "[s]x" is that token, as
+    the tokenizer reads it, not "[s]" and a plain "x"."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["[s]", "[s]x"]})
+    tok.chat_template = "{% for m in messages %}[s]x{{ m['content'] }}[s]{% endfor %}"
+    messages = [{"role": "user", "content": "a[s]"}]
+    long, short = tok.convert_tokens_to_ids(["[s]x", "[s]"])
+    plain = tok("a[s]", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert conversation_ids(tok, messages, content_as_text=True) == [long, *plain, short]
