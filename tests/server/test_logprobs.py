@@ -4,12 +4,14 @@ waits for the rest of the character, and a stop string's tokens never go out."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
+import torch
 
 from arborspec.backends.llamacpp import gguf_tokenizer
-from arborspec.engine.logprobs import TokenLogprob
+from arborspec.engine.logprobs import TokenLogprob, token_logprobs
 from arborspec.engine.stats import GenerationResult, GenerationStats
 from arborspec.server.logprobs import Logprobs, grown
 from tests.backends.tiny_gguf import write_tiny_gguf
@@ -231,3 +233,20 @@ def test_a_chunk_whose_text_covers_no_new_token_has_null_logprobs_and_only_the_l
     assert first["delta"] == {"content": "d"} and first["logprobs"] is None
     last = json.loads(streamed.last_events(done, "d")[0][len("data: "):])["choices"][0]
     assert [e["token"] for e in last["logprobs"]["content"]] == ["def"]  # the token the stop string cuts through
+
+
+def test_token_logprobs_are_each_rows_log_softmax_with_its_top_k_best_first():
+    """engine/logprobs.py directly: the chosen token's log-probability in its own row, and the `top` likeliest
+    (token, logprob) pairs, most likely first; `top` past the vocabulary gives the whole row, 0 none."""
+    rows = [[0.0, 1.0, 2.0], [3.0, 1.0, 0.5]]
+    logp = [[x - math.log(sum(math.exp(y) for y in row)) for x in row] for row in rows]
+    tokens = [1, 0]
+    for top in (1, 2, 3, 7):
+        got = token_logprobs(torch.tensor(rows), tokens, top)
+        assert [lp.token for lp in got] == tokens
+        for lp, row in zip(got, logp):
+            assert lp.logprob == pytest.approx(row[lp.token], abs=1e-6)
+            want = sorted(range(len(row)), key=lambda t: -row[t])[:top]
+            assert [t for t, _ in lp.top] == want
+            assert [v for _, v in lp.top] == pytest.approx([row[t] for t in want], abs=1e-6)
+    assert [lp.top for lp in token_logprobs(torch.tensor(rows), tokens, 0)] == [[], []]
