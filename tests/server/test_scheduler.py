@@ -8,7 +8,7 @@ import pytest
 
 from arborspec.engine import GenerationResult, GenerationStats, StepStats
 from arborspec.server.metrics import Metrics
-from arborspec.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from arborspec.server.scheduler import Job, QueueFull, Scheduler, ShuttingDown, step_round
 
 TIMEOUT = 30
 
@@ -281,3 +281,199 @@ def test_a_later_drain_only_brings_the_deadline_closer():
     assert sched.overdue
     sched.drain(grace=600.0)
     assert sched.overdue
+
+
+def scripted_steps(results: list):
+    """A decoder loop that yields `results` as given (None: a piece of the prompt read, --prefill-chunk)."""
+    yield from results
+
+
+def a_result(n_tokens: int, n_steps: int, finish: str = "") -> GenerationResult:
+    stats = GenerationStats("fake", "greedy", False, prompt_tokens=3)
+    stats.steps = [StepStats(tree_size=2, depth=1, widths=[1, 2], accepted=1, committed=1, draft_calls=1,
+                             t_draft=0.0, t_verify=0.0, t_other=0.0) for _ in range(n_steps)]
+    stats.new_tokens, stats.finish_reason = n_tokens, finish
+    return GenerationResult("x" * n_tokens, [7] * n_tokens, stats)
+
+
+def test_a_prompt_only_scored_finishes_with_no_step_and_no_first_token():
+    """echo with max_tokens 0: the loop's one result has no step and no token. The request ends cleanly, and it
+    has no time to its first token."""
+    metrics = Metrics()
+    j, client = job(scripted_steps([a_result(0, 0, "length")]))
+    j.advance(metrics)
+    assert j.finished and [(u.done, u.error) for u in client.updates] == [(True, "")]
+    assert metrics.registry.get_sample_value("arborspec_time_to_first_token_seconds_count") == 0
+    assert metrics.registry.get_sample_value("arborspec_generated_tokens_total") in (None, 0)
+
+
+def test_prompt_pieces_say_nothing_and_the_first_token_is_timed_once(monkeypatch):
+    """A loop reading its prompt in pieces yields None (nothing to tell, not even to a stream); the time to the first
+    token runs from the queueing to the first step that made one, not to a later step."""
+    from types import SimpleNamespace
+
+    from arborspec.server import scheduler
+
+    now = [0.0]
+    monkeypatch.setattr(scheduler, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    metrics = Metrics()
+    j, client = job(scripted_steps([None, a_result(1, 1), a_result(2, 2), a_result(3, 3, "length")]), stream=True)
+    for t in (10.0, 20.0, 30.0, 40.0):
+        now[0] = t
+        j.advance(metrics)
+    assert [(u.done, len(u.result.token_ids)) for u in client.updates] == [(False, 1), (False, 2), (True, 3)]
+    assert metrics.registry.get_sample_value("arborspec_time_to_first_token_seconds_sum") == 20.0
+    assert metrics.registry.get_sample_value("arborspec_request_latency_seconds_sum") == 40.0
+
+
+def test_a_request_cancelled_before_its_turn_in_a_round_takes_no_step():
+    """A client that left while the round ran the requests before its own: its step is not run."""
+    log, metrics = [], Metrics()
+    left, lc = job(fake_steps("left", 3, log))
+    stays, sc = job(fake_steps("stays", 3, log))
+    left.cancel()
+    step_round([left, stays], metrics)
+    assert log == ["stays"] and lc.updates == [] and not left.finished
+
+
+def test_a_round_does_not_end_a_request_twice_when_its_handler_fails_after_its_end():
+    """A failure outside the request's own loop (here its last delivery) after the request ended: it is logged, and
+    the request is not ended again (a second 'done' update, an 'error' counted for a request that finished)."""
+    metrics, heard = Metrics(), []
+
+    def deliver(update):
+        heard.append(update)
+        if len(heard) == 1:
+            raise RuntimeError("the handler broke")
+
+    j = Job(fake_steps("a", 1, []), deliver, stream=False)
+    step_round([j], metrics)
+    assert j.finished and [(u.done, u.error) for u in heard] == [(True, "")]
+    assert metrics.finished.labels(reason="error")._value.get() == 0
+
+
+@pytest.mark.parametrize("max_batch,max_queue", [(0, 0), (0, 4), (1, -1)])
+def test_a_scheduler_needs_a_slot_and_a_queue_of_no_negative_size(max_batch, max_queue):
+    with pytest.raises(ValueError, match="max_batch must be >= 1 and max_queue >= 0"):
+        Scheduler(max_batch=max_batch, max_queue=max_queue, metrics=Metrics())
+
+
+def test_a_queued_request_whose_client_left_frees_its_place_in_the_queue():
+    sched = Scheduler(max_batch=1, max_queue=1, metrics=Metrics())
+    sched.submit(job(fake_steps("a", 1, []))[0])
+    left = job(fake_steps("b", 1, []))[0]
+    sched.submit(left)
+    left.cancel()
+    assert sched.load() == (0, 1)
+    sched.submit(job(fake_steps("c", 1, []))[0])  # not "the server is full"
+    assert sched.load() == (0, 2)
+
+
+def test_a_drain_with_no_grace_is_overdue_at_once(monkeypatch):
+    """drain(0) (a second Ctrl-C): the grace is over at its deadline itself, even on a clock that has not moved."""
+    from types import SimpleNamespace
+
+    from arborspec.server import scheduler
+
+    monkeypatch.setattr(scheduler, "time", SimpleNamespace(monotonic=lambda: 100.0, perf_counter=lambda: 0.0))
+    sched = Scheduler(max_batch=1, max_queue=0, metrics=Metrics())
+    sched.drain(grace=0.0)
+    assert sched.overdue
+
+
+def test_a_stopped_scheduler_refuses_new_requests():
+    sched = Scheduler(max_batch=1, max_queue=1, metrics=Metrics())
+    sched.stop()
+    with pytest.raises(ShuttingDown):
+        sched.submit(job(fake_steps("late", 1, []))[0])
+    assert sched.load() == (0, 0)
+
+
+def test_the_queue_depth_counts_each_submitted_request_at_once():
+    metrics = Metrics()
+    sched = Scheduler(max_batch=1, max_queue=2, metrics=metrics)
+    for depth, name in enumerate("ab", 1):
+        sched.submit(job(fake_steps(name, 1, []))[0])
+        assert metrics.registry.get_sample_value("arborspec_queue_depth") == depth
+
+
+def test_an_idle_worker_sleeps_until_the_drain_deadline_and_not_again_after_it(monkeypatch):
+    """Idle, the worker wakes at the deadline (just past it, so that it is over when it checks); once it is over,
+    it sleeps until notified (a timeout of zero or less would have it spin)."""
+    from types import SimpleNamespace
+
+    from arborspec.server import scheduler
+
+    now = [100.0]
+    monkeypatch.setattr(scheduler, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=lambda: 0.0))
+    sched = Scheduler(max_batch=1, max_queue=0, metrics=Metrics())
+    assert sched._wait_time() is None
+    sched.drain(grace=5.0)
+    assert sched._wait_time() == pytest.approx(5.01)
+    now[0] = 105.0
+    assert sched._wait_time() is None
+    now[0] = 200.0
+    assert sched._wait_time() is None
+
+
+def test_a_round_reports_its_batch_size_while_it_runs():
+    metrics, sizes = Metrics(), []
+
+    def steps(name):
+        for result in fake_steps(name, 2, []):
+            sizes.append(metrics.registry.get_sample_value("arborspec_batch_size"))
+            yield result
+
+    sched = Scheduler(max_batch=2, max_queue=0, metrics=metrics)
+    clients = []
+    for name in "ab":
+        j, c = job(steps(name))
+        sched.submit(j)
+        clients.append(c)
+    sched.start()
+    assert all(c.done.wait(TIMEOUT) for c in clients)
+    sched.stop()
+    assert sizes == [2, 2, 2, 2]
+
+
+def test_stopping_ends_the_running_and_the_queued_requests_and_zeroes_the_gauges():
+    metrics, entered = Metrics(), threading.Event()
+
+    def endless():
+        for result in fake_steps("running", 10**6, []):
+            entered.set()
+            yield result
+
+    sched = Scheduler(max_batch=1, max_queue=1, metrics=metrics)
+    running, r = job(endless())
+    queued, q = job(fake_steps("queued", 3, []))
+    sched.submit(running)
+    sched.submit(queued)
+    sched.start()
+    assert entered.wait(TIMEOUT)
+    sched.stop()
+    assert r.updates[-1].code == "shutdown" and q.updates[-1].code == "shutdown"
+    assert metrics.registry.get_sample_value("arborspec_queue_depth") == 0
+    assert metrics.registry.get_sample_value("arborspec_batch_size") == 0
+    assert metrics.finished.labels(reason="shutdown")._value.get() == 2
+
+
+def test_a_queued_request_whose_client_left_leaves_the_queue_before_the_next_round():
+    metrics, depths = Metrics(), []
+
+    def first():
+        for result in fake_steps("a", 1, []):
+            depths.append(metrics.registry.get_sample_value("arborspec_queue_depth"))
+            yield result
+
+    sched = Scheduler(max_batch=1, max_queue=2, metrics=metrics)
+    a, ac = job(first())
+    left, lc = job(fake_steps("left", 3, []))
+    last, c = job(fake_steps("c", 1, []))
+    for j in (a, left, last):
+        sched.submit(j)
+    left.cancel()
+    sched.start()
+    assert ac.done.wait(TIMEOUT) and c.done.wait(TIMEOUT)
+    sched.stop()
+    assert depths == [1] and left.finished and lc.updates == []
