@@ -761,3 +761,108 @@ def test_only_a_tree_that_got_free_branches_goes_to_the_free_branches_verifier()
     drafted.add(0, 7)
     tree, verifier = with_free_branches(drafted, one_branch, True, drafted_verifier, free_verifier)
     assert len(tree) == 2 and verifier is drafted_verifier
+
+
+class _SharedForward:
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def many(self, calls):
+        self.sizes.append(len(calls))
+        return [1 for _ in calls]
+
+
+class _BatchingTarget:
+    """A target whose forwards batch (backends/batching.can_batch); records each forward's size (1: alone)."""
+
+    def __init__(self):
+        self.sizes = []
+        self.forward = _SharedForward(self.sizes)
+
+    def __call__(self, **kwargs):
+        self.sizes.append(1)
+        return 1
+
+
+class _FakeDecoder:
+    """What generate_batch calls of a SpeculativeDecoder. A prompt of length L is L steps: L - 1 yield nothing (the
+    loop's partial results held back), the last yields what its loop was asked for. `fail`: a prompt whose first step
+    raises."""
+
+    def __init__(self, target=None, fail: str | None = None):
+        self.target, self.fail = target if target is not None else (lambda **kwargs: 1), fail
+        self.encoded, self.started, self.closed, self.live, self.most_live = [], [], [], 0, 0
+
+    def encode(self, prompt):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.encoded.append(prompt)
+
+    def fork(self):
+        return _FakeFork(self)
+
+
+class _FakeFork:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def steps(self, prompt, max_new_tokens, stop, seed, ignore_eos, partial=True):
+        from arborspec.backends import batching
+
+        p = self.parent
+        p.started.append(prompt)
+        p.live += 1
+        p.most_live = max(p.most_live, p.live)
+        try:
+            for i in range(len(prompt)):
+                if prompt == p.fail:
+                    raise FloatingPointError("non-finite logits")
+                batching.forward(p.target, {"x": i})
+                yield (prompt, max_new_tokens, stop, seed, ignore_eos, partial) if i == len(prompt) - 1 else None
+        finally:
+            p.live -= 1
+            p.closed.append(prompt)
+
+
+def test_generate_batch_runs_each_prompt_on_its_own_fork_with_its_seed_in_order_up_to_concurrency():
+    from arborspec.engine.many_prompts import generate_batch
+
+    dec = _FakeDecoder()
+    prompts, seeds = ["aaa", "b", "cc", "dddd"], [5, None, 0, 9]
+    got = generate_batch(dec, prompts, max_new_tokens=7, stop=["x"], seeds=seeds, ignore_eos=True, concurrency=2)
+    assert got == [(p, 7, ["x"], s, True, False) for p, s in zip(prompts, seeds)]
+    assert dec.started == prompts and dec.most_live == 2  # joined in order, at most two at once
+    assert sorted(dec.closed) == sorted(prompts) and dec.live == 0
+    assert generate_batch(dec, []) == []
+
+
+def test_generate_batch_shares_a_batching_targets_forwards_within_a_round():
+    from arborspec.engine.many_prompts import generate_batch
+
+    target = _BatchingTarget()
+    generate_batch(_FakeDecoder(target), ["aa", "bb"], max_new_tokens=2)
+    assert target.sizes == [2, 2]
+
+
+def test_generate_batch_checks_every_prompt_seed_and_count_before_any_prompt_starts():
+    from arborspec.engine.many_prompts import generate_batch
+
+    dec = _FakeDecoder()
+    for kwargs, error in (({"concurrency": 0}, "concurrency must be an integer >= 1"),
+                          ({"seeds": 5}, "seeds must be a list"),
+                          ({"seeds": [1, 2]}, "got 2 seeds for 3 prompts"),
+                          ({"seeds": [1, 2, "oops"]}, "seed must be an integer")):
+        with pytest.raises(ValueError, match=error):
+            generate_batch(dec, ["ab", "cd", "ef"], **kwargs)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate_batch(dec, ["ab", "cd", ""])
+    assert dec.started == []
+
+
+def test_a_failing_prompt_fails_generate_batch_and_the_others_loops_are_closed():
+    from arborspec.engine.many_prompts import generate_batch
+
+    dec = _FakeDecoder(fail="bad")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        generate_batch(dec, ["aaaa", "bad", "cc"], max_new_tokens=3)
+    assert dec.live == 0 and sorted(dec.closed) == ["aaaa", "bad", "cc"]
