@@ -316,3 +316,99 @@ def test_suffix_trees_stay_within_the_depth_the_step_leaves():
     deep = SuffixPolicy(max_depth=8).draft(DraftContext(None, context, SamplingConfig(0.0), None, 8))
     capped = SuffixPolicy(max_depth=8).draft(DraftContext(None, context, SamplingConfig(0.0), None, 2))
     assert max(deep.depths) > 2 and max(capped.depths) == 2
+
+
+def test_suffix_options_take_their_bounds_inclusive():
+    """min_match may equal max_match and be 0, store may be 0, factor and min_prob may be 0 and min_prob 1; one
+    step past each bound is refused, naming the option."""
+    for ok in ({"min_match": 4, "max_match": 4}, {"min_match": 0, "store": 0}, {"factor": 0.0, "min_prob": 0.0},
+               {"min_prob": 1.0}, {"max_match": 1}):
+        SuffixPolicy(**ok)
+    for bad, name in (({"min_match": -1}, "min_match"), ({"store": -1}, "store"), ({"max_match": 0}, "max_match"),
+                      ({"min_prob": 1.0000001}, "min_prob"), ({"factor": -1e-9}, "factor")):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            SuffixPolicy(**bad)
+
+
+def test_suffix_policy_explains_its_acceptance_over_what_it_drafted():
+    from types import SimpleNamespace
+    policy = SuffixPolicy()
+    assert policy.explain()["acceptance_rate"] == 0.0  # nothing drafted yet
+    steps = [SimpleNamespace(tree_size=5, accepted=2), SimpleNamespace(tree_size=3, accepted=1)]
+    for step in steps:
+        policy.update(step)
+    got = policy.explain()
+    assert got["steps"] == len(steps)
+    assert got["acceptance_rate"] == sum(s.accepted for s in steps) / sum(s.tree_size for s in steps)
+
+
+def test_a_short_max_match_still_drafts_as_deep_as_max_depth():
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.drafting.base import DraftContext
+
+    context = [5, 6, 7, 8, 9] * 4  # every suffix continues for many tokens
+    policy = SuffixPolicy(max_match=2, max_depth=6, factor=0.0)
+    tree = policy.draft(DraftContext(None, context, SamplingConfig(0.0), None, 8))
+    assert max(tree.depths) == 6
+
+
+def test_suffix_policy_max_tree_depth_is_its_max_depth():
+    assert SuffixPolicy(max_depth=5).max_tree_depth == 5
+
+
+def test_suffix_policy_passes_factor_and_min_prob_to_its_speculation():
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.drafting.base import DraftContext
+
+    context = [5, 6, 1, 2, 5, 6, 1, 3, 5, 6]  # "5 6" -> 1, then 2 or 3 (path prob 0.5 each)
+    whole = SuffixIndex(8, 4)
+    whole.follow(context)
+    every = [c.token for c in whole.speculate(16, 4).nodes]
+    for opts in ({"factor": 1.5}, {"factor": 0.0, "min_prob": 0.6}):
+        ix = SuffixIndex(8, 4)
+        ix.follow(context)
+        want = [c.token for c in ix.speculate(16, 4, 1, opts["factor"], opts.get("min_prob", 0.0)).nodes]
+        assert len(want) < len(every)  # the option cuts the tree
+        tree = SuffixPolicy(max_match=8, max_depth=4, **opts).draft(
+            DraftContext(None, context, SamplingConfig(0.0), None, 8))
+        assert tree.tokens == [context[-1], *want]
+
+
+def test_suffix_policy_drafts_at_most_its_budget():
+    from arborspec.core.sampling import SamplingConfig
+    from arborspec.drafting.base import DraftContext
+
+    context = [5, 6, 7, 8, 9] * 4
+    for budget in (1, 3):
+        tree = SuffixPolicy(budget=budget, factor=0.0).draft(DraftContext(None, context, SamplingConfig(0.0), None, 8))
+        assert len(tree) - 1 == budget  # the root is the last committed token
+
+
+def test_a_speculation_trees_node_probs_are_each_tokens_own_count_ratio():
+    ix = SuffixIndex(8, 4)
+    ix.follow([5, 6, 1, 2, 5, 6, 1, 3, 5, 6])  # "5 6" -> 1 (prob 1), then 2 or 3 (prob 0.5, path prob 0.5)
+    spec = ix.speculate(budget=10, max_depth=3)
+    assert any(c.prob != c.path_prob for c in spec.nodes)  # a node below the first level's
+    tree = speculation_tree(6, spec)
+    assert tree.probs[1:] == [c.prob for c in spec.nodes] and tree.sources[1:] == ["suffix"] * len(spec.nodes)
+
+
+def test_grafted_nodes_take_the_drafts_probability_where_it_has_one_and_score_their_path():
+    context = [1, 2, 3, 5, 1, 2, 4, 7, 1, 2]  # "1 2" was followed by 3 5 and by 4 7
+    ref = SuffixIndex(4, 4)
+    ref.follow(context)
+    spec = {c.token: c for c in ref.speculate(4).nodes}  # 3 and 4 (merged with the drafted ones), then 5 and 7
+    assert spec[5].prob != spec[5].path_prob  # a count ratio of 1 below one of 1/2
+    tree = TokenTree.from_parents([2, 3, 4], [-1, 0, 0])
+    dist = [(i + 1) / 55 for i in range(10)]  # the draft's distribution below the drafted 3 (node 1), none below 4
+    tree.child_dist[1] = dist
+    scores = {}
+    graft_suffix_branches(tree, SuffixIndex(4, 4), context, budget=4, scores=scores)
+    assert tree.tokens == [2, 3, 4, 5, 7] and tree.parents == [-1, 0, 0, 1, 2]
+    assert tree.probs[3] == pytest.approx(dist[5]) and tree.probs[4] == spec[7].prob
+    assert scores == {3: spec[5].path_prob, 4: spec[7].path_prob}
+    assert tree.also == {1: ["suffix"], 2: ["suffix"]}  # the drafted 3 and 4 were proposed by suffix too
+    assert ref.speculate(4, min_prob=0.6).nodes == []  # every continuation of "1 2" has probability 1/2
+    bare = TokenTree.from_parents([2, 3, 4], [-1, 0, 0])
+    graft_suffix_branches(bare, SuffixIndex(4, 4), context, budget=4, min_prob=0.6)
+    assert len(bare) == 3
