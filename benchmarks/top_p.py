@@ -23,16 +23,10 @@ import torch
 from arborspec.console import run_command
 from arborspec.core import top_p
 from arborspec.core.host import this_cpu
+from arborspec.core.options import parse_float_list
 from arborspec.core.sampling import SamplingConfig
 from arborspec.loading import load_model
 from arborspec.tuning.agreement import next_token_logits, reference_ids
-
-
-def parse_floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{what} must be a comma-separated list of numbers, got {text!r}") from None
 
 
 def real_rows(model_name: str, rows: int) -> torch.Tensor:
@@ -62,8 +56,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top-ps", default="0.8,0.9,0.95,0.99")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    temperatures = parse_floats(args.temperatures, "--temperatures")
-    top_ps = parse_floats(args.top_ps, "--top-ps")
+    temperatures = parse_float_list(args.temperatures, "--temperatures")
+    top_ps = parse_float_list(args.top_ps, "--top-ps")
     if args.rows < 1 or args.repeats < 1:
         raise ValueError(f"--rows and --repeats must be at least 1, got {args.rows} and {args.repeats}")
     settings = [SamplingConfig(t, 0, p) for t in temperatures for p in top_ps]  # refuses a bad value up front

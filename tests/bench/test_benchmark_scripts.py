@@ -17,7 +17,7 @@ ROOT = Path(__file__).parents[2]
     ("verifiers_same_trees.py", ["--prompts", "-1"], "--prompts must be at least 1, got -1"),  # ran none, exit 0
     ("draws.py", ["--vocabs", "8,x"], "--vocabs must be a comma-separated list of integers, got '8,x'"),
     ("draws.py", ["--repeats", "0"], "--repeats must be at least 1, got 0"),
-    ("top_p.py", ["--top-ps", "0.9,x"], "--top-ps must be a comma-separated list of numbers, got '0.9,x'"),
+    ("top_p.py", ["--top-ps", "0.9,x"], "--top-ps must be comma-separated numbers, got '0.9,x'"),
     ("top_p.py", ["--top-ps", "1.5", "--model", "/nonexistent"], "top_p must be in (0, 1], got 1.5"),
     ("top_p.py", ["--rows", "0"], "--rows and --repeats must be at least 1, got 0 and 3"),
 ])

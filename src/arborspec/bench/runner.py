@@ -51,7 +51,7 @@ from tqdm import tqdm
 from ..backends.model_info import context_window, eos_ids
 from ..core.cpu_load import OtherLoad
 from ..core.host import this_cpu
-from ..core.options import parse_int_list
+from ..core.options import parse_float_list, parse_int_list
 from ..core.sampling import TEMPERATURE_RULE, SamplingConfig, valid_temperature
 from ..loading.aliases import ALIASES, alias_gguf
 from ..loading.pair import (
@@ -556,16 +556,6 @@ def _no_methods(text: str) -> list[str]:
     raise ValueError(f"--methods names no method, got {text!r} (e.g. --methods ar,chain,auto; `arborspec methods`)")
 
 
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise ValueError(f"{what} must list non-negative numbers, got {text!r}")
-    return values
-
-
 def command_line(args) -> str:
     """The bench command line, rebuilt from the parsed arguments (so it reads the same however it was invoked)."""
     parts = ["arborspec", "bench"]
@@ -592,7 +582,7 @@ def settings_from_args(args) -> BenchSettings:
     return BenchSettings(
         target=args.target, draft=args.draft, dtype=args.dtype, datasets=datasets, prompt_file=args.prompt_file,
         methods=split_methods(args.methods) or _no_methods(args.methods),
-        temperatures=_floats(args.temperatures, "--temperatures"),
+        temperatures=parse_float_list(args.temperatures, "--temperatures"),
         budgets=list(parse_int_list(args.budgets, "--budgets")) if args.budgets else None,
         draft_quant=args.draft_quant, backend=args.backend, draft_backend=args.draft_backend, llama=llama_options(args),
         allow_lossy=args.allow_lossy, prompts=args.prompts,

@@ -80,6 +80,17 @@ def opt(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def parse_float_list(text: str, what: str) -> list[float]:
+    """Comma-separated non-negative numbers (temperatures, top-p values); empty items are skipped."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"{what} must list non-negative numbers, got {text!r}")
+    return values
+
+
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in str(text).split(","))  # an empty item ("3,,3") is refused, not skipped
