@@ -2,6 +2,7 @@
 probability, and the exact distribution of what a verification rule emits (no sampling anywhere).
 
 - `random_dist`, `random_tree_dists`: target p[prefix] and draft q[prefix] for all prefixes up to some length.
+- `random_chain`: one drafted chain's rows and tokens, as the chain rules take them.
 - `chain_outcomes`: a chain rule given as an outcome table (`rules.sps_neighbor` layout), over every drafted chain.
 - `drafted_trees`: every tree of a given shape (children per layer) drawn by a drawing rule, with its probability.
 - `tree_outcomes`: a tree rule given as (node, mass, bonus distribution) outcomes, over every drafted tree.
@@ -28,6 +29,20 @@ def random_dist(gen, vocab, zeros=True):
     if x.sum() == 0:
         x[int(torch.randint(vocab, (1,), generator=gen))] = 1
     return x / x.sum()
+
+
+def random_chain(gen, n, vocab, peaked=False):
+    """A drafted chain: draft rows q (n, vocab), target rows p (n + 1, vocab), the n tokens drawn from q's rows.
+
+    peaked: sharp softmax rows with no zeros (logits of scale 6), for the log-space rules' numerics on a large
+    vocabulary; otherwise `random_dist` rows, zeros included."""
+    if peaked:
+        q = (torch.randn(n, vocab, generator=gen, dtype=D) * 6).softmax(-1)
+        p = (torch.randn(n + 1, vocab, generator=gen, dtype=D) * 6).softmax(-1)
+    else:
+        q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
+        p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
+    return q, p, [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
 
 
 def random_tree_dists(seed, vocab, n, zeros=True, same=False):

@@ -23,7 +23,7 @@ from arborspec.verify.rules import (
     expected_tokens,
     sps_neighbor,
 )
-from tests.verify.exact import chain_outcomes, max_error, random_dist, random_tree_dists, target_joint
+from tests.verify.exact import chain_outcomes, max_error, random_chain, random_dist, random_tree_dists, target_joint
 
 D = torch.float64
 CHAINS = [(0, 3, 2), (1, 3, 3), (2, 4, 2), (3, 2, 4), (4, 3, 3), (5, 4, 3)]  # (seed, vocab, drafted tokens)
@@ -62,9 +62,7 @@ def test_block_equals_asps_chain_by_chain():
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):
         n, vocab = int(torch.randint(2, 6, (1,), generator=gen)), int(torch.randint(2, 7, (1,), generator=gen))
-        q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
-        p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
-        ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+        q, p, ref = random_chain(gen, n, vocab)
         assert torch.allclose(block_neighbor(ref, q, p), asps_neighbor(ref, q, p), atol=1e-12)
 
 
@@ -115,9 +113,7 @@ def test_temperature_zero_is_greedy():
 def test_long_peaked_chain_is_finite_and_normalised():
     gen = torch.Generator().manual_seed(0)
     n, vocab = 40, 5000
-    q = (torch.randn(n, vocab, generator=gen, dtype=D) * 6).softmax(-1)
-    p = (torch.randn(n + 1, vocab, generator=gen, dtype=D) * 6).softmax(-1)
-    ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+    q, p, ref = random_chain(gen, n, vocab, peaked=True)
     neigh = block_neighbor(ref, q, p)
     assert not torch.isnan(neigh).any() and float(neigh.sum()) == pytest.approx(1.0, abs=1e-9)
 
@@ -125,8 +121,6 @@ def test_long_peaked_chain_is_finite_and_normalised():
 def test_expectations_by_prefix_match_the_neighbor_distributions():
     gen = torch.Generator().manual_seed(2)
     n, vocab = 7, 9
-    q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
-    p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
-    ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+    q, p, ref = random_chain(gen, n, vocab)
     want = [expected_tokens(block_neighbor(ref[:m], q[:m], p[: m + 1]), ref[:m]) for m in range(1, n + 1)]
     assert block_expected_tokens_by_prefix(ref, q, p) == pytest.approx(want, abs=1e-12)

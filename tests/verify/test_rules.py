@@ -26,6 +26,7 @@ from arborspec.verify.rules import (
 from tests.verify.exact import (
     chain_outcomes,
     node_output,
+    random_chain,
     random_dist,
     random_tree_dists,
     target_joint,
@@ -154,9 +155,7 @@ def alg1_reference(ref, p_ref, p):
 def test_log_space_matches_alg1(seed):
     gen = torch.Generator().manual_seed(seed)
     n, vocab = 8, 12
-    q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
-    p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
-    ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+    q, p, ref = random_chain(gen, n, vocab)
     assert torch.allclose(asps_neighbor(ref, q, p), alg1_reference(ref, q, p), atol=1e-12)
 
 
@@ -164,9 +163,7 @@ def test_log_space_long_peaked_chain():
     """60 drafted tokens over a 5000-token vocabulary with sharp logits: no NaN, total mass 1."""
     gen = torch.Generator().manual_seed(0)
     n, vocab = 60, 5000
-    q = (torch.randn(n, vocab, generator=gen, dtype=D) * 6).softmax(-1)
-    p = (torch.randn(n + 1, vocab, generator=gen, dtype=D) * 6).softmax(-1)
-    ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+    q, p, ref = random_chain(gen, n, vocab, peaked=True)
     log_n = asps_log_neighbor(ref, q, p)
     assert not torch.isnan(log_n).any()
     assert float(torch.logsumexp(log_n.flatten(), 0)) == pytest.approx(0.0, abs=1e-9)
@@ -252,9 +249,7 @@ def test_expectations_by_prefix_match_the_neighbor_distributions():
 
     gen = torch.Generator().manual_seed(2)
     n, vocab = 7, 9
-    q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
-    p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
-    ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+    q, p, ref = random_chain(gen, n, vocab)
     for fn, by_prefix in [(sps_neighbor, sps_expected_tokens_by_prefix), (asps_neighbor, asps_expected_tokens_by_prefix)]:
         want = [expected_tokens(fn(ref[:m], q[:m], p[: m + 1]), ref[:m]) for m in range(1, n + 1)]
         assert by_prefix(ref, q, p) == pytest.approx(want, abs=1e-12)

@@ -18,6 +18,7 @@ from tests.verify.exact import (
     DRAWS,
     drafted_trees,
     max_error,
+    random_chain,
     random_dist,
     random_tree_dists,
     sequential,
@@ -84,9 +85,7 @@ def test_on_a_chain_traversal_is_block_verification():
     gen = torch.Generator().manual_seed(4)
     for _ in range(100):
         n, vocab = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(2, 7, (1,), generator=gen))
-        q = torch.stack([random_dist(gen, vocab) for _ in range(n)])
-        p = torch.stack([random_dist(gen, vocab) for _ in range(n + 1)])
-        ref = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n)]
+        q, p, ref = random_chain(gen, n, vocab)
         tree = TokenTree.root(0)
         for i, y in enumerate(ref):
             tree.set_children_dist(i, q[i], WO)
