@@ -95,6 +95,16 @@ def noisy_copy(model, noise: float, seed: int = 1):
     return draft
 
 
+def save_models(root, models: dict, tokenizer=None) -> dict[str, str]:
+    """Each model with `tokenizer` (the character tokenizer by default) in a directory root/NAME, as the CLI, the
+    server and `load_model` read them; returns {name: path}."""
+    tok = tokenizer or char_tokenizer()
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return {name: str(root / name) for name in models}
+
+
 @pytest.fixture(scope="module")
 def loaded_pair():
     """A tiny (target, draft) as `load_pair` returns them (LoadedModels sharing the character tokenizer), for the

@@ -12,7 +12,7 @@ from arborspec.tuning import costs
 from arborspec.tuning.costs import full_tree, measure_forward_cost
 from arborspec.tuning.runtime_model import RuntimeModel, default_kind, fit_runtime, larger_tree_pays, required_tau_ratio
 from tests.backends.tiny_ssm import ssm_model
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import noisy_copy, save_models, tiny_model
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -85,13 +85,7 @@ def test_measure_forward_cost_runs_on_a_model(kind):
 def ssm_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ssm_models")
     target = ssm_model("mamba2", seed=0)
-    tok = char_tokenizer()
-    paths = {}
-    for name, model in [("target", target), ("draft", noisy_copy(target, 0.2)), ("hybrid", ssm_model("bamba"))]:
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths[name] = str(root / name)
-    return paths
+    return save_models(root, {"target": target, "draft": noisy_copy(target, 0.2), "hybrid": ssm_model("bamba")})
 
 
 def test_cli_profile_prints_the_fit_and_plots(ssm_dirs, tmp_path, capsys):
@@ -262,13 +256,7 @@ def test_calibration_is_saved_and_reloaded(counted_measure, monkeypatch):
 def llama_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_models")
     target = tiny_model("llama", seed=0)
-    tok = char_tokenizer()
-    paths = {}
-    for name, model in [("target", target), ("draft", noisy_copy(target, 0.2))]:
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths[name] = str(root / name)
-    return paths
+    return save_models(root, {"target": target, "draft": noisy_copy(target, 0.2)})
 
 
 def test_cli_profile_pair_says_which_profile_a_busy_machine_measured(llama_dirs, tmp_path, monkeypatch, capsys,
@@ -348,10 +336,7 @@ def test_a_window_too_small_to_profile_is_refused_by_auto_and_the_draft_choice_k
                                                                                    ignore_eos=True)
     assert auto.token_ids == plain.token_ids
 
-    tok = char_tokenizer()
-    for name, model in [("target", small), ("draft", noisy_copy(small, 0.2))]:
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_models(tmp_path, {"target": small, "draft": noisy_copy(small, 0.2)})
     args = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--dtype", "fp32",
             "--prompt", "def f(x):", "--max-new-tokens", "6", "--ignore-eos", "--backend", "torch"]
     assert main(args + ["--method", "auto"]) == 2

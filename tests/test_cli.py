@@ -9,7 +9,7 @@ import pytest
 
 from arborspec import cli
 from arborspec.cli import main
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import noisy_copy, save_models, tiny_model
 
 pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 
@@ -18,13 +18,7 @@ pytestmark = pytest.mark.usefixtures("private_cache")  # tests/conftest.py
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     target = tiny_model("llama", seed=0)
-    draft = noisy_copy(target, 0.2)
-    tok = char_tokenizer()
-    paths = {}
-    for name, model in [("target", target), ("draft", draft)]:
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths[name] = str(root / name)
+    paths = save_models(root, {"target": target, "draft": noisy_copy(target, 0.2)})
     other = tiny_model("gpt2", seed=1)
     other.save_pretrained(root / "other")
     from tokenizers import Tokenizer, models, pre_tokenizers

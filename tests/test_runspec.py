@@ -12,7 +12,7 @@ from arborspec.cli import build_parser, run_spec
 from arborspec.drafting.grafts.suffix import AUTO_SUFFIX
 from arborspec.loading import pair as pair_loader
 from arborspec.loading.model import LoadedModel
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import char_tokenizer, noisy_copy, save_models, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +206,8 @@ def test_prepare_draft_resolves_auto_by_measurement_and_copies_on_request(models
 
 @pytest.mark.usefixtures("private_cache")  # the int8 draft it prepares: not in ~/.cache
 def test_load_pair_checks_the_pair(tmp_path):
-    tok = char_tokenizer()
     target = tiny_model("llama", seed=0)
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    noisy_copy(target, 0.2).save_pretrained(tmp_path / "draft")
-    tok.save_pretrained(tmp_path / "draft")
+    save_models(tmp_path, {"target": target, "draft": noisy_copy(target, 0.2)})
     pair = pair_loader.load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_quant="none", dtype="fp32",
                           progress=False)
     t, d = pair  # unpacks as (target, draft); the server also reads what was decided

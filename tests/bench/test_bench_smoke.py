@@ -6,18 +6,14 @@ import pytest
 
 from arborspec.bench import records
 from arborspec.cli import main
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import char_tokenizer, noisy_copy, save_models, tiny_model
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target = tiny_model("llama", seed=0)
-    draft = noisy_copy(target, 0.2)
-    tok = char_tokenizer()
-    for name, model in [("target", target), ("draft", draft)]:
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
+    save_models(root, {"target": target, "draft": noisy_copy(target, 0.2)})
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"id": "fib", "prompt": "def fib(n):", "category": "code"}\n'
                        '{"id": "sum", "prompt": "x = [1, 2, 3]\\ny = ", "category": "math"}\n')

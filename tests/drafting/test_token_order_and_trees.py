@@ -6,7 +6,7 @@ import pytest
 from arborspec import SpeculativeDecoder
 from arborspec.cli import main
 from arborspec.core.tree import TokenTree, block_count, packed
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import char_tokenizer, noisy_copy, save_models, tiny_model
 from tests.drafting.equivalence import make_pair
 
 
@@ -92,13 +92,7 @@ def test_tree_picture(tmp_path, pair):
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     target = tiny_model("llama", seed=0)
-    tok = char_tokenizer()
-    paths = {}
-    for name, model in [("target", target), ("draft", noisy_copy(target, 0.3))]:
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths[name] = str(root / name)
-    return paths
+    return save_models(root, {"target": target, "draft": noisy_copy(target, 0.3)})
 
 
 @pytest.mark.usefixtures("private_cache")  # its draft variants, profiles and calibration: not in ~/.cache
