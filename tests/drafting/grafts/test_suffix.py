@@ -138,6 +138,7 @@ def test_speculation_sizes_by_match_and_probability():
     ix.follow([5, 6, 1, 2, 5, 6, 1, 3, 5, 6])  # "5 6" was followed by 1 twice, then by 2 or 3
     spec = ix.speculate(budget=10, factor=1.5)
     assert spec.match == 2 and len(spec.nodes) == 3  # ceil(1.5 * 2)
+    assert len(ix.speculate(budget=10, factor=1.25).nodes) == 3  # ceil(2.5): rounded up, not down
     assert [c.token for c in spec.nodes] == [1, 2, 3] and spec.nodes[0].prob == 1.0
     assert len(ix.speculate(budget=10, min_prob=0.6).nodes) == 1  # the branches of probability 0.5 are left out
     assert ix.speculate(budget=10, min_match=3).nodes == []
@@ -201,6 +202,37 @@ def test_index_following_the_same_context_again_keeps_the_request():
     ix.follow([1, 2, 7, 8])
     ix.follow([1, 2, 7, 8])  # a step that committed nothing new: still the same request
     assert list(ix.store.outputs) == [] and ix.tokens == [1, 2, 7, 8] and ix.prompt_len == 2
+
+
+def test_follow_judges_a_new_request_by_the_first_and_last_16_tokens():
+    """follow's O(1) continuity rule: the context must agree with what is indexed on its first and last
+    min(16, n) tokens; a disagreement at either end, however short or long the request, starts a new one."""
+    long = list(range(20))
+    for first, then in [([5], [7, 8]),  # one token indexed: it is compared too
+                        ([1, 2, 3], [1, 9, 3, 4]),  # a short request is compared whole
+                        (long, [99] + long[1:] + [50]),  # its first token differs (outside the last 16)
+                        (long, long[:19] + [77, 50])]:  # its last token differs (outside the first 16)
+        ix = SuffixIndex(4, 4, store=64)
+        ix.follow(first)
+        ix.follow(then)
+        assert ix.tokens == then and ix.prompt_len == len(then), (first, then)
+
+
+def test_bad_index_sizes_are_refused():
+    for bad in (lambda: CountTrie(0), lambda: SuffixIndex(max_match=0), lambda: SuffixIndex(max_depth=0),
+                lambda: SuffixIndex(store=2.5), lambda: OutputStore(2, -1)):
+        with pytest.raises(ValueError):
+            bad()
+    assert OutputStore(2, 0).capacity == 0  # a store of 0 tokens is allowed: no store
+
+
+def test_evicted_trie_nodes_are_reused():
+    """Node ids freed by an eviction are taken first by the next output: the arrays do not grow with the traffic."""
+    store = OutputStore(3, 4)
+    store.add([1, 2, 3, 4])  # 4 + 3 + 2 substrings of length <= 3, and the root
+    for out in ([5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]):
+        store.add(out)  # evicts the previous one whole
+        assert len(store.trie) == len(store.trie.count) == 10
 
 
 # ---- grafting ----------------------------------------------------------------------------------------------------
