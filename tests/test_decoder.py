@@ -2,6 +2,7 @@
 sessions it hands to the prefix cache. Exactness end to end is tests/test_engine.py's."""
 import copy
 import time
+import types
 
 import pytest
 
@@ -16,9 +17,35 @@ def models():
     return target, noisy_copy(target, noise=0.2)
 
 
-def slow_down(model, seconds: float) -> None:
-    """Every forward of `model` `seconds` longer (once a decoder has checked its forward's signature)."""
-    model.forward = lambda *a, forward=model.forward, **k: (time.sleep(seconds), forward(*a, **k))[1]
+class Clock:
+    """The decoder's clock (engine/decoder.py's and generation.py's perf_counter), which a slowed model's forward
+    moves on by its delay: timings compared without sleeping, and far beyond what a loaded machine's stalls reach."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    from arborspec.engine import decoder, generation
+
+    clock = Clock()
+    for module in (decoder, generation):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
+
+
+def slow_down(model, clock: Clock, seconds: float) -> None:
+    """Every forward of `model` `seconds` longer on `clock` (once a decoder has checked its forward's signature)."""
+
+    def forward(*args, _forward=model.forward, **kwargs):
+        clock.offset += seconds
+        return _forward(*args, **kwargs)
+
+    model.forward = forward
 
 
 class Recorder:
@@ -78,24 +105,24 @@ def test_the_stats_count_the_prompt_and_each_steps_own_draft_calls(models):
     assert len(drafted) > 2 and all(1 <= s.draft_calls <= 3 for s in drafted), [s.draft_calls for s in drafted]
 
 
-def test_drafting_and_verifying_times_go_to_their_own_fields(models):
+def test_drafting_and_verifying_times_go_to_their_own_fields(models, clock):
     """A slow draft shows in t_draft, not in t_verify."""
     target, draft = models[0], copy.deepcopy(models[1])
     dec = SpeculativeDecoder(target, draft, method="chain", k=2)
-    slow_down(draft, 0.08)
+    slow_down(draft, clock, 100.0)
     res = dec.generate([5, 9, 14], 4, ignore_eos=True)
     drafted = res.stats.steps[1:]
-    assert drafted and all(s.t_draft >= 0.08 > s.t_verify for s in drafted)
+    assert drafted and all(s.t_draft >= 100 > s.t_verify for s in drafted)
 
 
-def test_the_prompts_forward_counts_as_prefill_not_as_the_first_steps_verify_time(models):
+def test_the_prompts_forward_counts_as_prefill_not_as_the_first_steps_verify_time(models, clock):
     """The plain loop's first step: its forward is t_prefill; its t_verify is the pick alone."""
     target = copy.deepcopy(models[0])
     dec = SpeculativeDecoder(target, method="ar")
-    slow_down(target, 0.05)
+    slow_down(target, clock, 100.0)
     res = dec.generate([5, 9, 14], 3, ignore_eos=True)
     first = res.stats.steps[0]
-    assert first.prefill and res.stats.t_prefill >= 0.05 > first.t_verify
+    assert first.prefill and res.stats.t_prefill >= 100 > first.t_verify
 
 
 def test_a_finished_generation_hands_both_sessions_to_the_prefix_cache(models):
@@ -164,7 +191,7 @@ def test_recorded_trees_hold_each_steps_accepted_path_and_bonus(models, method, 
     assert out == res.token_ids
 
 
-def test_a_prompt_read_in_pieces_yields_after_each_and_its_prefill_time_counts_them_all(models, monkeypatch):
+def test_a_prompt_read_in_pieces_yields_after_each_and_its_prefill_time_counts_them_all(models, monkeypatch, clock):
     """prefill_chunk where rows are computed alone (native's; here the HF session is told so): the target reads all
     but the prompt's last `chunk` tokens in pieces, a None after each, and its first forward the rest; after the first
     token the draft reads the prompt in pieces, a None between two, none after the last. t_prefill adds them up."""
@@ -173,12 +200,12 @@ def test_a_prompt_read_in_pieces_yields_after_each_and_its_prefill_time_counts_t
     monkeypatch.setattr(hf.TreeSession, "rows_alone", True, raising=False)
     target, draft = models[0], copy.deepcopy(models[1])
     dec = SpeculativeDecoder(target, draft, method="chain", k=2)
-    slow_down(draft, 0.03)
+    slow_down(draft, clock, 100.0)
     prompt = [5, 9, 14, 3, 7, 2, 11, 4]
     out = list(dec.steps(prompt, 4, ignore_eos=True, prefill_chunk=2))
     # the target: 3 pieces (6 of the 7 tokens before the root), the first token; the draft: 4 pieces of 8 tokens
     assert [r is None for r in out[:8]] == [True] * 3 + [False] + [True] * 3 + [False]
-    assert out[-1].stats.t_prefill >= 4 * 0.03  # every piece of the slow draft's
+    assert out[-1].stats.t_prefill >= 4 * 100  # every piece of the slow draft's
     assert out[-1].token_ids == dec.generate(prompt, 4, ignore_eos=True).token_ids
 
 
