@@ -72,6 +72,33 @@ def test_a_damaged_library_is_built_again_not_loaded(tmp_path, monkeypatch):
     assert builds == ["probe", "probe"] and library.stat().st_size == 4004
 
 
+def test_two_checkouts_of_the_same_sources_compile_the_same_paths(tmp_path, monkeypatch):
+    """ninja names each source by its path: a second checkout of the same sources sharing the cache's build folder
+    rebuilt the library, and the first rebuilt it again. The build reads copies in the build folder, rewritten (with
+    a new time, which ninja rebuilds on) only when a source's bytes change, its headers with it."""
+    from torch.utils import cpp_extension
+
+    from arborspec.kernels.build import compile_extension
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, build_directory, **k: (
+        seen.append(sources), (tmp_path / "build" / f"{name}.so").write_bytes(b"\x7fELF")))
+    checkouts = [tmp_path / "one", tmp_path / "two"]
+    for folder in checkouts:
+        folder.mkdir()
+        (folder / "k.cpp").write_text('#include "k.h"\n')
+        (folder / "k.h").write_text("int k();\n")
+    compile_extension("probe", tmp_path / "build", [], [checkouts[0] / "k.cpp"])
+    copied = tmp_path / "build" / "src" / "k.cpp"
+    header = tmp_path / "build" / "src" / "k.h"
+    stamps = copied.stat().st_mtime_ns, header.stat().st_mtime_ns
+    compile_extension("probe", tmp_path / "build", [], [checkouts[1] / "k.cpp"])
+    assert seen == [[str(copied)], [str(copied)]] and header.read_text() == "int k();\n"
+    assert (copied.stat().st_mtime_ns, header.stat().st_mtime_ns) == stamps  # nothing for ninja to rebuild
+    (checkouts[1] / "k.h").write_text("int k(int);\n")
+    compile_extension("probe", tmp_path / "build", [], [checkouts[1] / "k.cpp"])
+    assert header.read_text() == "int k(int);\n" and copied.stat().st_mtime_ns == stamps[0]
+
+
 def test_a_whole_build_in_a_read_only_cache_is_loaded_without_the_lock(tmp_path, monkeypatch):
     """A read-only cache (a shared image) held a whole build, and every start failed opening `build.lock` for
     writing: "could not build arborspec's kernels", and every model fell back to llama.cpp."""

@@ -92,6 +92,11 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
     """Build (or find built) and load `sources` (the kernels' own, or another commit's copy of them:
     benchmarks/kernels_ab.py) as the operator library `name` in `directory`.
 
+    Why the sources are copied into the build first: ninja's build file names each source by its path, so a second
+    checkout (or a worktree, or an installed copy) of the very same sources, which shares the cache's build folder,
+    rebuilt the library (47-94 s here) and the first checkout rebuilt it again on its next start. The copies are
+    written only when their bytes differ, so an unchanged source keeps its time and ninja has nothing to do.
+
     Why the lock of our own: torch's builder marks a build in progress with a file `lock` in the directory and waits,
     polling forever, for it to go; a process killed in there (Ctrl-C in a first run's compile, a timeout) leaves the
     file behind, and every later start hung silently (it happened twice in one session here). Every arborspec
@@ -116,12 +121,25 @@ def compile_extension(name: str, directory: Path, cflags: list[str], sources: li
         (directory / "lock").unlink(missing_ok=True)
         if library.exists() and _read(marker) != _fingerprint(library):
             library.unlink()  # damaged, or left by a build that did not finish: ninja builds it again
+        copies = copy_sources(sources, directory / "src")
         with children_stop_with_us():  # `timeout` or `kill PID` left ninja and the compilers running, orphaned
-            cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(directory),
+            cpp_extension.load(name=name, sources=[str(s) for s in copies], build_directory=str(directory),
                                extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         built = _fingerprint(library)  # hashed once: the library ninja left, rebuilt or not
         if _read(marker) != built:
             atomic_write(marker, json.dumps(built))
+
+
+def copy_sources(sources: list[Path], folder: Path) -> list[Path]:
+    """`sources` and the headers beside them (what they include as "gguf_mm.h") in `folder`, each written only where
+    its bytes differ; returns the copies of `sources`."""
+    folder.mkdir(exist_ok=True)
+    headers = {h for s in sources for h in Path(s).parent.glob("*.h")}
+    for path in [Path(s) for s in sources] + sorted(headers):
+        copy, data = folder / path.name, path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [folder / Path(s).name for s in sources]
 
 
 def ninja_on_path() -> None:
