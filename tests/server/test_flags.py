@@ -143,3 +143,54 @@ def test_serve_help_explains_every_flag_and_shows_every_default():
             shown = {str(action.default)} | ({f"{action.default:g}"} if isinstance(action.default, float) else set())
             assert "default" in entry and any(s in entry for s in shown), entry
     assert "(default 8000)" in entries["--port"] and "(default warning)" in entries["--log-level"]
+
+
+def test_switches_show_no_default_in_help():
+    """A store_true flag's default is False: "(default False)" after each of them says nothing."""
+    _, entries = serve_help()
+    assert not [entry for entry in entries.values() if "(default False)" in entry]
+
+
+def test_the_defaults_are_the_ones_docs_serve_md_lists():
+    from pathlib import Path
+    parser = serve_help()[0]
+    table = (Path(__file__).parents[2] / "docs" / "serve.md").read_text()
+    rows = re.findall(r"^\| `(--[\w-]+)` \| `?([\w.]+)`? \|", table, re.M)
+    assert len(rows) >= 10
+    defaults = {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
+    for flag, documented in rows:
+        if defaults[flag] is not None:
+            assert documented in (str(defaults[flag]), f"{defaults[flag]:g}" if isinstance(defaults[flag], float)
+                                  else None), flag
+
+
+def test_ctrl_c_before_the_server_is_up_exits_130_without_a_traceback(monkeypatch, capsys):
+    from arborspec.server import run
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "run_serve", interrupted)
+    assert main(["--target", "t"]) == 130 and "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-queue", "-1"], "--max-queue must be at least 0"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be at least 0"),  # `not >=`: a NaN fails the bound
+    (["--port", "65536"], "--port must be at most 65535"),
+    (["--model-name", "  "], "--model-name is empty"),
+    (["--ray", "--autoscale", "0,0"], "MIN,MAX"),  # MAX >= 1
+])
+def test_values_just_past_a_bound_are_refused(argv, message):
+    from arborspec.server.run import check_flags
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_flags(serve_help()[0].parse_args(["--target", "t", *argv]))
+
+
+def test_values_at_a_bound_are_taken_and_a_key_is_stripped(monkeypatch):
+    from arborspec.server.run import check_flags
+    monkeypatch.delenv("ARBORSPEC_API_KEY", raising=False)
+    args = serve_help()[0].parse_args(["--target", "t", "--max-queue", "0", "--port", "65535", "--max-tokens-limit",
+                                       "64", "--default-max-tokens", "64", "--api-key", " k ", "--ray",
+                                       "--autoscale", "2,2"])
+    check_flags(args)
+    assert args.default_max_tokens == 64 and args.api_key == "k" and args.autoscale == (2, 2)
