@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import char_tokenizer, noisy_copy, tiny_model
+from tests.conftest import char_tokenizer, noisy_copy, save_models, tiny_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -61,12 +61,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     target = tiny_model("llama", seed=0)
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    paths = {}
-    for name, model in (("target", target), ("draft", noisy_copy(target, 0.2))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        paths[name] = str(root / name)
-    return paths
+    return save_models(root, {"target": target, "draft": noisy_copy(target, 0.2)}, tok)
 
 
 def server_args(model_dirs, *extra: str) -> list[str]:
