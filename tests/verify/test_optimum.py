@@ -107,6 +107,7 @@ def test_root_optimum_follows_the_rule_and_the_number_of_children():
         pytest.approx(optimal_acceptance_one(p_half, Q))
     assert root_optimum(root_tree([2, 1], Q, DrawRule.DETERMINISTIC), logits, t1) is None  # top-k, widths, grafts
     assert root_optimum(TokenTree.root(0), logits, t1) is None
+    assert root_optimum(root_tree([], Q, DrawRule.WITH_REPLACEMENT), logits, t1) is None  # recorded, none drawn
 
 
 @pytest.fixture(scope="module")
