@@ -20,8 +20,10 @@ from arborspec.verify.rules import (
     log_sub,
     mbr_plan,
     mss_plan,
+    reject_below,
     residual,
     sps_neighbor,
+    weight_step,
 )
 from tests.verify.exact import (
     chain_outcomes,
@@ -197,6 +199,23 @@ def test_accept_prob_and_residual_guards():
     assert accept_prob(0.3, 0.0) == 1.0 and accept_prob(0.0, 0.0) == 0.0
     p = torch.tensor([0.5, 0.5], dtype=D)
     assert torch.equal(residual(p, p), p)  # nothing to reject: fall back to p itself
+    # a draft with rounding-level mass where the target has none: the fallback is p, never a token p cannot emit
+    p, q = torch.tensor([0.5, 0.5, 0.0], dtype=D), torch.tensor([0.5, 0.5, 1e-17], dtype=D)
+    assert torch.equal(residual(p, q), p)
+
+
+def test_weight_step_and_reject_below_guards():
+    """q(y) = 0 gives weight 1 only under a parent of positive weight; when nothing is left to reject at weight 1
+    (p <= q, i.e. p = q up to rounding) the node is accepted for sure with the target's own distribution."""
+    assert weight_step(0.5, 0.2, 0.4) == 0.25 and weight_step(0.5, 0.3, 0.0) == 1.0
+    assert weight_step(0.0, 0.3, 0.0) == 0.0 and weight_step(0.5, 0.0, 0.0) == 0.0
+    p, q = torch.tensor([0.5, 0.5, 0.0], dtype=D), torch.tensor([0.5, 0.5, 1e-17], dtype=D)
+    alpha, target = reject_below(1.0, p, q)
+    assert alpha == 1.0 and torch.equal(target, p)
+
+
+def test_expected_tokens_of_an_empty_chain_is_the_bonus():
+    assert expected_tokens(torch.zeros(0, 3, dtype=D), []) == 1.0
 
 
 # ---- multi-draft rejection at one node --------------------------------------------------------------------------------
