@@ -81,3 +81,75 @@ def test_nan_logits_get_the_references_answer_not_an_error():
     logits = torch.randn(VOCAB)
     logits[7] = math.nan
     assert torch.equal(nucleus_cut(logits, 0.9), sorted_cut(logits, 0.9))
+
+
+def test_only_a_vocabulary_under_sort_below_is_sorted_whole(monkeypatch):
+    """The routing of the module docstring: SORT_BELOW - 1 tokens go to the whole sort, SORT_BELOW to the buckets."""
+    bucketed = []
+    original = top_p._bucketed_cut
+    monkeypatch.setattr(top_p, "_bucketed_cut", lambda row, p: bucketed.append(len(row)) or original(row, p))
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (SORT_BELOW - 1, SORT_BELOW):
+        logits = torch.randn(2, vocab, generator=gen)
+        assert torch.equal(nucleus_cut(logits, 0.9), sorted_cut(logits, 0.9))
+    assert bucketed == [SORT_BELOW, SORT_BELOW]
+
+
+@pytest.mark.parametrize("row", ["+inf", "all -inf", "+inf and -inf"])
+def test_infinite_logits_get_the_references_answer(row):
+    """An infinite top logit makes the bucket arithmetic NaN: such a row is left to the reference."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(6))
+    if row != "+inf":
+        logits[::2] = -math.inf
+    if row == "all -inf":
+        logits[:] = -math.inf
+    else:
+        logits[3] = math.inf
+    for p in (0.5, 0.9):
+        assert torch.equal(nucleus_cut(logits, p), sorted_cut(logits, p)), p
+
+
+def test_narrow_logits_are_bucketed_over_their_own_span(monkeypatch):
+    """Logits spread far less than SPAN still fill all BUCKETS (lo is the row's minimum, not top - SPAN): the
+    sorted bucket holds a few dozen of 48k tokens, not thousands."""
+    logits = torch.randn(4 * VOCAB, generator=torch.Generator().manual_seed(7)) * 0.05
+    sorted_sizes = []
+    original = torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda x, *a, **k: sorted_sizes.append(len(x)) or original(x, *a, **k))
+    for p in (0.5, 0.9):
+        assert torch.equal(nucleus_cut(logits, p), sorted_cut(logits, p))
+    assert sorted_sizes and max(sorted_sizes) < 200
+
+
+def test_the_top_token_is_kept_when_its_bucket_falls_short_of_the_last():
+    """In float32, (hi - lo) * (BUCKETS - 1) / (hi - lo) can land the top logit in bucket BUCKETS - 2: `top` is the
+    last bucket holding mass, so the top token is still the one kept at a vanishing top_p."""
+    lo, hi = -11.899001121520996, 11.006041526794434  # float32 values whose top lands in bucket BUCKETS - 2
+    logits = torch.rand(VOCAB, generator=torch.Generator().manual_seed(8)) * (hi - lo) * 0.9 + lo
+    logits[0], logits[1] = lo, hi
+    for p in (1e-9, 1e-20):
+        assert (~nucleus_cut(logits, p)).nonzero().flatten().tolist() == [1], p
+
+
+def test_a_cut_inside_a_bucket_follows_its_tokens_sorted_order():
+    """Two tokens share a bucket, the more likely one at the lower index; 1 - top_p lies between their masses: the
+    less likely one goes (it comes first in ascending order), the more likely one stays."""
+    logits = torch.full((VOCAB,), -math.inf)
+    logits[10], logits[20], logits[30] = 0.01, 0.0, 1.0  # the two at 0.0 and 0.01 share a bucket of width 64/4095
+    probs = logits.double().softmax(-1)
+    p = 1 - float(probs[20] + probs[10]) / 2
+    kept = (~nucleus_cut(logits, p)).nonzero().flatten().tolist()
+    assert kept == [10, 30] and torch.equal(nucleus_cut(logits, p), sorted_cut(logits, p))
+
+
+def test_the_bucketed_cut_sums_in_float64():
+    """With 1 - top_p set 1e-12 either side of a token's cumulative mass (float64), the token is dropped (above) or
+    kept (below): float32 sums, rounded to a 6e-8 grid, would drop it both times (module docstring)."""
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(9))
+    weight = (logits - logits.max()).exp().double()
+    order = torch.argsort(logits)
+    cum = (weight / weight.sum())[order].cumsum(0)
+    for k in range(VOCAB - 3000, VOCAB - 10, 97):
+        for gap, dropped in ((1e-12, k + 1), (-1e-12, k)):
+            drop = nucleus_cut(logits, 1 - (float(cum[k]) + gap))
+            assert bool(drop[order[:dropped]].all()) and not bool(drop[order[dropped:]].any()), (k, gap)
