@@ -1,6 +1,7 @@
 """WETAP's rule itself (verify/wetap.py), on trees small enough to work out by hand: the lossy verifier's tests
 elsewhere check that it is refused without allow_lossy, flagged, and that its output drifts, which a wrong threshold
 or a wrong choice among passing beams would not change."""
+import pytest
 import torch
 
 from arborspec.core.sampling import SamplingConfig, make_generator
@@ -33,3 +34,32 @@ def test_the_default_threshold_is_one_half():
     assert WETAPVerifier(0.3).verify(tree, logits, SamplingConfig(1.0), make_generator(0)).path == [1]
     tree, logits = one_layer([3], q=[0.2, 0.2, 0.1, 0.5], p_root=[0.2, 0.3, 0.2, 0.3])
     assert WETAPVerifier().verify(tree, logits, SamplingConfig(1.0), make_generator(0)).path == [1]
+
+
+def test_tau_must_lie_in_zero_to_one():
+    """0 is allowed (any positive ratio passes), 1 is not (no ratio exceeds it), nor is a negative tau."""
+    assert WETAPVerifier(0.0).tau == 0.0
+    for tau in (1.0, -0.1):
+        with pytest.raises(ValueError):
+            WETAPVerifier(tau)
+
+
+def test_a_beam_passes_on_its_products_and_the_deepest_layer_wins():
+    """Chain root -> token 1 -> token 2. Token 2 alone fails (p 0.3 over q 0.5), but its path passes:
+    (0.5 * 0.3) / (0.25 * 0.5) = 1.2 > tau. Token 1 passes too (0.5 / 0.25), and the deeper beam wins."""
+    tree = TokenTree.root(0)
+    tree.add(0, 1)
+    tree.add(1, 2)
+    tree.set_children_dist(0, torch.tensor([0.25] * 4), DrawRule.WITHOUT_REPLACEMENT)
+    tree.set_children_dist(1, torch.tensor([0.1, 0.1, 0.5, 0.3]), DrawRule.WITHOUT_REPLACEMENT)
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.2, 0.2, 0.3, 0.3], [0.25] * 4]))
+    assert WETAPVerifier().verify(tree, logits, SamplingConfig(1.0), make_generator(0)).path == [1, 2]
+
+
+def test_zero_guards():
+    """A child the draft gave q = 0 but the target p > 0 has ratio inf and passes; one the target gives p = 0 has
+    ratio 0 and fails even tau = 0."""
+    tree, logits = one_layer([2], q=[0.5, 0.5, 0.0, 0.0], p_root=[0.4, 0.4, 0.1, 0.1])
+    assert WETAPVerifier(0.9).verify(tree, logits, SamplingConfig(1.0), make_generator(0)).path == [1]
+    tree, logits = one_layer([3], q=[0.2, 0.2, 0.1, 0.5], p_root=[0.5, 0.5, 0.0, 0.0])
+    assert WETAPVerifier(0.0).verify(tree, logits, SamplingConfig(1.0), make_generator(0)).path == []
