@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from arborspec.core.sampling import SamplingConfig
-from arborspec.core.tree import DrawRule
+from arborspec.core.tree import DrawRule, TokenTree
 from arborspec.verify import VERIFIERS
 from arborspec.verify.rules import (
     asps_neighbor,
@@ -97,7 +97,7 @@ def test_chain_rules_match_their_outcome_tables(name, neighbor):
         tokens = list(prefixes[-1])
         q = torch.stack([tree.child_dist[n].to(torch.float64) for n in range(len(tokens))])
         want = expected_tokens(neighbor(tokens, q, P[: len(tokens)]), tokens) - 1.0
-        assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-9)
+        assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-6)  # q is stored in float32
 
 
 @pytest.mark.parametrize("name,neighbor", [("sps", sps_neighbor), ("block", block_neighbor)])
@@ -135,3 +135,16 @@ def test_expectation_is_the_mean_of_the_sampled_verdicts(name, rule):
 def test_a_rule_without_a_closed_form_says_so():
     tree, _, P = next(some_trees(WO))
     assert VERIFIERS["wetap"]().expected_accepted(tree, P) is None
+
+
+@pytest.mark.parametrize("name,rule,want", [("mss", W, 1.0), ("mbr", WO, 0.4 + 0.6 * 5 / 9)])
+def test_mss_and_mbr_expectations_worked_by_hand(name, rule, want):
+    """Root children tokens 0 then 1, q = [.5, .3, .2], p = [.2, .4, .4]: token 0 is accepted with 0.4, after which
+    R = [0, 1/3, 2/3]. MSS keeps q: token 1 passes with min(1, (1/3) / .3) = 1. MBR zeroes token 0 in D, D = [0, .6,
+    .4]: 5/9. The rules' own enumerations above agree with each other on their drafted trees, so they cannot tell."""
+    tree = TokenTree.root(0)
+    tree.add(0, 0)
+    tree.add(0, 1)
+    tree.set_children_dist(0, torch.tensor([0.5, 0.3, 0.2]), rule)
+    P = torch.tensor([[0.2, 0.4, 0.4]] * 3, dtype=torch.float64)
+    assert VERIFIERS[name]().expected_accepted(tree, P) == pytest.approx(want, abs=1e-6)  # q is stored in float32
