@@ -122,3 +122,68 @@ def test_reshaping_keeps_each_nodes_sources(tree, order, rnd):
     path = tree.path(len(tree) - 1)[1:]
     assert out.by_source([where[n] for n in path]) == tree.by_source(path)
 
+
+def test_add_refuses_a_parent_outside_the_tree_and_leaves_it_unchanged():
+    tree = TokenTree.from_parents([5, 6], [-1, 0])
+    for parent in (2, -1):
+        with pytest.raises(IndexError):
+            tree.add(parent, 7)
+    assert tree.tokens == [5, 6] and tree.parents == [-1, 0] and tree.depths == [0, 1]
+
+
+def test_children_path_prob_and_rules_as_recorded():
+    """children() finds the node right after its parent; path_prob multiplies the recorded draft probs; a rule given
+    as a string is stored as a DrawRule, and an unknown one is refused."""
+    tree = TokenTree.root(0)
+    tree.add(0, 1, prob=0.5)
+    tree.add(1, 2, prob=0.4)
+    assert tree.children(0) == [1] and tree.children(1) == [2] and tree.children(2) == []
+    assert tree.path_prob(2) == pytest.approx(0.2) and tree.path_prob(0) == 1.0
+    tree.set_children_dist(0, torch.tensor([0.5, 0.5, 0.0]), "without_replacement")
+    assert type(tree.child_rule[0]) is DrawRule
+    with pytest.raises(ValueError):
+        tree.set_children_dist(1, torch.tensor([1.0, 0.0, 0.0]), "bogus")
+
+
+def test_the_root_is_never_proposed_again_and_also_accepted_counts_only_accepted_nodes():
+    tree = TokenTree.root(0)
+    a = tree.add(0, 1)
+    b = tree.add(0, 2)
+    tree.propose_again(0, "ngram")
+    tree.propose_again(a, "ngram")
+    tree.propose_again(b, "ngram")
+    assert tree.also == {a: ["ngram"], b: ["ngram"]}
+    assert tree.by_source([a])["ngram"] == {"proposed": 0, "accepted": 0, "also_accepted": 1}
+
+
+@pytest.mark.parametrize("broken", ["root depth", "parent after child", "depth", "sampled, no dist"])
+def test_validate_refuses_each_broken_invariant(broken):
+    tree = TokenTree.from_parents([0, 1, 2], [-1, 0, 1])
+    tree.validate()
+    if broken == "root depth":  # every depth one more: only the root's is wrong
+        tree.depths = [d + 1 for d in tree.depths]
+    elif broken == "parent after child":
+        tree.parents[1] = 2
+    elif broken == "depth":
+        tree.depths[2] = 1
+    else:
+        tree.child_rule[1] = DrawRule.WITH_REPLACEMENT
+    with pytest.raises(ValueError):
+        tree.validate()
+
+
+def test_a_deterministic_node_needs_no_distribution():
+    tree = TokenTree.from_parents([0, 1], [-1, 0])
+    tree.child_rule[0] = DrawRule.DETERMINISTIC
+    tree.validate()
+
+
+def test_reshaping_refuses_bad_orders_and_subtree_keeps_storage_order():
+    """permute needs a permutation (a repeated node is refused), packed a known order name; subtree keeps the kept
+    nodes in storage order whatever order they are listed in (a set of 64, 1, 33 iterates otherwise)."""
+    tree = TokenTree.from_parents(list(range(100)), [-1] + [0] * 99)
+    with pytest.raises(ValueError):
+        tree.permute([0, 1, 1] + list(range(3, 100)))
+    with pytest.raises(ValueError):
+        packed(tree, "zigzag")
+    assert tree.subtree([64, 1, 33]).tokens == [0, 1, 33, 64]
