@@ -99,6 +99,17 @@ def test_two_checkouts_of_the_same_sources_compile_the_same_paths(tmp_path, monk
     assert header.read_text() == "int k(int);\n" and copied.stat().st_mtime_ns == stamps[0]
 
 
+def test_two_torch_installations_build_in_two_folders(monkeypatch):
+    """The build names torch's headers by path: two environments sharing one build folder rebuilt it in turn."""
+    import torch
+
+    from arborspec.kernels.build import cache_key
+    here = cache_key.__wrapped__()
+    assert cache_key.__wrapped__() == here
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert cache_key.__wrapped__() != here
+
+
 def test_a_whole_build_in_a_read_only_cache_is_loaded_without_the_lock(tmp_path, monkeypatch):
     """A read-only cache (a shared image) held a whole build, and every start failed opening `build.lock` for
     writing: "could not build arborspec's kernels", and every model fell back to llama.cpp."""

@@ -4,8 +4,8 @@ torch operators.
 Why a torch C++ extension: the kernels split output rows across torch's own thread pool (`at::parallel_for`), so
 they never fight torch's threads for the cores (two OpenMP pools spinning on 2 cores cost 10x), and they take and
 return tensors without copies. It is compiled on first use (or by `arborspec kernels build`, which the set-up scripts
-run) with `-march=native` into the arborspec cache, keyed by the source, the CPU's flags and torch's version, so a
-machine never runs code built for another CPU. Nothing prebuilt is downloaded.
+run) with `-march=native` into the arborspec cache, keyed by the source, the CPU's flags and torch's version and
+place, so a machine never runs code built for another CPU. Nothing prebuilt is downloaded.
 """
 from __future__ import annotations
 
@@ -232,10 +232,13 @@ def explain(exc: Exception) -> str:
 
 @functools.cache
 def cache_key() -> str:
-    """Hash of the kernels' sources, this CPU's flags and torch's version (read once per process)."""
+    """Hash of the kernels' sources, this CPU's flags, torch's version and where torch is installed (read once per
+    process). Why the place: the build names torch's headers by their path, so two environments (a checkout's .venv
+    and a clone's) sharing one build folder rebuilt it in turn on every switch (24-50 s each, seen here)."""
     flags = " ".join(sorted(this_cpu().flags))
     sources = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h")) + [Path(__file__)]
-    text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode()
+    place = str(Path(torch.__file__).resolve().parent)
+    text = b"".join(p.read_bytes() for p in sources) + flags.encode() + torch.__version__.encode() + place.encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
