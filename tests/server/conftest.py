@@ -28,6 +28,16 @@ API_KEY = "test-key"
 START_TIMEOUT_S = 240  # importing torch on a loaded machine is slow; a server not up by then is broken
 
 
+def data_lines(lines):
+    """The payloads of a server-sent event stream's `data: ` lines ("[DONE]" last)."""
+    return (line[len("data: "):] for line in lines if line.startswith("data: "))
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text as {'name{labels}': value}, a sample a line (the comments left out)."""
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
 @dataclass
 class LiveServer:
     proc: subprocess.Popen

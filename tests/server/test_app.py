@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 from contextlib import suppress
@@ -20,6 +19,7 @@ from arborspec.server.app import create_app
 from arborspec.server.metrics import CONTENT_TYPE, Metrics
 from arborspec.server.protocol import Limits
 from arborspec.server.scheduler import QueueFull, Scheduler
+from tests.server.conftest import data_lines, metric_samples
 from tests.server.test_admission import PROMPT, WINDOW, FakeDecoders, held_round
 from tests.server.test_scheduler import fake_steps
 
@@ -58,13 +58,12 @@ def serve(make_steps=lambda: fake_steps("ok", 3, []), max_batch: int = 1, max_qu
 
 
 def counted(metrics_text: str, endpoint: str, status: int) -> float:
-    m = re.search(rf'^arborspec_requests_total{{endpoint="{re.escape(endpoint)}",status="{status}"}} (\S+)$',
-                  metrics_text, re.M)
-    return float(m[1]) if m else 0.0
+    key = f'arborspec_requests_total{{endpoint="{endpoint}",status="{status}"}}'
+    return metric_samples(metrics_text).get(key, 0.0)
 
 
 def events(text: str) -> list:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return list(data_lines(text.splitlines()))
 
 
 # ---- lifespan, health, metrics --------------------------------------------------------------------------------------

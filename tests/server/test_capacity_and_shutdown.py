@@ -11,20 +11,15 @@ import time
 
 import httpx
 
-from tests.server.conftest import API_KEY, MODEL
+from tests.server.conftest import API_KEY, MODEL, data_lines, metric_samples
 
 LONG_STREAM = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 480, "stream": True, "ignore_eos": True}
 SHORT = {"model": MODEL, "prompt": "def g(y):", "max_tokens": 2}
 
 
-def data_lines(lines):
-    return (line[len("data: "):] for line in lines if line.startswith("data: "))
-
-
 def metric(url: str, key: str) -> float:
     """The sample named `key` (with its labels) in the server's /metrics, 0 when absent."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line[len(key) + 1:]) for line in text.splitlines() if line.startswith(key + " "))
+    return metric_samples(httpx.get(url + "/metrics", timeout=30).text).get(key, 0.0)
 
 
 def generations(url: str, reason: str) -> float:

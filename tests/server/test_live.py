@@ -13,7 +13,7 @@ import pytest
 
 from arborspec.loading import load_model
 from arborspec.runspec import build_decoder, parse
-from tests.server.conftest import API_KEY, METHOD, MODEL
+from tests.server.conftest import API_KEY, METHOD, MODEL, metric_samples
 
 PROMPT = "def f(x):\n    return"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -339,7 +339,7 @@ def test_metrics_are_prometheus_text_with_latencies_and_speculation(client, main
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **ext())
     httpx.post(main_url + "/v1/completions", json={"model": MODEL, "prompt": ""}, headers=AUTH, timeout=30)
     text = httpx.get(main_url + "/metrics", timeout=30).text
-    values = _samples(text)
+    values = metric_samples(text)
     assert values['arborspec_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert values["arborspec_time_to_first_token_seconds_count"] >= 1
     assert values["arborspec_time_per_output_token_seconds_count"] >= 1
@@ -353,7 +353,7 @@ def test_metrics_count_drafted_accepted_and_emitted_tokens_per_method(client, ma
     """One request's counts, read as differences of the counters around it (the server is shared), are its own
     `arborspec` statistics: acceptance rate and tokens per step are one division of two counters."""
     def counts():
-        values = _samples(httpx.get(main_url + "/metrics", timeout=30).text)
+        values = metric_samples(httpx.get(main_url + "/metrics", timeout=30).text)
         return {name: values.get(f'arborspec_{name}_total{{method="chain"}}', 0.0)
                 for name in ("speculative_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens")}
 
@@ -371,10 +371,6 @@ def test_metrics_count_drafted_accepted_and_emitted_tokens_per_method(client, ma
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
     assert labels["method"] == METHOD and labels["backend"] == "torch" and labels["draft_backend"] == "torch"
     assert labels["batching"] == "false" and labels["draft_quant"] == "none"
-
-
-def _samples(text: str) -> dict[str, float]:
-    return {m[1]: float(m[2]) for m in re.finditer(r"^([^#\s]\S*) (\S+)$", text, re.M)}
 
 
 def test_fifty_concurrent_streams_all_complete(client, main_url):

@@ -29,7 +29,7 @@ from arborspec.loading import load_model
 from arborspec.runspec import build_decoder, parse
 from arborspec.server.replicas import merge_metrics
 from arborspec.server.run import add_serve_arguments, check_ray_flags
-from tests.server.conftest import METHOD, MODEL, LiveServer, server_args  # noqa: E402
+from tests.server.conftest import METHOD, MODEL, LiveServer, data_lines, server_args  # noqa: E402
 
 PROMPT = "def f(x):\n    return"
 HEADER = "x-arborspec-replica"
@@ -247,7 +247,7 @@ def test_sigterm_ends_running_streams_cleanly_then_stops_the_deployment_and_ray(
     pids = replica_pids(ray_server.proc.pid)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-        events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        events = data_lines(response.iter_lines())
         next(events)
         ray_server.proc.send_signal(signal.SIGTERM)
         rest = list(events)
