@@ -76,12 +76,17 @@ def test_two_checkouts_of_the_same_sources_compile_the_same_paths(tmp_path, monk
     """ninja names each source by its path: a second checkout of the same sources sharing the cache's build folder
     rebuilt the library, and the first rebuilt it again. The build reads copies in the build folder, rewritten (with
     a new time, which ninja rebuilds on) only when a source's bytes change, its headers with it."""
+    from pathlib import Path
+
     from torch.utils import cpp_extension
 
     from arborspec.kernels.build import compile_extension
     seen = []
-    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, build_directory, **k: (
-        seen.append(sources), (tmp_path / "build" / f"{name}.so").write_bytes(b"\x7fELF")))
+
+    def ninja(name, sources, build_directory, **kwargs):
+        seen.append(sources)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+    monkeypatch.setattr(cpp_extension, "load", ninja)
     checkouts = [tmp_path / "one", tmp_path / "two"]
     for folder in checkouts:
         folder.mkdir()
